@@ -1,0 +1,40 @@
+// Hugging Face checkpoint layout: `model.safetensors`, or `model-0000k-of-0000N.safetensors`
+// shards plus `model.safetensors.index.json` ({"metadata": {"total_size": bytes},
+// "weight_map": {tensor: file}}), as transformers' save_pretrained writes and from_pretrained
+// reads. Loading accepts a file, or a folder holding either layout.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "colossal/checkpoint/safetensors.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace colossal::checkpoint {
+
+// All tensors of a checkpoint: a .safetensors file, an index .json, or a folder.
+TensorList load_state_dict(const std::string& file_or_dir);
+
+struct SaveOptions {
+  bool shard = true;                 // false: always one model.safetensors
+  int64_t size_per_shard_mb = 1024;  // ColossalAI's default; a shard is cut before it overflows
+  std::string prefix = "model";      // file names: <prefix>.safetensors, <prefix>-0000k-of-0000N...
+};
+
+// Writes tensors in the HF layout into `dir` (created if needed). Every file is written
+// atomically and the index last; stale shards of an earlier save with the same prefix are
+// removed only after the new files are in place.
+void save_state_dict(const std::string& dir, const TensorList& tensors, const SaveOptions& opts = {});
+
+// Copies checkpoint tensors into a module's parameters and buffers (named as
+// module.named_parameters() / named_buffers() name them), converting dtype and device.
+// strict: a missing or unexpected tensor or a shape mismatch is an InputError naming them all.
+void load_into_module(torch::nn::Module& module, const TensorList& tensors, bool strict = true);
+
+// The module's parameters and persistent buffers as a TensorList (no copies).
+TensorList module_state(const torch::nn::Module& module);
+
+}  // namespace colossal::checkpoint

@@ -1,0 +1,60 @@
+// The safetensors format (https://huggingface.co/docs/safetensors): an 8-byte little-endian
+// header length, a JSON header {name: {dtype, shape, data_offsets}, "__metadata__": {..}},
+// then the raw bytes. The header is untrusted input: every violation is a colossal::InputError
+// naming the file and the tensor, never a crash.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace colossal::checkpoint {
+
+// Named tensors in a stable order (file order on load, caller's order on save).
+using TensorList = std::vector<std::pair<std::string, at::Tensor>>;
+using Metadata = std::map<std::string, std::string>;
+
+// "F32" <-> at::kFloat etc. for F64 F32 F16 BF16 F8_E4M3 F8_E5M2 I64 I32 I16 I8 U8 BOOL.
+at::ScalarType dtype_from_safetensors(const std::string& name);  // InputError if unknown
+std::string dtype_to_safetensors(at::ScalarType t);               // Error if unsupported
+
+struct TensorInfo {
+  std::string name;
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  uint64_t begin = 0, end = 0;  // byte offsets relative to the data section
+};
+
+// A validated, memory-mapped safetensors file. Tensors returned by get() are CPU tensors that
+// view the read-only mapping (they keep it alive); clone() before writing into one.
+class SafetensorsReader {
+ public:
+  explicit SafetensorsReader(const std::string& path);
+  ~SafetensorsReader();
+  SafetensorsReader(const SafetensorsReader&) = delete;
+  SafetensorsReader& operator=(const SafetensorsReader&) = delete;
+
+  const std::string& path() const;
+  const std::vector<TensorInfo>& tensors() const;  // file order
+  const TensorInfo* find(const std::string& name) const;
+  at::Tensor get(const std::string& name) const;  // InputError naming the tensor if absent
+  const Metadata& metadata() const;
+
+ private:
+  struct Impl;
+  std::shared_ptr<Impl> impl_;
+};
+
+// Every tensor of a file (views into the mapping).
+TensorList load_safetensors(const std::string& path, Metadata* metadata = nullptr);
+
+// Writes a file atomically: to "<path>.tmp-<pid>", fsync, then rename over `path`. Tensors may
+// live on any device and be non-contiguous; names must be unique.
+void save_safetensors(const std::string& path, const TensorList& tensors, const Metadata& metadata = {});
+
+}  // namespace colossal::checkpoint

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One idempotent set-up step for a fresh Debian machine: apt packages, then the project-local
+# Python environment (.venv) holding the pinned torch wheel (its LibTorch is what we build
+# against) and the test oracles (transformers, safetensors). `make demo` and `make test` call it.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=${COLOSSAL_VENV:-$ROOT/.venv}
+PY=${PYTHON:-python3}
+
+APT_PKGS=(build-essential cmake ninja-build ccache git libgloo-dev libgtest-dev libgmock-dev
+          python3 python3-venv python3-dev)
+missing=()
+for p in "${APT_PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO=sudo
+  echo "[setup] installing apt packages: ${missing[*]}"
+  $SUDO apt-get update -qq
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+REQ="$ROOT/scripts/requirements.txt"
+STAMP="$VENV/.colossal-requirements"
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+if ! cmp -s "$REQ" "$STAMP" 2>/dev/null; then
+  echo "[setup] installing Python packages (torch==2.11.0 is large: a few minutes the first time)"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  "$VENV/bin/python" -m pip install -q -r "$REQ"
+  cp "$REQ" "$STAMP"
+fi
+echo "[setup] ok: $("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)')"
