@@ -1,0 +1,63 @@
+// Typed options: a struct's fields registered once (name, section, help, default, validation)
+// become both the keys of a TOML/JSON config file and command-line flags, Megatron-style. The
+// struct stays the single source of truth; an unknown key, a wrong type or an impossible value is
+// an InputError naming it and where it came from.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "colossal/core/json.h"
+
+namespace colossal {
+
+class OptionSet {
+ public:
+  // `name` is the flag (--name, '-' and '_' equivalent) and the key in the file; `section` is
+  // the TOML table it may also appear under ([section] name = ...). Each add() returns *this.
+  OptionSet& add(const std::string& section, const std::string& name, int64_t* target, const std::string& help);
+  OptionSet& add(const std::string& section, const std::string& name, int* target, const std::string& help);
+  OptionSet& add(const std::string& section, const std::string& name, double* target, const std::string& help);
+  OptionSet& add(const std::string& section, const std::string& name, bool* target, const std::string& help);
+  OptionSet& add(const std::string& section, const std::string& name, std::string* target, const std::string& help,
+                 std::vector<std::string> choices = {});
+  // Range checks applied by validate(); messages name the option and the value.
+  OptionSet& min(const std::string& name, double lo);
+  OptionSet& max(const std::string& name, double hi);
+
+  // A config object (parsed TOML or JSON). Unknown keys/sections are errors naming `source`.
+  void apply(const json::Value& config, const std::string& source);
+  // Flags: --name value | --name=value | --flag (bools). Returns the arguments it did not
+  // consume only when allow_rest; otherwise an unknown flag is an error.
+  std::vector<std::string> apply_flags(const std::vector<std::string>& args, bool allow_rest = false);
+  // Checks min/max/choices of every option (call after apply/apply_flags).
+  void validate() const;
+  bool was_set(const std::string& name) const;  // by file or flag
+  std::string help() const;
+  // Current values as a JSON object grouped by section (what a run actually used).
+  json::Value to_json() const;
+
+ private:
+  using Target = std::variant<int64_t*, int*, double*, bool*, std::string*>;
+  struct Opt {
+    std::string section, name, help;
+    Target target;
+    std::vector<std::string> choices;
+    bool has_min = false, has_max = false;
+    double lo = 0, hi = 0;
+    std::string default_repr;
+  };
+  Opt* find(const std::string& name);
+  const Opt* find(const std::string& name) const;
+  void set_from_json(Opt& o, const json::Value& v, const std::string& where);
+  void set_from_string(Opt& o, const std::string& v, const std::string& where);
+  OptionSet& add_opt(Opt o);
+  std::vector<Opt> opts_;
+  std::map<std::string, bool> set_;
+};
+
+}  // namespace colossal

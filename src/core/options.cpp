@@ -1,0 +1,250 @@
+#include "colossal/core/options.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <sstream>
+
+#include "colossal/core/error.h"
+
+namespace colossal {
+namespace {
+std::string norm(std::string s) {
+  for (auto& c : s)
+    if (c == '-') c = '_';
+  return s;
+}
+template <class T>
+std::string repr(const T& v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+}  // namespace
+
+OptionSet& OptionSet::add_opt(Opt o) {
+  o.name = norm(o.name);
+  COLOSSAL_CHECK(find(o.name) == nullptr, "option '", o.name, "' registered twice");
+  opts_.push_back(std::move(o));
+  return *this;
+}
+OptionSet& OptionSet::add(const std::string& s, const std::string& n, int64_t* t, const std::string& h) {
+  return add_opt({s, n, h, t, {}, false, false, 0, 0, repr(*t)});
+}
+OptionSet& OptionSet::add(const std::string& s, const std::string& n, int* t, const std::string& h) {
+  return add_opt({s, n, h, t, {}, false, false, 0, 0, repr(*t)});
+}
+OptionSet& OptionSet::add(const std::string& s, const std::string& n, double* t, const std::string& h) {
+  return add_opt({s, n, h, t, {}, false, false, 0, 0, repr(*t)});
+}
+OptionSet& OptionSet::add(const std::string& s, const std::string& n, bool* t, const std::string& h) {
+  return add_opt({s, n, h, t, {}, false, false, 0, 0, *t ? "true" : "false"});
+}
+OptionSet& OptionSet::add(const std::string& s, const std::string& n, std::string* t, const std::string& h,
+                          std::vector<std::string> choices) {
+  return add_opt({s, n, h, t, std::move(choices), false, false, 0, 0, *t});
+}
+OptionSet& OptionSet::min(const std::string& name, double lo) {
+  Opt* o = find(name);
+  COLOSSAL_CHECK(o, "min(): unknown option ", name);
+  o->has_min = true;
+  o->lo = lo;
+  return *this;
+}
+OptionSet& OptionSet::max(const std::string& name, double hi) {
+  Opt* o = find(name);
+  COLOSSAL_CHECK(o, "max(): unknown option ", name);
+  o->has_max = true;
+  o->hi = hi;
+  return *this;
+}
+
+OptionSet::Opt* OptionSet::find(const std::string& name) {
+  std::string n = norm(name);
+  for (auto& o : opts_)
+    if (o.name == n) return &o;
+  return nullptr;
+}
+const OptionSet::Opt* OptionSet::find(const std::string& name) const {
+  return const_cast<OptionSet*>(this)->find(name);
+}
+
+void OptionSet::set_from_json(Opt& o, const json::Value& v, const std::string& where) {
+  std::string what = where + ": option '" + o.name + "'";
+  std::visit(
+      [&](auto* p) {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, bool>) {
+          *p = v.as_bool(what);
+        } else if constexpr (std::is_same_v<T, std::string>) {
+          *p = v.as_string(what);
+        } else if constexpr (std::is_same_v<T, double>) {
+          *p = v.as_double(what);
+        } else {
+          int64_t x = v.as_int(what);
+          if constexpr (std::is_same_v<T, int>) {
+            COLOSSAL_CHECK_INPUT(x >= INT32_MIN && x <= INT32_MAX, what, " is out of range: ", x);
+          }
+          *p = static_cast<T>(x);
+        }
+      },
+      o.target);
+  set_[o.name] = true;
+}
+
+void OptionSet::set_from_string(Opt& o, const std::string& v, const std::string& where) {
+  std::string what = where + " --" + o.name;
+  std::visit(
+      [&](auto* p) {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, bool>) {
+          COLOSSAL_CHECK_INPUT(v == "true" || v == "false" || v == "1" || v == "0", what,
+                               " takes true or false, got '", v, "'");
+          *p = (v == "true" || v == "1");
+        } else if constexpr (std::is_same_v<T, std::string>) {
+          *p = v;
+        } else if constexpr (std::is_same_v<T, double>) {
+          char* end = nullptr;
+          errno = 0;
+          double x = std::strtod(v.c_str(), &end);
+          COLOSSAL_CHECK_INPUT(!v.empty() && *end == '\0' && errno == 0 && std::isfinite(x), what,
+                               " expects a number, got '", v, "'");
+          *p = x;
+        } else {
+          char* end = nullptr;
+          errno = 0;
+          long long x = std::strtoll(v.c_str(), &end, 10);
+          COLOSSAL_CHECK_INPUT(!v.empty() && *end == '\0' && errno == 0, what, " expects an integer, got '", v, "'");
+          if constexpr (std::is_same_v<T, int>) {
+            COLOSSAL_CHECK_INPUT(x >= INT32_MIN && x <= INT32_MAX, what, " is out of range: ", v);
+          }
+          *p = static_cast<T>(x);
+        }
+      },
+      o.target);
+  set_[o.name] = true;
+}
+
+void OptionSet::apply(const json::Value& config, const std::string& source) {
+  COLOSSAL_CHECK_INPUT(config.is_object(), source, ": expected a table of options");
+  for (const auto& [key, value] : config.as_object()) {
+    if (value.is_object()) {
+      bool known_section = false;
+      for (const auto& o : opts_) known_section |= (o.section == key);
+      COLOSSAL_CHECK_INPUT(known_section, source, ": unknown section [", key, "]");
+      for (const auto& [k2, v2] : value.as_object()) {
+        Opt* o = find(k2);
+        COLOSSAL_CHECK_INPUT(o && o->section == key, source, ": unknown option '", k2, "' in [", key, "]");
+        set_from_json(*o, v2, source);
+      }
+      continue;
+    }
+    Opt* o = find(key);
+    COLOSSAL_CHECK_INPUT(o, source, ": unknown option '", key, "'");
+    set_from_json(*o, value, source);
+  }
+}
+
+std::vector<std::string> OptionSet::apply_flags(const std::vector<std::string>& args, bool allow_rest) {
+  std::vector<std::string> rest;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a.rfind("--", 0) != 0) {
+      COLOSSAL_CHECK_INPUT(allow_rest, "unexpected argument '", a, "'");
+      rest.push_back(a);
+      continue;
+    }
+    std::string key = a.substr(2), value;
+    bool has_value = false;
+    auto eq = key.find('=');
+    if (eq != std::string::npos) {
+      value = key.substr(eq + 1);
+      key = key.substr(0, eq);
+      has_value = true;
+    }
+    Opt* o = find(key);
+    if (!o) {
+      COLOSSAL_CHECK_INPUT(allow_rest, "unknown option '", a, "' (see --help)");
+      rest.push_back(a);
+      continue;
+    }
+    if (!has_value) {
+      if (std::holds_alternative<bool*>(o->target)) {
+        value = "true";
+      } else {
+        COLOSSAL_CHECK_INPUT(i + 1 < args.size(), "option --", o->name, " needs a value");
+        value = args[++i];
+      }
+    }
+    set_from_string(*o, value, "flag");
+  }
+  return rest;
+}
+
+void OptionSet::validate() const {
+  for (const auto& o : opts_) {
+    std::visit(
+        [&](auto* p) {
+          using T = std::remove_pointer_t<decltype(p)>;
+          if constexpr (std::is_same_v<T, std::string>) {
+            if (!o.choices.empty()) {
+              bool ok = false;
+              std::string list;
+              for (const auto& c : o.choices) {
+                ok |= (c == *p);
+                list += (list.empty() ? "" : ", ") + c;
+              }
+              COLOSSAL_CHECK_INPUT(ok, "option '", o.name, "' must be one of {", list, "}, got '", *p, "'");
+            }
+          } else if constexpr (!std::is_same_v<T, bool>) {
+            double x = static_cast<double>(*p);
+            COLOSSAL_CHECK_INPUT(!o.has_min || x >= o.lo, "option '", o.name, "' must be >= ", o.lo, ", got ", *p);
+            COLOSSAL_CHECK_INPUT(!o.has_max || x <= o.hi, "option '", o.name, "' must be <= ", o.hi, ", got ", *p);
+          }
+        },
+        o.target);
+  }
+}
+
+bool OptionSet::was_set(const std::string& name) const { return set_.count(norm(name)) > 0; }
+
+std::string OptionSet::help() const {
+  std::string out;
+  std::string section;
+  for (const auto& o : opts_) {
+    if (o.section != section) {
+      section = o.section;
+      out += "\n[" + section + "]\n";
+    }
+    std::string line = "  --" + o.name;
+    if (line.size() < 28) line.append(28 - line.size(), ' ');
+    line += " " + o.help;
+    if (!o.choices.empty()) {
+      line += " {";
+      for (size_t i = 0; i < o.choices.size(); ++i) line += (i ? "|" : "") + o.choices[i];
+      line += "}";
+    }
+    line += " [" + o.default_repr + "]\n";
+    out += line;
+  }
+  return out;
+}
+
+json::Value OptionSet::to_json() const {
+  json::Value out = json::Value::object();
+  auto& sections = out.as_object_mut();
+  for (const auto& o : opts_) {
+    json::Value v;
+    std::visit([&](auto* p) { v = json::Value(*p); }, o.target);
+    auto it = std::find_if(sections.begin(), sections.end(), [&](const auto& kv) { return kv.first == o.section; });
+    if (it == sections.end()) {
+      sections.emplace_back(o.section, json::Value::object());
+      it = sections.end() - 1;
+    }
+    it->second.set(o.name, std::move(v));
+  }
+  return out;
+}
+
+}  // namespace colossal
