@@ -21,7 +21,7 @@ using Metadata = std::map<std::string, std::string>;
 
 // "F32" <-> at::kFloat etc. for F64 F32 F16 BF16 F8_E4M3 F8_E5M2 I64 I32 I16 I8 U8 BOOL.
 at::ScalarType dtype_from_safetensors(const std::string& name);  // InputError if unknown
-std::string dtype_to_safetensors(at::ScalarType t);               // Error if unsupported
+std::string dtype_to_safetensors(at::ScalarType t);              // Error if unsupported
 
 struct TensorInfo {
   std::string name;
@@ -53,8 +53,19 @@ class SafetensorsReader {
 // Every tensor of a file (views into the mapping).
 TensorList load_safetensors(const std::string& path, Metadata* metadata = nullptr);
 
+// Every tensor of a file as regular tensors owning their memory (read with pread(2) by a few
+// threads, no mapping kept): for callers that write into the tensors or must not hold the file.
+TensorList load_safetensors_copy(const std::string& path, Metadata* metadata = nullptr);
+
+// The largest header accepted (the reference implementation's limit).
+inline constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+
 // Writes a file atomically: to "<path>.tmp-<pid>", fsync, then rename over `path`. Tensors may
-// live on any device and be non-contiguous; names must be unique.
-void save_safetensors(const std::string& path, const TensorList& tensors, const Metadata& metadata = {});
+// live on any device and be non-contiguous; names must be unique. Every dtype and name is checked
+// before anything is written. In the file, tensors are grouped by element size, largest first
+// (stable, so one-dtype lists keep the caller's order), which keeps every tensor naturally
+// aligned for the mapped loader, as Python safetensors does.
+void save_safetensors(const std::string& path, const TensorList& tensors,
+                      const Metadata& metadata = {});
 
 }  // namespace colossal::checkpoint

@@ -1,0 +1,143 @@
+// Crash-safe file and folder writes (see colossal/checkpoint/atomic.h).
+#include "colossal/checkpoint/atomic.h"
+
+#include <fcntl.h>
+#include <stdio.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include "colossal/core/error.h"
+#include "colossal/core/logging.h"
+
+namespace fs = std::filesystem;
+
+namespace colossal::checkpoint {
+namespace {
+
+std::string parent_of(const std::string& path) {
+  fs::path p = fs::path(path).parent_path();
+  return p.empty() ? std::string(".") : p.string();
+}
+
+std::string errno_text() {
+  return std::strerror(errno);
+}
+
+}  // namespace
+
+void fsync_path(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw Error(str("cannot open ", path, " to fsync it: ", errno_text()));
+  int rc = ::fsync(fd);
+  int err = errno;
+  ::close(fd);
+  // Some file systems refuse fsync on directories (EINVAL); the data files were synced anyway.
+  if (rc != 0 && err != EINVAL) throw Error(str("fsync ", path, " failed: ", std::strerror(err)));
+}
+
+void write_all(int fd, const void* data, size_t size, const std::string& path) {
+  const char* p = static_cast<const char*>(data);
+  while (size > 0) {
+    // Linux caps one write at about 2 GB; stay below it.
+    size_t chunk = size < (size_t{1} << 30) ? size : (size_t{1} << 30);
+    ssize_t n = ::write(fd, p, chunk);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw Error(str("cannot write ", path, ": ", errno_text(),
+                      " (check free disk space and permissions)"));
+    }
+    p += n;
+    size -= static_cast<size_t>(n);
+  }
+}
+
+void write_file_atomic(const std::string& path, const std::function<void(int fd)>& write) {
+  std::string tmp = str(path, ".tmp-", ::getpid());
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    throw Error(str("cannot create ", tmp, ": ", errno_text(),
+                    " (does the folder exist and is it writable?)"));
+  }
+  try {
+    write(fd);
+    if (::fsync(fd) != 0) throw Error(str("fsync ", tmp, " failed: ", errno_text()));
+    if (::close(fd) != 0) {
+      fd = -1;
+      throw Error(str("cannot close ", tmp, ": ", errno_text()));
+    }
+    fd = -1;
+    if (::rename(tmp.c_str(), path.c_str()) != 0) {
+      throw Error(str("cannot rename ", tmp, " to ", path, ": ", errno_text()));
+    }
+  } catch (...) {
+    if (fd >= 0) ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  fsync_path(parent_of(path));
+}
+
+StagedDirectory::StagedDirectory(std::string target) : target_(std::move(target)) {
+  while (target_.size() > 1 && target_.back() == '/') target_.pop_back();
+  COLOSSAL_CHECK_INPUT(!target_.empty(), "StagedDirectory: empty target folder name");
+  staging_ = str(target_, ".staging-", ::getpid());
+  std::error_code ec;
+  fs::remove_all(staging_, ec);  // a leftover of a crashed save by a process with our pid
+  fs::create_directories(staging_, ec);
+  if (ec) throw Error(str("cannot create staging folder ", staging_, ": ", ec.message()));
+}
+
+StagedDirectory::~StagedDirectory() {
+  if (committed_) return;
+  std::error_code ec;
+  fs::remove_all(staging_, ec);
+  if (ec) log_warn("could not remove staging folder ", staging_, ": ", ec.message());
+}
+
+void StagedDirectory::commit() {
+  COLOSSAL_CHECK(!committed_, "StagedDirectory::commit called twice for ", target_);
+  // Make every staged file durable before the swap publishes them.
+  for (const auto& e : fs::recursive_directory_iterator(staging_)) {
+    if (e.is_regular_file() || e.is_directory()) fsync_path(e.path().string());
+  }
+  fsync_path(staging_);
+  std::error_code ec;
+  bool exists = fs::exists(target_, ec);
+  std::string old;
+  if (!exists) {
+    if (::rename(staging_.c_str(), target_.c_str()) != 0) {
+      throw Error(str("cannot rename ", staging_, " to ", target_, ": ", errno_text()));
+    }
+  } else {
+    COLOSSAL_CHECK_INPUT(fs::is_directory(target_, ec), "checkpoint target ", target_,
+                         " exists and is not a folder; remove it or choose another path");
+    // Atomic swap: after it, staging_ names the previous contents.
+    if (::renameat2(AT_FDCWD, staging_.c_str(), AT_FDCWD, target_.c_str(), RENAME_EXCHANGE) == 0) {
+      old = staging_;
+    } else {
+      // No RENAME_EXCHANGE here: move the old folder aside first; a crash between the two
+      // renames leaves it complete under "<target>.old-<pid>".
+      old = str(target_, ".old-", ::getpid());
+      fs::remove_all(old, ec);
+      if (::rename(target_.c_str(), old.c_str()) != 0) {
+        throw Error(str("cannot move ", target_, " aside to ", old, ": ", errno_text()));
+      }
+      if (::rename(staging_.c_str(), target_.c_str()) != 0) {
+        int err = errno;
+        ::rename(old.c_str(), target_.c_str());  // put the previous checkpoint back
+        throw Error(str("cannot rename ", staging_, " to ", target_, ": ", std::strerror(err)));
+      }
+    }
+  }
+  committed_ = true;
+  fsync_path(parent_of(target_));
+  if (!old.empty()) {
+    fs::remove_all(old, ec);
+    if (ec) log_warn("could not remove previous checkpoint folder ", old, ": ", ec.message());
+  }
+}
+
+}  // namespace colossal::checkpoint

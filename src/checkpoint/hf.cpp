@@ -1,0 +1,256 @@
+// The Hugging Face checkpoint layout: single file or shards + index, and module load/save.
+#include "colossal/checkpoint/hf.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <regex>
+#include <set>
+#include <unordered_map>
+
+#include "colossal/checkpoint/atomic.h"
+#include "colossal/core/error.h"
+#include "colossal/core/json.h"
+#include "colossal/core/logging.h"
+
+namespace fs = std::filesystem;
+
+namespace colossal::checkpoint {
+namespace {
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// Lists names, at most `limit` of them, for error messages.
+std::string name_list(const std::vector<std::string>& names, size_t limit = 50) {
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < limit; ++i) out += (i ? ", " : "") + names[i];
+  if (names.size() > limit) out += str(" and ", names.size() - limit, " more");
+  return out;
+}
+
+TensorList load_index(const std::string& index_path) {
+  json::Value root = json::parse_file(index_path);
+  COLOSSAL_CHECK_INPUT(root.is_object(), index_path, ": an index must be a JSON object");
+  const json::Value* wm = root.find("weight_map");
+  COLOSSAL_CHECK_INPUT(wm && wm->is_object(), index_path,
+                       ": no \"weight_map\" object (is this a checkpoint index?)");
+  fs::path dir = fs::path(index_path).parent_path();
+  // Shards in order of first mention; per shard, the tensors the index assigns to it.
+  std::vector<std::string> shards;
+  std::map<std::string, std::set<std::string>> wanted;
+  for (const auto& [name, file] : wm->as_object()) {
+    COLOSSAL_CHECK_INPUT(file.is_string(), index_path, ": weight_map entry of \"", name,
+                         "\" must be a file name");
+    const std::string& f = file.as_string();
+    fs::path fp(f);
+    bool safe = !f.empty() && fp.is_relative();
+    for (const auto& part : fp) safe = safe && part != "..";
+    COLOSSAL_CHECK_INPUT(safe, index_path, ": weight_map entry of \"", name, "\" names file \"", f,
+                         "\", which is not a plain relative path inside the checkpoint folder");
+    if (!wanted.count(f)) shards.push_back(f);
+    wanted[f].insert(name);
+  }
+  TensorList out;
+  for (const auto& shard : shards) {
+    std::string path = (dir / shard).string();
+    COLOSSAL_CHECK_INPUT(fs::exists(path), index_path, " lists shard ", shard, ", but ", path,
+                         " does not exist (incomplete download or copy?)");
+    SafetensorsReader r(path);
+    auto& names = wanted[shard];
+    for (const auto& info : r.tensors()) {
+      if (names.count(info.name)) out.emplace_back(info.name, r.get(info.name));
+    }
+    for (const auto& n : names) {
+      COLOSSAL_CHECK_INPUT(r.find(n), index_path, " maps tensor \"", n, "\" to ", shard,
+                           ", but that file has no such tensor");
+    }
+  }
+  return out;
+}
+
+std::string shard_name(const std::string& prefix, size_t k, size_t n) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "-%05zu-of-%05zu.safetensors", k, n);
+  return prefix + buf;
+}
+
+// Walks a module tree like PyTorch's state_dict: each module's own parameters, then its
+// buffers, then its children in registration order.
+void collect_state(const torch::nn::Module& m, const std::string& prefix, TensorList& out) {
+  for (const auto& p : m.named_parameters(/*recurse=*/false))
+    out.emplace_back(prefix + p.key(), p.value());
+  for (const auto& b : m.named_buffers(/*recurse=*/false))
+    out.emplace_back(prefix + b.key(), b.value());
+  for (const auto& c : m.named_children()) collect_state(*c.value(), prefix + c.key() + ".", out);
+}
+
+}  // namespace
+
+TensorList load_state_dict(const std::string& file_or_dir) {
+  std::error_code ec;
+  COLOSSAL_CHECK_INPUT(fs::exists(file_or_dir, ec), "checkpoint ", file_or_dir, " does not exist");
+  if (fs::is_directory(file_or_dir, ec)) {
+    fs::path dir(file_or_dir);
+    std::string index = (dir / "model.safetensors.index.json").string();
+    if (fs::exists(index, ec)) return load_index(index);
+    std::string single = (dir / "model.safetensors").string();
+    if (fs::exists(single, ec)) return load_safetensors(single);
+    // Another prefix: exactly one *.safetensors.index.json or one *.safetensors file.
+    std::vector<std::string> indexes, files;
+    for (const auto& e : fs::directory_iterator(dir)) {
+      std::string name = e.path().filename().string();
+      if (ends_with(name, ".safetensors.index.json")) indexes.push_back(e.path().string());
+      if (ends_with(name, ".safetensors")) files.push_back(e.path().string());
+    }
+    if (indexes.size() == 1) return load_index(indexes[0]);
+    if (indexes.empty() && files.size() == 1) return load_safetensors(files[0]);
+    throw InputError(str(
+        "checkpoint folder ", file_or_dir,
+        " holds neither model.safetensors.index.json nor model.safetensors",
+        indexes.size() + files.size() ? " and more than one candidate; pass the file itself" : "",
+        " (found ", indexes.size(), " index files and ", files.size(), " .safetensors files)"));
+  }
+  if (ends_with(file_or_dir, ".json")) return load_index(file_or_dir);
+  return load_safetensors(file_or_dir);
+}
+
+void save_state_dict(const std::string& dir, const TensorList& tensors, const SaveOptions& opts) {
+  COLOSSAL_CHECK_INPUT(!opts.prefix.empty() && opts.prefix.find('/') == std::string::npos,
+                       "save_state_dict: prefix \"", opts.prefix,
+                       "\" must be a non-empty file name without '/'");
+  COLOSSAL_CHECK_INPUT(opts.size_per_shard_mb > 0,
+                       "save_state_dict: size_per_shard_mb must be positive, got ",
+                       opts.size_per_shard_mb);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  COLOSSAL_CHECK_INPUT(!ec && fs::is_directory(dir), "cannot create checkpoint folder ", dir, ": ",
+                       ec ? ec.message() : std::string("a file of that name exists"));
+  // Check names and dtypes up front, so a bad list fails before any file is replaced.
+  std::set<std::string> seen;
+  for (const auto& [name, t] : tensors) {
+    COLOSSAL_CHECK_INPUT(seen.insert(name).second, "save_state_dict: tensor name \"", name,
+                         "\" appears twice");
+    COLOSSAL_CHECK_INPUT(t.defined(), "save_state_dict: tensor \"", name, "\" is undefined");
+    try {
+      dtype_to_safetensors(t.scalar_type());
+    } catch (const Error& e) {
+      throw Error(str("save_state_dict into ", dir, ": tensor \"", name, "\": ", e.what()));
+    }
+  }
+
+  // Cut a shard before a tensor would overflow it; a tensor larger than the limit gets a shard
+  // of its own, so shards are never empty.
+  const uint64_t limit = static_cast<uint64_t>(opts.size_per_shard_mb) * 1024 * 1024;
+  std::vector<TensorList> shards(1);
+  uint64_t current = 0, total_size = 0, total_params = 0;
+  for (const auto& nt : tensors) {
+    uint64_t nbytes = static_cast<uint64_t>(nt.second.numel()) * nt.second.element_size();
+    if (opts.shard && !shards.back().empty() && current + nbytes > limit) {
+      shards.emplace_back();
+      current = 0;
+    }
+    shards.back().push_back(nt);
+    current += nbytes;
+    total_size += nbytes;
+    total_params += static_cast<uint64_t>(nt.second.numel());
+  }
+  const Metadata md{{"format", "pt"}};  // transformers refuses files without it
+  fs::path d(dir);
+  std::set<std::string> written;
+  if (shards.size() == 1) {
+    std::string name = opts.prefix + ".safetensors";
+    save_safetensors((d / name).string(), shards[0], md);
+    written.insert(name);
+  } else {
+    json::Value weight_map = json::Value::object();
+    std::map<std::string, std::string> sorted;  // HF writes the index with sorted keys
+    for (size_t k = 0; k < shards.size(); ++k) {
+      std::string name = shard_name(opts.prefix, k + 1, shards.size());
+      save_safetensors((d / name).string(), shards[k], md);
+      written.insert(name);
+      for (const auto& nt : shards[k]) sorted[nt.first] = name;
+    }
+    for (const auto& [n, f] : sorted) weight_map.set(n, f);
+    json::Value meta = json::Value::object();
+    meta.set("total_parameters", total_params);
+    meta.set("total_size", total_size);
+    json::Value index = json::Value::object();
+    index.set("metadata", std::move(meta));
+    index.set("weight_map", std::move(weight_map));
+    std::string text = index.dump(2) + "\n";
+    std::string index_name = opts.prefix + ".safetensors.index.json";
+    write_file_atomic((d / index_name).string(), [&](int fd) {
+      write_all(fd, text.data(), text.size(), (d / index_name).string());
+    });
+    written.insert(index_name);
+  }
+  // Only now remove what an earlier save with this prefix left behind.
+  std::regex stale(
+      "^" + std::regex_replace(opts.prefix, std::regex(R"([.^$|()\[\]{}*+?\\])"), R"(\$&)") +
+      R"re((\.safetensors|\.safetensors\.index\.json|-\d{5}-of-\d{5}\.safetensors)$)re");
+  for (const auto& e : fs::directory_iterator(d)) {
+    std::string name = e.path().filename().string();
+    if (!written.count(name) && std::regex_match(name, stale)) {
+      fs::remove(e.path(), ec);
+      if (ec)
+        log_warn("could not remove stale checkpoint file ", e.path().string(), ": ", ec.message());
+    }
+  }
+  fsync_path(dir);
+}
+
+TensorList module_state(const torch::nn::Module& module) {
+  TensorList out;
+  collect_state(module, "", out);
+  return out;
+}
+
+void load_into_module(torch::nn::Module& module, const TensorList& tensors, bool strict) {
+  TensorList state = module_state(module);
+  std::unordered_map<std::string, at::Tensor> targets;
+  for (const auto& [n, t] : state) targets.emplace(n, t);
+  std::unordered_map<std::string, const at::Tensor*> source;
+  std::vector<std::string> unexpected, missing, mismatched;
+  for (const auto& [n, t] : tensors) {
+    auto it = targets.find(n);
+    if (it == targets.end()) {
+      unexpected.push_back(n);
+      continue;
+    }
+    if (!source.emplace(n, &t).second)
+      throw InputError(str("checkpoint holds tensor \"", n, "\" twice"));
+    if (!t.sizes().equals(it->second.sizes())) {
+      mismatched.push_back(str(n, " (checkpoint ", t.sizes(), ", model ", it->second.sizes(), ")"));
+    }
+  }
+  for (const auto& [n, t] : state) {
+    if (!source.count(n)) missing.push_back(n);
+  }
+  std::string problems;
+  if (!mismatched.empty()) problems += str("; shape mismatch: ", name_list(mismatched));
+  if (strict && !missing.empty())
+    problems += str("; missing from the checkpoint: ", name_list(missing));
+  if (strict && !unexpected.empty()) problems += str("; not in the model: ", name_list(unexpected));
+  if (!problems.empty()) {
+    throw InputError(str("checkpoint does not match the model", problems,
+                         strict ? " (is it the right checkpoint for this model and config?)" : ""));
+  }
+  if (!missing.empty())
+    log_warn("checkpoint lacks ", missing.size(), " model tensors: ", name_list(missing, 10));
+  if (!unexpected.empty())
+    log_warn("checkpoint has ", unexpected.size(),
+             " tensors the model does not: ", name_list(unexpected, 10));
+  at::NoGradGuard no_grad;
+  for (auto& [n, dst] : state) {
+    auto it = source.find(n);
+    if (it != source.end()) dst.copy_(*it->second);
+  }
+}
+
+}  // namespace colossal::checkpoint
