@@ -1,0 +1,112 @@
+// Optimizer base: named parameters in groups, step(), zero_grad(), optional fp32 master copies
+// for bf16/fp16 working parameters, and state export/import as full-shape tensors keyed by
+// parameter NAME (so a checkpoint loads into any layout) plus JSON scalars (step counts, group
+// hyper-parameters).
+//
+// The update math lives in free functions (adamw.h, sgd.h) over plain lists of tensors, so
+// ZeRO and Gemini can run it on flat shards without this class.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <colossal/core/json.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace colossal::optim {
+
+// Hyper-parameters of one group. Fields an optimizer does not use are ignored by it.
+struct GroupOptions {
+  double lr = 1e-3;
+  double weight_decay = 0.0;
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;  // AdamW
+  double momentum = 0.0, dampening = 0.0;         // SGD
+  bool nesterov = false;                          // SGD
+};
+
+struct NamedParam {
+  std::string name;
+  at::Tensor param;
+};
+
+struct ParamGroup {
+  GroupOptions options;
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;
+};
+
+// Per-parameter state: named tensors (e.g. "exp_avg") of the parameter's full shape, in fp32
+// when master weights are used, plus the number of steps this parameter has taken.
+struct ParamState {
+  std::map<std::string, at::Tensor> tensors;
+  int64_t step = 0;
+};
+
+// An exported optimizer state: tensors named "<param name>.<state key>" (the fp32 master of a
+// half-precision parameter is exported as "<param name>.master"), and scalars
+// {"type", "param_groups": [{"lr", ..., "params": [names]}], "steps": {name: n}}.
+struct StateDict {
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  json::Value scalars;
+};
+
+struct OptimizerOptions {
+  // Keep fp32 master copies of bf16/fp16 parameters: the step updates the master and writes
+  // working = master.to(working dtype). Without it half parameters are updated in place.
+  bool master_weights = true;
+};
+
+class Optimizer {
+ public:
+  explicit Optimizer(OptimizerOptions options = {}) : options_(options) {}
+  virtual ~Optimizer() = default;
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  // Registers parameters (names must be unique across groups).
+  void add_param_group(std::vector<NamedParam> params, GroupOptions options);
+
+  // One update with each parameter's .grad(); parameters without a gradient are skipped (their
+  // step count does not advance), as in torch.optim.
+  void step();
+
+  // Sets grads to undefined (set_to_none) or zeroes them in place.
+  void zero_grad(bool set_to_none = true);
+
+  std::vector<ParamGroup>& param_groups() { return groups_; }
+  const std::vector<ParamGroup>& param_groups() const { return groups_; }
+  void set_lr(double lr);  // every group
+
+  // The fp32 master of a half parameter (undefined when it has none).
+  at::Tensor master(const std::string& name) const;
+  // Re-copies every master from its working parameter (after a model checkpoint load).
+  void sync_masters_from_params();
+
+  const ParamState* state(const std::string& name) const;
+
+  virtual const char* type() const = 0;
+  StateDict state_dict() const;
+  // Loads a state exported by state_dict() of an optimizer of the same type over parameters
+  // with the same names and shapes (any device). Missing or mismatched entries are InputErrors.
+  void load_state_dict(const StateDict& state);
+
+ protected:
+  // Updates the given parameters of `group`: `params` are the tensors to write (fp32 masters
+  // where present), `grads` their gradients in the same dtype, `states` their states (step
+  // already incremented).
+  virtual void update(const GroupOptions& group, std::vector<at::Tensor>& params,
+                      std::vector<at::Tensor>& grads, std::vector<ParamState*>& states) = 0;
+  // State keys this optimizer keeps for every parameter that has stepped.
+  virtual std::vector<std::string> state_keys(const GroupOptions& group) const = 0;
+
+ private:
+  OptimizerOptions options_;
+  std::vector<ParamGroup> groups_;
+  std::map<std::string, ParamState> state_;
+  std::map<std::string, at::Tensor> masters_;
+};
+
+}  // namespace colossal::optim

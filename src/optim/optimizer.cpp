@@ -1,0 +1,235 @@
+// Optimizer base: grouping, masters, step bookkeeping and named state export/import.
+#include "colossal/optim/optimizer.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <set>
+
+#include "colossal/core/error.h"
+
+namespace colossal::optim {
+namespace {
+bool is_half(const at::Tensor& t) {
+  return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
+}
+}  // namespace
+
+void Optimizer::add_param_group(std::vector<NamedParam> params, GroupOptions options) {
+  COLOSSAL_CHECK_INPUT(options.lr >= 0, "optimizer: lr must be >= 0, got ", options.lr);
+  COLOSSAL_CHECK_INPUT(options.weight_decay >= 0, "optimizer: weight_decay must be >= 0, got ",
+                       options.weight_decay);
+  COLOSSAL_CHECK_INPUT(
+      options.beta1 >= 0 && options.beta1 < 1 && options.beta2 >= 0 && options.beta2 < 1,
+      "optimizer: betas must be in [0, 1), got (", options.beta1, ", ", options.beta2, ")");
+  COLOSSAL_CHECK_INPUT(options.eps >= 0, "optimizer: eps must be >= 0, got ", options.eps);
+  COLOSSAL_CHECK_INPUT(options.momentum >= 0, "optimizer: momentum must be >= 0, got ",
+                       options.momentum);
+  COLOSSAL_CHECK_INPUT(!options.nesterov || (options.momentum > 0 && options.dampening == 0),
+                       "optimizer: nesterov needs momentum > 0 and dampening = 0");
+  ParamGroup g;
+  g.options = options;
+  for (auto& np : params) {
+    COLOSSAL_CHECK(np.param.defined(), "optimizer: parameter '", np.name, "' is undefined");
+    COLOSSAL_CHECK_INPUT(at::isFloatingType(np.param.scalar_type()), "optimizer: parameter '",
+                         np.name, "' has non-floating dtype ", np.param.scalar_type());
+    for (auto& other : groups_)
+      for (auto& n : other.names)
+        COLOSSAL_CHECK_INPUT(n != np.name, "optimizer: parameter name '", np.name,
+                             "' registered twice");
+    for (auto& n : g.names)
+      COLOSSAL_CHECK_INPUT(n != np.name, "optimizer: parameter name '", np.name,
+                           "' registered twice");
+    if (options_.master_weights && is_half(np.param))
+      masters_[np.name] = np.param.detach().to(at::kFloat).clone();
+    g.names.push_back(std::move(np.name));
+    g.params.push_back(std::move(np.param));
+  }
+  groups_.push_back(std::move(g));
+}
+
+void Optimizer::step() {
+  c10::NoGradGuard no_grad;
+  for (auto& g : groups_) {
+    std::vector<at::Tensor> params, grads;
+    std::vector<ParamState*> states;
+    std::vector<std::pair<at::Tensor, at::Tensor>> writeback;  // (working, master)
+    for (size_t i = 0; i < g.params.size(); ++i) {
+      const at::Tensor& p = g.params[i];
+      at::Tensor grad = p.grad();
+      if (!grad.defined()) continue;
+      ParamState& st = state_[g.names[i]];
+      st.step += 1;
+      auto m = masters_.find(g.names[i]);
+      if (m != masters_.end()) {
+        params.push_back(m->second);
+        grads.push_back(grad.to(at::kFloat));
+        writeback.emplace_back(p, m->second);
+      } else {
+        params.push_back(p.detach());
+        grads.push_back(grad.scalar_type() == p.scalar_type() ? grad : grad.to(p.scalar_type()));
+      }
+      states.push_back(&st);
+    }
+    if (params.empty()) continue;
+    // Create missing state tensors (zeros of the updated tensor's shape and dtype), except
+    // those an optimizer creates lazily itself (SGD's momentum buffer is the first gradient).
+    for (size_t i = 0; i < params.size(); ++i)
+      for (const auto& key : state_keys(g.options))
+        if (!states[i]->tensors.count(key) && key != "momentum_buffer")
+          states[i]->tensors[key] = at::zeros_like(params[i], at::MemoryFormat::Preserve);
+    update(g.options, params, grads, states);
+    for (auto& [working, master] : writeback) working.detach().copy_(master);
+  }
+}
+
+void Optimizer::zero_grad(bool set_to_none) {
+  for (auto& g : groups_)
+    for (auto& p : g.params) {
+      if (!p.grad().defined()) continue;
+      if (set_to_none) {
+        p.mutable_grad() = at::Tensor();
+      } else {
+        p.mutable_grad().detach_();
+        p.mutable_grad().zero_();
+      }
+    }
+}
+
+void Optimizer::set_lr(double lr) {
+  for (auto& g : groups_) g.options.lr = lr;
+}
+
+at::Tensor Optimizer::master(const std::string& name) const {
+  auto it = masters_.find(name);
+  return it == masters_.end() ? at::Tensor() : it->second;
+}
+
+void Optimizer::sync_masters_from_params() {
+  c10::NoGradGuard no_grad;
+  for (auto& g : groups_)
+    for (size_t i = 0; i < g.params.size(); ++i) {
+      auto it = masters_.find(g.names[i]);
+      if (it != masters_.end()) it->second.copy_(g.params[i].detach());
+    }
+}
+
+const ParamState* Optimizer::state(const std::string& name) const {
+  auto it = state_.find(name);
+  return it == state_.end() ? nullptr : &it->second;
+}
+
+StateDict Optimizer::state_dict() const {
+  StateDict out;
+  json::Value scalars = json::Value::object();
+  scalars.set("type", type());
+  json::Value groups = json::Value::array();
+  json::Value steps = json::Value::object();
+  for (auto& g : groups_) {
+    json::Value jg = json::Value::object();
+    jg.set("lr", g.options.lr);
+    jg.set("weight_decay", g.options.weight_decay);
+    jg.set("beta1", g.options.beta1);
+    jg.set("beta2", g.options.beta2);
+    jg.set("eps", g.options.eps);
+    jg.set("momentum", g.options.momentum);
+    jg.set("dampening", g.options.dampening);
+    jg.set("nesterov", g.options.nesterov);
+    json::Value names = json::Value::array();
+    for (size_t i = 0; i < g.names.size(); ++i) {
+      const std::string& n = g.names[i];
+      names.push_back(n);
+      auto st = state_.find(n);
+      if (st != state_.end()) {
+        steps.set(n, st->second.step);
+        for (auto& [key, t] : st->second.tensors) out.tensors.emplace_back(n + "." + key, t);
+      }
+      auto m = masters_.find(n);
+      if (m != masters_.end()) out.tensors.emplace_back(n + ".master", m->second);
+    }
+    jg.set("params", std::move(names));
+    groups.push_back(std::move(jg));
+  }
+  scalars.set("param_groups", std::move(groups));
+  scalars.set("steps", std::move(steps));
+  out.scalars = std::move(scalars);
+  return out;
+}
+
+void Optimizer::load_state_dict(const StateDict& sd) {
+  c10::NoGradGuard no_grad;
+  const auto& s = sd.scalars;
+  COLOSSAL_CHECK_INPUT(s.is_object(), "optimizer state: scalars must be an object");
+  const std::string& t = s.at("type").as_string("optimizer state 'type'");
+  COLOSSAL_CHECK_INPUT(t == type(), "optimizer state was saved by '", t,
+                       "' but this optimizer is '", type(), "'");
+  const auto& jgroups = s.at("param_groups").as_array("optimizer state 'param_groups'");
+  COLOSSAL_CHECK_INPUT(jgroups.size() == groups_.size(), "optimizer state has ", jgroups.size(),
+                       " param groups but this optimizer has ", groups_.size());
+  std::map<std::string, const at::Tensor*> by_name;
+  for (auto& [n, tensor] : sd.tensors) by_name[n] = &tensor;
+  const json::Value& steps = s.at("steps");
+  std::map<std::string, ParamState> new_state;
+  std::map<std::string, at::Tensor> new_masters = masters_;
+  std::vector<GroupOptions> new_opts;
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    const auto& jg = jgroups[gi];
+    auto& g = groups_[gi];
+    const auto& names = jg.at("params").as_array("param_groups.params");
+    COLOSSAL_CHECK_INPUT(names.size() == g.names.size(), "optimizer state group ", gi, " has ",
+                         names.size(), " params but this optimizer's group has ", g.names.size());
+    GroupOptions o;
+    o.lr = jg.at("lr").as_double("lr");
+    o.weight_decay = jg.at("weight_decay").as_double("weight_decay");
+    o.beta1 = jg.at("beta1").as_double("beta1");
+    o.beta2 = jg.at("beta2").as_double("beta2");
+    o.eps = jg.at("eps").as_double("eps");
+    o.momentum = jg.at("momentum").as_double("momentum");
+    o.dampening = jg.at("dampening").as_double("dampening");
+    o.nesterov = jg.at("nesterov").as_bool("nesterov");
+    new_opts.push_back(o);
+    for (size_t i = 0; i < g.names.size(); ++i) {
+      const std::string& n = g.names[i];
+      COLOSSAL_CHECK_INPUT(names[i].as_string("param name") == n, "optimizer state group ", gi,
+                           " param ", i, " is '", names[i].as_string(),
+                           "' but this optimizer has '", n, "'");
+      const at::Tensor& p = g.params[i];
+      auto m = new_masters.find(n);
+      at::Tensor target = m != new_masters.end() ? m->second : p.detach();
+      auto load = [&](const std::string& key, const at::Tensor& like) {
+        auto it = by_name.find(n + "." + key);
+        COLOSSAL_CHECK_INPUT(it != by_name.end(), "optimizer state lacks tensor '", n, ".", key,
+                             "'");
+        const at::Tensor& src = *it->second;
+        COLOSSAL_CHECK_INPUT(src.sizes() == like.sizes(), "optimizer state tensor '", n, ".", key,
+                             "' has shape ", src.sizes(), " but parameter '", n, "' needs ",
+                             like.sizes());
+        return src.to(like.device(), like.scalar_type(), /*non_blocking=*/false, /*copy=*/true)
+            .contiguous();
+      };
+      if (m != new_masters.end()) {
+        if (by_name.count(n + ".master"))
+          m->second = load("master", m->second);
+        else
+          m->second = p.detach().to(at::kFloat).clone();  // a checkpoint without masters
+      }
+      const json::Value* st = steps.find(n);
+      if (!st) continue;  // never stepped
+      ParamState ps;
+      ps.step = st->as_int("steps." + n);
+      for (const auto& key : state_keys(o)) ps.tensors[key] = load(key, target);
+      new_state[n] = std::move(ps);
+    }
+  }
+  for (size_t gi = 0; gi < groups_.size(); ++gi) groups_[gi].options = new_opts[gi];
+  state_ = std::move(new_state);
+  masters_ = std::move(new_masters);
+  // Working params follow their restored masters.
+  for (auto& g : groups_)
+    for (size_t i = 0; i < g.params.size(); ++i) {
+      auto m = masters_.find(g.names[i]);
+      if (m != masters_.end()) g.params[i].detach().copy_(m->second);
+    }
+}
+
+}  // namespace colossal::optim
