@@ -1,0 +1,440 @@
+// `colossal run`: flag validation, host lists, port and command checks, and the two ways of
+// starting a job: ranks on this node, or one `colossal run` per host over ssh (fan-out).
+#include "cli/launcher.h"
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "colossal/core/error.h"
+#include "colossal/core/logging.h"
+
+extern char** environ;
+
+namespace colossal::cli {
+namespace {
+
+bool valid_host(const std::string& h) {
+  if (h.empty()) return false;
+  for (char c : h) {
+    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+              c == '.' || c == '-' || c == '_' || c == ':' || c == '@' || c == '[' || c == ']';
+    if (!ok) return false;
+  }
+  return h[0] != '-';  // would read as an ssh option
+}
+
+std::string trim(const std::string& s) {
+  size_t b = s.find_first_not_of(" \t\r");
+  if (b == std::string::npos) return "";
+  size_t e = s.find_last_not_of(" \t\r");
+  return s.substr(b, e - b + 1);
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::string cur;
+  for (char c : s) {
+    if (c == sep) {
+      out.push_back(cur);
+      cur.clear();
+    } else {
+      cur.push_back(c);
+    }
+  }
+  out.push_back(cur);
+  return out;
+}
+
+// The variables `colossal run` sets for each rank; never inherited or forwarded.
+const std::set<std::string>& rank_vars() {
+  static const std::set<std::string> v = {
+      "RANK",        "WORLD_SIZE",      "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+      "MASTER_ADDR", "MASTER_PORT",     "GROUP_RANK", "GROUP_WORLD_SIZE",
+      "ROLE_RANK",   "ROLE_WORLD_SIZE", "ROLE_NAME"};
+  return v;
+}
+
+std::string env_name(const char* kv) {
+  const char* eq = std::strchr(kv, '=');
+  return eq ? std::string(kv, eq - kv) : std::string(kv);
+}
+
+bool identifier(const std::string& n) {
+  if (n.empty() || (n[0] >= '0' && n[0] <= '9')) return false;
+  for (char c : n)
+    if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_'))
+      return false;
+  return true;
+}
+
+// The local environment a remote launcher gets, like ColossalAI (everything with a one-line
+// value) minus what describes this machine or this login session rather than the job.
+std::vector<std::string> forwarded_env() {
+  static const std::set<std::string> skip = {
+      "HOSTNAME",           "PWD", "OLDPWD", "SHLVL", "_", "DISPLAY", "TERM", "COLOSSAL_SSH",
+      "COLOSSAL_REMOTE_BIN"};
+  std::vector<std::string> out;
+  for (char** e = environ; *e; ++e) {
+    std::string kv = *e;
+    std::string name = env_name(*e);
+    std::string value = kv.size() > name.size() ? kv.substr(name.size() + 1) : "";
+    if (!identifier(name) || value.empty() || value.find('\n') != std::string::npos) continue;
+    if (skip.count(name) || rank_vars().count(name) || name.rfind("SSH_", 0) == 0) continue;
+    out.push_back(kv);
+  }
+  return out;
+}
+
+std::string self_exe() {
+  if (const char* b = std::getenv("COLOSSAL_REMOTE_BIN"); b && *b) return b;
+  char buf[PATH_MAX];
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
+  COLOSSAL_CHECK(n > 0, "colossal run: cannot find its own executable (/proc/self/exe): ",
+                 std::strerror(errno), "; set COLOSSAL_REMOTE_BIN");
+  return std::string(buf, static_cast<size_t>(n));
+}
+
+std::string current_dir() {
+  char buf[PATH_MAX];
+  COLOSSAL_CHECK(::getcwd(buf, sizeof buf) != nullptr,
+                 "colossal run: cannot read the current directory: ", std::strerror(errno));
+  return buf;
+}
+
+std::string fmt_seconds(double s) {
+  std::ostringstream os;
+  os << s;
+  return os.str();
+}
+
+int bind_probe(int family, int port, int* bound_port) {
+  int fd = ::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return errno == EAFNOSUPPORT ? 0 : errno;
+  int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  int rc = 0;
+  if (family == AF_INET) {
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_ANY);
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    rc = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  } else {
+    ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof one);
+    sockaddr_in6 a{};
+    a.sin6_family = AF_INET6;
+    a.sin6_addr = in6addr_any;
+    a.sin6_port = htons(static_cast<uint16_t>(port));
+    rc = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  }
+  int err = rc == 0 ? 0 : errno;
+  if (rc == 0 && bound_port) {
+    sockaddr_storage ss{};
+    socklen_t len = sizeof ss;
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
+    *bound_port = family == AF_INET ? ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port)
+                                    : ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port);
+  }
+  ::close(fd);
+  if (err == EADDRNOTAVAIL || err == EAFNOSUPPORT) return 0;  // no IPv6 here: nothing to clash
+  return err;
+}
+
+}  // namespace
+
+std::vector<std::string> parse_hostfile(const std::string& path) {
+  struct stat st {};
+  COLOSSAL_CHECK_INPUT(::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode), "hostfile '", path,
+                       "' not found (or not a regular file)");
+  std::ifstream in(path);
+  COLOSSAL_CHECK_INPUT(in.good(), "cannot read hostfile '", path, "': ", std::strerror(errno));
+  std::vector<std::string> hosts;
+  std::set<std::string> seen;
+  std::string line;
+  int lineno = 0;
+  while (std::getline(in, line)) {
+    ++lineno;
+    auto hash = line.find('#');
+    if (hash != std::string::npos) line.resize(hash);
+    std::string h = trim(line);
+    if (h.empty()) continue;
+    COLOSSAL_CHECK_INPUT(h.find_first_of(" \t") == std::string::npos, "hostfile '", path, "' line ",
+                         lineno, ": expected one host name per line, got '", h, "'");
+    COLOSSAL_CHECK_INPUT(valid_host(h), "hostfile '", path, "' line ", lineno, ": '", h,
+                         "' is not a host name");
+    COLOSSAL_CHECK_INPUT(seen.insert(h).second, "hostfile '", path, "' line ", lineno, ": host '",
+                         h, "' is listed twice");
+    hosts.push_back(h);
+  }
+  COLOSSAL_CHECK_INPUT(!hosts.empty(), "hostfile '", path, "' lists no hosts");
+  return hosts;
+}
+
+std::vector<std::string> parse_host_list(const std::string& list, const std::string& what) {
+  std::vector<std::string> hosts;
+  std::set<std::string> seen;
+  for (const auto& raw : split(list, ',')) {
+    std::string h = trim(raw);
+    COLOSSAL_CHECK_INPUT(valid_host(h), what, " '", list, "': '", h,
+                         "' is not a host name (expected host1,host2,...)");
+    COLOSSAL_CHECK_INPUT(seen.insert(h).second, what, " '", list, "': host '", h,
+                         "' is listed twice");
+    hosts.push_back(h);
+  }
+  return hosts;
+}
+
+std::vector<std::string> filter_hosts(const std::vector<std::string>& hosts,
+                                      const std::string& include, const std::string& exclude) {
+  COLOSSAL_CHECK_INPUT(include.empty() || exclude.empty(),
+                       "--include and --exclude are mutually exclusive; give only one");
+  if (include.empty() && exclude.empty()) return hosts;
+  bool inc = !include.empty();
+  auto names = parse_host_list(inc ? include : exclude, inc ? "--include" : "--exclude");
+  std::set<std::string> known(hosts.begin(), hosts.end());
+  for (const auto& n : names)
+    COLOSSAL_CHECK_INPUT(known.count(n), inc ? "--include" : "--exclude", ": host '", n,
+                         "' is not in the hostfile");
+  std::vector<std::string> out;
+  if (inc) return names;  // in the order given, like ColossalAI
+  std::set<std::string> drop(names.begin(), names.end());
+  for (const auto& h : hosts)
+    if (!drop.count(h)) out.push_back(h);
+  COLOSSAL_CHECK_INPUT(!out.empty(), "--exclude '", exclude, "' leaves no hosts to run on");
+  return out;
+}
+
+std::string resolve_command(const std::string& name) {
+  COLOSSAL_CHECK_INPUT(!name.empty(), "the command to run is an empty string");
+  auto check = [](const std::string& p, bool explicit_path) -> bool {
+    struct stat st {};
+    if (::stat(p.c_str(), &st) != 0) {
+      COLOSSAL_CHECK_INPUT(!explicit_path, "command '", p, "' not found: ", std::strerror(errno));
+      return false;
+    }
+    if (S_ISDIR(st.st_mode)) {
+      COLOSSAL_CHECK_INPUT(!explicit_path, "command '", p, "' is a directory, not a program");
+      return false;
+    }
+    if (::access(p.c_str(), X_OK) != 0) {
+      COLOSSAL_CHECK_INPUT(!explicit_path, "command '", p,
+                           "' is not executable (chmod +x it, or run it through its "
+                           "interpreter, e.g. python ",
+                           p, ")");
+      return false;
+    }
+    return true;
+  };
+  if (name.find('/') != std::string::npos) {
+    check(name, true);
+    return name;
+  }
+  const char* path_env = std::getenv("PATH");
+  std::string path = path_env ? path_env : "/usr/local/bin:/usr/bin:/bin";
+  for (const auto& dir : split(path, ':')) {
+    std::string cand = (dir.empty() ? "." : dir) + "/" + name;
+    if (check(cand, false)) return cand;
+  }
+  throw InputError(
+      str("command '", name, "' not found in PATH (", path, "); give its full path or fix PATH"));
+}
+
+std::string shell_quote(const std::string& s) {
+  if (!s.empty() && s.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                        "0123456789_-./=:,+@%") == std::string::npos)
+    return s;
+  std::string out = "'";
+  for (char c : s) {
+    if (c == '\'')
+      out += "'\\''";
+    else
+      out.push_back(c);
+  }
+  out += "'";
+  return out;
+}
+
+int check_port(int port) {
+  COLOSSAL_CHECK_INPUT(port >= 0 && port <= 65535, "--master_port ", port,
+                       " is not a port number (0..65535; 0 picks a free one)");
+  for (int attempt = 0; attempt < 20; ++attempt) {
+    int chosen = port;
+    int err = bind_probe(AF_INET, port, port == 0 ? &chosen : nullptr);
+    if (err == 0) err = bind_probe(AF_INET6, chosen, nullptr);
+    if (err == 0) return chosen;
+    if (port == 0 && err == EADDRINUSE) continue;  // the free IPv4 port is taken on IPv6: again
+    if (err == EADDRINUSE)
+      throw InputError(str("--master_port ", port,
+                           " is already in use on this node; pick another port, or "
+                           "--master_port 0 for a free one (single node)"));
+    if (err == EACCES)
+      throw InputError(str("--master_port ", port,
+                           " needs privileges to bind (ports below 1024); pick a port above 1024"));
+    throw InputError(str("--master_port ", port, " cannot be bound: ", std::strerror(err)));
+  }
+  throw Error("colossal run: found no free port for --master_port 0 after 20 tries");
+}
+
+namespace {
+
+int launch_local(const LaunchOptions& o) {
+  int nnodes = o.nnodes < 0 ? 1 : o.nnodes;
+  int node_rank = o.node_rank < 0 ? 0 : o.node_rank;
+  COLOSSAL_CHECK_INPUT(nnodes >= 1, "--nnodes ", nnodes, " must be at least 1");
+  COLOSSAL_CHECK_INPUT(node_rank < nnodes, "--node_rank ", node_rank, " must be below --nnodes ",
+                       nnodes, " (node ranks are 0..", nnodes - 1, ")");
+  COLOSSAL_CHECK_INPUT(o.master_port != 0 || nnodes == 1,
+                       "--master_port 0 (a free port) works on a single node only; with --nnodes ",
+                       nnodes, " give every node the same --master_port");
+  COLOSSAL_CHECK_INPUT(o.ssh_port < 0, "--ssh_port needs --hostfile or --host");
+  std::string path = resolve_command(o.command[0]);
+  int port = o.master_port;
+  if (node_rank == 0) port = check_port(o.master_port);
+
+  int world = o.nproc_per_node * nnodes;
+  std::vector<std::string> base;
+  bool has_omp = false;
+  for (char** e = environ; *e; ++e) {
+    std::string name = env_name(*e);
+    if (rank_vars().count(name)) continue;
+    has_omp |= name == "OMP_NUM_THREADS";
+    base.push_back(*e);
+  }
+  if (!has_omp && o.nproc_per_node > 1) {
+    // Like torchrun: N ranks each using every core would oversubscribe the machine.
+    base.push_back("OMP_NUM_THREADS=1");
+    log_info("colossal run: OMP_NUM_THREADS=1 for each of the ", o.nproc_per_node,
+             " ranks (set OMP_NUM_THREADS to choose another value)");
+  }
+  std::vector<Worker> workers;
+  for (int lr = 0; lr < o.nproc_per_node; ++lr) {
+    int rank = node_rank * o.nproc_per_node + lr;
+    Worker w;
+    w.label = str("rank ", rank);
+    if (nnodes > 1) w.label += str(" (node ", node_rank, ", local rank ", lr, ")");
+    w.path = path;
+    w.argv = o.command;
+    w.env = base;
+    w.env.push_back(str("RANK=", rank));
+    w.env.push_back(str("WORLD_SIZE=", world));
+    w.env.push_back(str("LOCAL_RANK=", lr));
+    w.env.push_back(str("LOCAL_WORLD_SIZE=", o.nproc_per_node));
+    w.env.push_back(str("GROUP_RANK=", node_rank));
+    w.env.push_back(str("GROUP_WORLD_SIZE=", nnodes));
+    w.env.push_back(str("ROLE_RANK=", rank));
+    w.env.push_back(str("ROLE_WORLD_SIZE=", world));
+    w.env.push_back("ROLE_NAME=default");
+    w.env.push_back("MASTER_ADDR=" + o.master_addr);
+    w.env.push_back(str("MASTER_PORT=", port));
+    w.prefix = str("[rank ", rank, "] ");
+    workers.push_back(std::move(w));
+  }
+  log_debug("colossal run: node ", node_rank, "/", nnodes, ": starting ranks ",
+            node_rank * o.nproc_per_node, "..", (node_rank + 1) * o.nproc_per_node - 1, " of ",
+            world, ", master ", o.master_addr, ":", port);
+  return supervise(workers, {o.grace_period_s, o.stop_on_stdin_eof});
+}
+
+int launch_fan_out(const LaunchOptions& o) {
+  COLOSSAL_CHECK_INPUT(o.hostfile.empty() || o.host.empty(),
+                       "--hostfile and --host are mutually exclusive; give only one");
+  COLOSSAL_CHECK_INPUT(o.node_rank < 0,
+                       "--node_rank is assigned to each host by the launcher; leave it out with "
+                       "--hostfile/--host");
+  std::vector<std::string> hosts;
+  if (!o.hostfile.empty()) {
+    hosts = filter_hosts(parse_hostfile(o.hostfile), o.include, o.exclude);
+  } else {
+    hosts = parse_host_list(o.host, "--host");
+  }
+  if (o.nnodes >= 0) {
+    COLOSSAL_CHECK_INPUT(o.nnodes >= 1, "--nnodes ", o.nnodes, " must be at least 1");
+    COLOSSAL_CHECK_INPUT(static_cast<size_t>(o.nnodes) <= hosts.size(), "--nnodes ", o.nnodes,
+                         " is more than the ", hosts.size(), " hosts selected");
+    hosts.resize(static_cast<size_t>(o.nnodes));
+  }
+  int nnodes = static_cast<int>(hosts.size());
+  COLOSSAL_CHECK_INPUT(o.master_port != 0 || nnodes == 1,
+                       "--master_port 0 (a free port) works on a single node only; give a port "
+                       "that is free on the first host");
+  COLOSSAL_CHECK_INPUT(o.ssh_port < 0 || (o.ssh_port >= 1 && o.ssh_port <= 65535), "--ssh_port ",
+                       o.ssh_port, " is not a port number");
+  std::string master = o.master_addr;
+  if (!o.master_addr_given) {  // the first host runs rank 0
+    master = hosts[0].substr(hosts[0].find('@') + 1);
+    if (master.size() > 2 && master.front() == '[' && master.back() == ']')
+      master = master.substr(1, master.size() - 2);
+  }
+
+  std::vector<std::string> ssh;
+  const char* ssh_env = std::getenv("COLOSSAL_SSH");
+  std::istringstream words(ssh_env && *ssh_env ? ssh_env : "ssh");
+  for (std::string w; words >> w;) ssh.push_back(w);
+  std::string ssh_path = resolve_command(ssh[0]);
+
+  std::string env_part;
+  for (const auto& kv : forwarded_env()) env_part += " " + shell_quote(kv);
+  std::string cd = "cd " + shell_quote(current_dir());
+  std::string bin = shell_quote(self_exe());
+  std::string cmd_part;
+  for (const auto& a : o.command) cmd_part += " " + shell_quote(a);
+
+  std::vector<Worker> workers;
+  for (int i = 0; i < nnodes; ++i) {
+    std::string remote =
+        str(cd, " && exec env", env_part, " ", bin, " run --nproc_per_node ", o.nproc_per_node,
+            " --nnodes ", nnodes, " --node_rank ", i, " --master_addr ", shell_quote(master),
+            " --master_port ", o.master_port, " --grace_period ", fmt_seconds(o.grace_period_s),
+            " --stop_on_stdin_eof --", cmd_part);
+    Worker w;
+    w.label = str("node ", i, " (", hosts[i], ")");
+    w.path = ssh_path;
+    w.argv = ssh;
+    if (o.ssh_port > 0) {
+      w.argv.push_back("-p");
+      w.argv.push_back(std::to_string(o.ssh_port));
+    }
+    w.argv.push_back(hosts[i]);
+    w.argv.push_back(remote);
+    for (char** e = environ; *e; ++e) w.env.push_back(*e);
+    w.stdin_pipe = true;  // the remote launcher stops when this closes
+    workers.push_back(std::move(w));
+  }
+  log_info("colossal run: starting ", o.nproc_per_node, " ranks on each of ", nnodes,
+           nnodes == 1 ? " host" : " hosts", " over ", ssh[0], ", master ", master, ":",
+           o.master_port);
+  return supervise(workers, {o.grace_period_s, false});
+}
+
+}  // namespace
+
+int launch(LaunchOptions o) {
+  COLOSSAL_CHECK_INPUT(!o.command.empty(),
+                       "no command given; usage: colossal run --nproc_per_node N <command> "
+                       "[args...]");
+  COLOSSAL_CHECK_INPUT(o.nproc_per_node >= 1, "--nproc_per_node ", o.nproc_per_node,
+                       " must be at least 1");
+  COLOSSAL_CHECK_INPUT(o.master_port >= 0 && o.master_port <= 65535, "--master_port ",
+                       o.master_port, " is not a port number (0..65535; 0 picks a free one)");
+  COLOSSAL_CHECK_INPUT(o.grace_period_s >= 0, "--grace_period ", o.grace_period_s,
+                       " must not be negative");
+  COLOSSAL_CHECK_INPUT(!o.master_addr.empty(), "--master_addr must not be empty");
+  COLOSSAL_CHECK_INPUT(o.include.empty() || o.exclude.empty(),
+                       "--include and --exclude are mutually exclusive; give only one");
+  COLOSSAL_CHECK_INPUT((o.include.empty() && o.exclude.empty()) || !o.hostfile.empty(),
+                       "--include/--exclude select hosts of a --hostfile; give --hostfile too");
+  if (!o.hostfile.empty() || !o.host.empty()) return launch_fan_out(o);
+  return launch_local(o);
+}
+
+}  // namespace colossal::cli

@@ -1,0 +1,71 @@
+// `colossal run`: starts the ranks of a job on this node (torchrun style) or on a list of hosts
+// over ssh (ColossalAI style), relays their output line by line with a rank prefix, and stops
+// the whole job when one rank fails or the launcher is signalled. Plain POSIX (fork/exec, pipes,
+// poll, signals): nothing here needs LibTorch.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace colossal::cli {
+
+struct LaunchOptions {
+  int nproc_per_node = 0;
+  int nnodes = -1;     // -1: 1 on a single node, all selected hosts with --hostfile/--host
+  int node_rank = -1;  // -1: not given (0 on a single node; assigned per host in fan-out)
+  std::string hostfile;
+  std::string host;  // comma-separated host names
+  std::string include, exclude;
+  std::string master_addr = "127.0.0.1";
+  bool master_addr_given = false;
+  int master_port = 29500;         // 0: pick a free port (single node only)
+  int ssh_port = -1;               // -1: ssh's default
+  double grace_period_s = 5.0;     // SIGTERM -> SIGKILL when stopping ranks
+  bool stop_on_stdin_eof = false;  // set by the fan-out on remote launchers
+  std::vector<std::string> command;
+};
+
+// Hostfile: one host per line; blank lines and '#' comments are skipped. Throws InputError
+// naming the file and line for anything else (two words on a line, odd characters, duplicates).
+std::vector<std::string> parse_hostfile(const std::string& path);
+// "h1,h2" -> {h1, h2}; throws InputError on empty names, odd characters or duplicates.
+std::vector<std::string> parse_host_list(const std::string& list, const std::string& what);
+// Applies --include/--exclude (comma-separated names that must be in `hosts`).
+std::vector<std::string> filter_hosts(const std::vector<std::string>& hosts,
+                                      const std::string& include, const std::string& exclude);
+
+// The executable a command name resolves to (PATH search like execvp); throws InputError when
+// it is missing or not executable.
+std::string resolve_command(const std::string& name);
+// POSIX shell single-quoting.
+std::string shell_quote(const std::string& s);
+// Binds `port` on all interfaces to see that it is free (0: returns a free port). Throws
+// InputError when the port is taken.
+int check_port(int port);
+
+// Runs the job; returns the launcher's exit code (0 when every rank exited 0).
+int launch(LaunchOptions opts);
+
+// ---- process supervision (launch_supervisor.cpp) --------------------------------------------
+
+struct Worker {
+  std::string label;              // "rank 3", "node 1 (host-a)": used in messages
+  std::string path;               // executable
+  std::vector<std::string> argv;  // argv[0] included
+  std::vector<std::string> env;   // the full environment, "K=V"
+  std::string prefix;             // put before each output line ("[rank 3] "), may be empty
+  bool stdin_pipe = false;        // stdin is a pipe the launcher holds (closed to stop the worker)
+};
+
+struct SuperviseOptions {
+  double grace_period_s = 5.0;
+  bool stop_on_stdin_eof = false;
+};
+
+// Starts every worker in its own process group and relays its stdout/stderr line by line.
+// When one exits non-zero or dies from a signal, or the launcher gets SIGINT/SIGTERM/SIGHUP,
+// the others are stopped (the signal, or SIGTERM / stdin closed, then SIGKILL after the grace
+// period). Returns 0, the first failing worker's exit code, or 128 + signal number.
+int supervise(const std::vector<Worker>& workers, const SuperviseOptions& opts);
+
+}  // namespace colossal::cli
