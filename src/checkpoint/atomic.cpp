@@ -1,13 +1,16 @@
 // Crash-safe file and folder writes (see colossal/checkpoint/atomic.h).
 #include "colossal/checkpoint/atomic.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <stdio.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <vector>
 
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
@@ -27,6 +30,41 @@ std::string errno_text() {
 }
 
 }  // namespace
+
+bool remove_tree(const std::string& path, std::string* error) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return true;
+    if (error) *error = str("cannot stat ", path, ": ", errno_text());
+    return false;
+  }
+  if (S_ISDIR(st.st_mode)) {
+    DIR* d = ::opendir(path.c_str());
+    if (!d) {
+      if (error) *error = str("cannot open folder ", path, ": ", errno_text());
+      return false;
+    }
+    std::vector<std::string> children;
+    while (dirent* e = ::readdir(d)) {
+      std::string name = e->d_name;
+      if (name != "." && name != "..") children.push_back(path + "/" + name);
+    }
+    ::closedir(d);
+    for (const auto& c : children) {
+      if (!remove_tree(c, error)) return false;
+    }
+    if (::rmdir(path.c_str()) != 0 && errno != ENOENT) {
+      if (error) *error = str("cannot remove folder ", path, ": ", errno_text());
+      return false;
+    }
+    return true;
+  }
+  if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+    if (error) *error = str("cannot remove ", path, ": ", errno_text());
+    return false;
+  }
+  return true;
+}
 
 void fsync_path(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -84,17 +122,18 @@ StagedDirectory::StagedDirectory(std::string target) : target_(std::move(target)
   while (target_.size() > 1 && target_.back() == '/') target_.pop_back();
   COLOSSAL_CHECK_INPUT(!target_.empty(), "StagedDirectory: empty target folder name");
   staging_ = str(target_, ".staging-", ::getpid());
+  std::string err;
+  // A leftover of a crashed save by a process with our pid.
+  if (!remove_tree(staging_, &err)) throw Error(str("cannot clear old staging folder: ", err));
   std::error_code ec;
-  fs::remove_all(staging_, ec);  // a leftover of a crashed save by a process with our pid
   fs::create_directories(staging_, ec);
   if (ec) throw Error(str("cannot create staging folder ", staging_, ": ", ec.message()));
 }
 
 StagedDirectory::~StagedDirectory() {
   if (committed_) return;
-  std::error_code ec;
-  fs::remove_all(staging_, ec);
-  if (ec) log_warn("could not remove staging folder ", staging_, ": ", ec.message());
+  std::string err;
+  if (!remove_tree(staging_, &err)) log_warn("could not remove staging folder: ", err);
 }
 
 void StagedDirectory::commit() {
@@ -121,7 +160,8 @@ void StagedDirectory::commit() {
       // No RENAME_EXCHANGE here: move the old folder aside first; a crash between the two
       // renames leaves it complete under "<target>.old-<pid>".
       old = str(target_, ".old-", ::getpid());
-      fs::remove_all(old, ec);
+      std::string err;
+      if (!remove_tree(old, &err)) throw Error(str("cannot clear ", old, ": ", err));
       if (::rename(target_.c_str(), old.c_str()) != 0) {
         throw Error(str("cannot move ", target_, " aside to ", old, ": ", errno_text()));
       }
@@ -135,8 +175,8 @@ void StagedDirectory::commit() {
   committed_ = true;
   fsync_path(parent_of(target_));
   if (!old.empty()) {
-    fs::remove_all(old, ec);
-    if (ec) log_warn("could not remove previous checkpoint folder ", old, ": ", ec.message());
+    std::string err;
+    if (!remove_tree(old, &err)) log_warn("could not remove previous checkpoint folder: ", err);
   }
 }
 

@@ -20,6 +20,11 @@ void write_file_atomic(const std::string& path, const std::function<void(int fd)
 // write(2) all of `size` bytes, retrying short writes and EINTR; Error naming `path` on failure.
 void write_all(int fd, const void* data, size_t size, const std::string& path);
 
+// Removes a file or a folder tree (like `rm -rf`; a missing path is fine); returns false and
+// fills `error` on failure. Use it instead of std::filesystem::remove_all: the copy of that
+// function that libtorch.so 2.11 exports shadows libstdc++'s and crashes (jumps to address 0).
+bool remove_tree(const std::string& path, std::string* error = nullptr);
+
 // A checkpoint folder written as a whole: files go into path() (a fresh sibling
 // "<target>.staging-<pid>"); commit() fsyncs them and swaps the folder into `target`
 // (an existing target is replaced: renameat2(RENAME_EXCHANGE) where the file system supports it,
