@@ -1,0 +1,39 @@
+// A Hugging Face model folder <-> a colossal::nn::CausalLM: config.json plus safetensors weights
+// in HF names (one file or index + shards). What save_pretrained writes loads with
+// transformers.AutoModelForCausalLM.from_pretrained, and the other way round.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "colossal/checkpoint/hf.h"
+
+namespace colossal::nn {
+class CausalLM;
+}
+
+namespace colossal::checkpoint {
+
+struct PretrainedOptions {
+  std::optional<at::Device> device;     // default CPU
+  std::optional<at::ScalarType> dtype;  // default fp32
+};
+
+// Builds the model from DIR/config.json and loads its weights strictly (a missing, unexpected
+// or mis-shaped tensor is an InputError naming it). A tied model's redundant lm_head.weight in
+// the checkpoint is accepted and ignored, as transformers does.
+std::shared_ptr<nn::CausalLM> load_pretrained(const std::string& dir,
+                                              const PretrainedOptions& opts = {});
+
+// Writes DIR/config.json (dtype taken from the parameters) and the weights.
+void save_pretrained(const nn::CausalLM& model, const std::string& dir,
+                     const SaveOptions& opts = {});
+
+// "float32" / "bfloat16" / "float16" <-> ScalarType (InputError for anything else).
+std::string hf_dtype_name(at::ScalarType t);
+at::ScalarType hf_dtype_from_name(const std::string& name);
+
+}  // namespace colossal::checkpoint
