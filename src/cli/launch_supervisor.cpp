@@ -220,6 +220,14 @@ void kill_group(const Proc& p, int sig) {
 
 int supervise(const std::vector<Worker>& workers, const SuperviseOptions& opts) {
   COLOSSAL_CHECK(!workers.empty(), "colossal run: no workers to start");
+  // With fd 0, 1 or 2 closed, a pipe could land on it and dup2 in the child would be a no-op
+  // that leaves it close-on-exec: occupy them with /dev/null first.
+  for (int fd = 0; fd <= 2; ++fd) {
+    if (::fcntl(fd, F_GETFD) == -1 && errno == EBADF) {
+      int nfd = ::open("/dev/null", fd == 0 ? O_RDONLY : O_WRONLY);
+      if (nfd >= 0 && nfd != fd) ::close(nfd);  // only fill the lowest free slot
+    }
+  }
   make_pipe(g_signal_pipe);
   ::fcntl(g_signal_pipe[0], F_SETFL, O_NONBLOCK);
   ::fcntl(g_signal_pipe[1], F_SETFL, O_NONBLOCK);
@@ -323,7 +331,7 @@ int supervise(const std::vector<Worker>& workers, const SuperviseOptions& opts) 
     if (stopping && !killed && alive > 0 && Clock::now() >= kill_deadline) {
       killed = true;
       log_warn("colossal run: ", alive, alive == 1 ? " process" : " processes", " still running ",
-               opts.grace_period_s, " s after the stop; sending SIGKILL");
+               grace.count() / 1000.0, " s after the stop; sending SIGKILL");
       for (auto& p : procs) kill_group(p, SIGKILL);
     }
 

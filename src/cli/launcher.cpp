@@ -303,13 +303,17 @@ int launch_local(const LaunchOptions& o) {
 
   int world = o.nproc_per_node * nnodes;
   std::vector<std::string> base;
-  bool has_omp = false;
+  bool has_omp = false, has_unbuffered = false;
   for (char** e = environ; *e; ++e) {
     std::string name = env_name(*e);
     if (rank_vars().count(name)) continue;
     has_omp |= name == "OMP_NUM_THREADS";
+    has_unbuffered |= name == "PYTHONUNBUFFERED";
     base.push_back(*e);
   }
+  // Ranks write into pipes, where Python would buffer whole blocks; at a terminal (torchrun's
+  // default) it writes lines. Keep the interactive behaviour: logs appear as they happen.
+  if (!has_unbuffered) base.push_back("PYTHONUNBUFFERED=1");
   if (!has_omp && o.nproc_per_node > 1) {
     // Like torchrun: N ranks each using every core would oversubscribe the machine.
     base.push_back("OMP_NUM_THREADS=1");
@@ -396,6 +400,11 @@ int launch_fan_out(const LaunchOptions& o) {
             " --nnodes ", nnodes, " --node_rank ", i, " --master_addr ", shell_quote(master),
             " --master_port ", o.master_port, " --grace_period ", fmt_seconds(o.grace_period_s),
             " --stop_on_stdin_eof --", cmd_part);
+    // One argv string, which Linux caps at 128 KiB (MAX_ARG_STRLEN), here and on the host.
+    COLOSSAL_CHECK_INPUT(remote.size() < 120 * 1024, "colossal run: the command for host ",
+                         hosts[i], " is ", remote.size(),
+                         " bytes with the forwarded environment, over the 128 KiB a command line "
+                         "may have; unset large environment variables");
     Worker w;
     w.label = str("node ", i, " (", hosts[i], ")");
     w.path = ssh_path;

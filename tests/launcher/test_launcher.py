@@ -424,3 +424,21 @@ def test_ssh_fan_out_sigterm(tmp_path, rank_prog):
     _, err = p.communicate(timeout=15)
     assert p.returncode != 0, err
     assert_all_gone(read_pids(d))
+
+
+def test_output_is_relayed_as_it_happens(tmp_path):
+    # A rank's line must reach the launcher's stdout while the rank still runs (Python ranks
+    # write into a pipe; the launcher makes them line-buffered as at a terminal).
+    prog = tmp_path / "live.py"
+    prog.write_text("import time\nprint('ready', flush=False)\ntime.sleep(60)\n")
+    p = subprocess.Popen([BIN, "run", "--nproc_per_node", "1", "--master_port", "0", PY,
+                          str(prog)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        import selectors
+        sel = selectors.DefaultSelector()
+        sel.register(p.stdout, selectors.EVENT_READ)
+        assert sel.select(timeout=20), "no output while the rank runs"
+        assert p.stdout.readline() == "[rank 0] ready\n"
+    finally:
+        p.terminate()
+        p.wait(timeout=10)
