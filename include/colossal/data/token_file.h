@@ -1,0 +1,83 @@
+// Token files, memory-mapped, and the fixed-length samples cut from them.
+//
+// Formats:
+//  - llm.c headered .bin: 256 little-endian int32 header (magic, version, token count), then
+//    the tokens: magic 20240520 / version 1 = uint16 (GPT-2), magic 20240801 / version 7 =
+//    uint32 (Llama 3), as llm.c's dev/data/data_common.py writes them. The token count and the
+//    file size must agree exactly.
+//  - raw little-endian arrays (nanoGPT's train.bin): uint16 or uint32 with no header.
+// Which one: TokenFormat::Auto reads the first 4 bytes: an llm.c magic means headered;
+// otherwise the suffix decides: ".u32" or ".uint32" anywhere before the extension or as the
+// extension (e.g. "train.u32.bin") = raw uint32, anything else = raw uint16 (nanoGPT's
+// default). Pass RawU16/RawU32 to force a raw dtype.
+// Sample k = tokens[k*S, k*S+S+1): inputs the first S, targets the last S (shifted by one).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace colossal::data {
+
+enum class TokenFormat { Auto, RawU16, RawU32, LlmcGpt2, LlmcLlama3 };
+const char* to_string(TokenFormat f);
+TokenFormat token_format_from_string(const std::string& s);  // auto|u16|u32|llmc|llmc-llama3
+
+constexpr int32_t kLlmcMagicGpt2 = 20240520;
+constexpr int32_t kLlmcMagicLlama3 = 20240801;
+constexpr int64_t kLlmcHeaderBytes = 256 * 4;
+
+class TokenFile {
+ public:
+  // Opens and validates; corrupt or inconsistent files are InputErrors naming the path.
+  explicit TokenFile(const std::string& path, TokenFormat format = TokenFormat::Auto);
+  ~TokenFile();
+  TokenFile(const TokenFile&) = delete;
+  TokenFile& operator=(const TokenFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  TokenFormat format() const { return format_; }  // resolved (never Auto)
+  int64_t size() const { return ntokens_; }
+  int bytes_per_token() const { return width_; }
+  int64_t token(int64_t i) const;
+  // tokens[start, start+len) as an int64 CPU tensor (a copy).
+  at::Tensor slice(int64_t start, int64_t len) const;
+
+ private:
+  std::string path_;
+  TokenFormat format_;
+  int width_ = 2;
+  int64_t ntokens_ = 0;
+  void* map_ = nullptr;
+  size_t map_bytes_ = 0;
+  const unsigned char* data_ = nullptr;
+};
+
+// Writes tokens in a concrete format (not Auto); values
+// must fit the token width. Written to "<path>.tmp" then renamed.
+void write_token_file(const std::string& path, const std::vector<int64_t>& tokens,
+                      TokenFormat format);
+
+// Fixed-length samples over one token file.
+class TokenDataset {
+ public:
+  TokenDataset(std::shared_ptr<TokenFile> file, int64_t seq_len);
+  int64_t seq_len() const { return seq_len_; }
+  int64_t num_samples() const { return num_samples_; }  // floor((tokens - 1) / S)
+  // {inputs, targets}, each int64 [S].
+  std::pair<at::Tensor, at::Tensor> sample(int64_t k) const;
+  // Stacked samples: {inputs, targets}, each int64 [n, S].
+  std::pair<at::Tensor, at::Tensor> batch(const std::vector<int64_t>& indices) const;
+  const TokenFile& file() const { return *file_; }
+
+ private:
+  std::shared_ptr<TokenFile> file_;
+  int64_t seq_len_;
+  int64_t num_samples_;
+};
+
+}  // namespace colossal::data

@@ -1,0 +1,236 @@
+// Memory-mapped token files (raw uint16/uint32 and llm.c headered) and their writer.
+#include "colossal/data/token_file.h"
+
+#include <ATen/ATen.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+
+#include "colossal/core/error.h"
+
+namespace colossal::data {
+
+const char* to_string(TokenFormat f) {
+  switch (f) {
+    case TokenFormat::Auto:
+      return "auto";
+    case TokenFormat::RawU16:
+      return "u16";
+    case TokenFormat::RawU32:
+      return "u32";
+    case TokenFormat::LlmcGpt2:
+      return "llmc";
+    case TokenFormat::LlmcLlama3:
+      return "llmc-llama3";
+  }
+  return "?";
+}
+
+TokenFormat token_format_from_string(const std::string& s) {
+  for (auto f : {TokenFormat::Auto, TokenFormat::RawU16, TokenFormat::RawU32, TokenFormat::LlmcGpt2,
+                 TokenFormat::LlmcLlama3})
+    if (s == to_string(f)) return f;
+  throw InputError(
+      str("unknown token file format '", s, "'; use auto, u16, u32, llmc or llmc-llama3"));
+}
+
+namespace {
+int32_t read_i32(const unsigned char* p) {
+  uint32_t v = static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
+               (static_cast<uint32_t>(p[2]) << 16) | (static_cast<uint32_t>(p[3]) << 24);
+  return static_cast<int32_t>(v);
+}
+bool suffix_says_u32(const std::string& path) {
+  auto slash = path.find_last_of('/');
+  std::string base = slash == std::string::npos ? path : path.substr(slash + 1);
+  for (const char* tag : {".u32", ".uint32"}) {
+    auto pos = base.find(tag);
+    if (pos == std::string::npos) continue;
+    size_t end = pos + std::strlen(tag);
+    if (end == base.size() || base[end] == '.') return true;
+  }
+  return false;
+}
+}  // namespace
+
+TokenFile::TokenFile(const std::string& path, TokenFormat format) : path_(path), format_(format) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw InputError(str("cannot open token file ", path, ": ", std::strerror(errno)));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    int e = errno;
+    ::close(fd);
+    throw InputError(str("cannot stat token file ", path, ": ", std::strerror(e)));
+  }
+  size_t bytes = static_cast<size_t>(st.st_size);
+  if (bytes > 0) {
+    map_ = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
+    if (map_ == MAP_FAILED) {
+      int e = errno;
+      ::close(fd);
+      map_ = nullptr;
+      throw InputError(str("cannot memory-map token file ", path, ": ", std::strerror(e)));
+    }
+    map_bytes_ = bytes;
+  }
+  ::close(fd);
+  const auto* base = static_cast<const unsigned char*>(map_);
+  try {
+    if (format_ == TokenFormat::Auto) {
+      int32_t magic = bytes >= 4 ? read_i32(base) : 0;
+      if (magic == kLlmcMagicGpt2)
+        format_ = TokenFormat::LlmcGpt2;
+      else if (magic == kLlmcMagicLlama3)
+        format_ = TokenFormat::LlmcLlama3;
+      else
+        format_ = suffix_says_u32(path) ? TokenFormat::RawU32 : TokenFormat::RawU16;
+    }
+    if (format_ == TokenFormat::LlmcGpt2 || format_ == TokenFormat::LlmcLlama3) {
+      bool gpt2 = format_ == TokenFormat::LlmcGpt2;
+      COLOSSAL_CHECK_INPUT(static_cast<int64_t>(bytes) >= kLlmcHeaderBytes, "token file ", path,
+                           ": ", bytes, " bytes is shorter than the llm.c header (",
+                           kLlmcHeaderBytes, " bytes)");
+      int32_t magic = read_i32(base), version = read_i32(base + 4), count = read_i32(base + 8);
+      int32_t want_magic = gpt2 ? kLlmcMagicGpt2 : kLlmcMagicLlama3, want_version = gpt2 ? 1 : 7;
+      COLOSSAL_CHECK_INPUT(magic == want_magic, "token file ", path, ": bad llm.c magic ", magic,
+                           " (expected ", want_magic, ")");
+      COLOSSAL_CHECK_INPUT(version == want_version, "token file ", path,
+                           ": unsupported llm.c version ", version, " for magic ", magic,
+                           " (expected ", want_version, ")");
+      COLOSSAL_CHECK_INPUT(count >= 0, "token file ", path, ": negative token count ", count,
+                           " in the header");
+      width_ = gpt2 ? 2 : 4;
+      int64_t want = kLlmcHeaderBytes + static_cast<int64_t>(count) * width_;
+      COLOSSAL_CHECK_INPUT(static_cast<int64_t>(bytes) == want, "token file ", path,
+                           ": header says ", count, " tokens (", want,
+                           " bytes with the header) but the file has ", bytes,
+                           " bytes; it is truncated or corrupt");
+      ntokens_ = count;
+      data_ = base + kLlmcHeaderBytes;
+    } else {
+      width_ = format_ == TokenFormat::RawU32 ? 4 : 2;
+      COLOSSAL_CHECK_INPUT(bytes % width_ == 0, "token file ", path, ": ", bytes,
+                           " bytes is not a multiple of the token width ", width_, " (",
+                           to_string(format_), "); truncated, or the wrong --data-format");
+      ntokens_ = static_cast<int64_t>(bytes) / width_;
+      data_ = base;
+    }
+  } catch (...) {
+    if (map_) ::munmap(map_, map_bytes_);
+    map_ = nullptr;
+    throw;
+  }
+}
+
+TokenFile::~TokenFile() {
+  if (map_) ::munmap(map_, map_bytes_);
+}
+
+int64_t TokenFile::token(int64_t i) const {
+  COLOSSAL_CHECK(i >= 0 && i < ntokens_, "token file ", path_, ": index ", i, " out of range [0, ",
+                 ntokens_, ")");
+  const unsigned char* p = data_ + i * width_;
+  if (width_ == 2) return static_cast<int64_t>(p[0] | (p[1] << 8));
+  return static_cast<int64_t>(static_cast<uint32_t>(read_i32(p)));
+}
+
+at::Tensor TokenFile::slice(int64_t start, int64_t len) const {
+  COLOSSAL_CHECK(start >= 0 && len >= 0 && start + len <= ntokens_, "token file ", path_,
+                 ": slice [", start, ", ", start + len, ") out of range [0, ", ntokens_, ")");
+  at::Tensor out = at::empty({len}, at::kLong);
+  int64_t* o = out.data_ptr<int64_t>();
+  const unsigned char* p = data_ + start * width_;
+  // Little-endian host assumed for the bulk copy (checked at compile time below).
+  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "token files are little-endian");
+  if (width_ == 2) {
+    for (int64_t i = 0; i < len; ++i) {
+      uint16_t v;
+      std::memcpy(&v, p + 2 * i, 2);
+      o[i] = v;
+    }
+  } else {
+    for (int64_t i = 0; i < len; ++i) {
+      uint32_t v;
+      std::memcpy(&v, p + 4 * i, 4);
+      o[i] = v;
+    }
+  }
+  return out;
+}
+
+void write_token_file(const std::string& path, const std::vector<int64_t>& tokens,
+                      TokenFormat format) {
+  COLOSSAL_CHECK_INPUT(format != TokenFormat::Auto,
+                       "write_token_file: choose a concrete format for ", path);
+  int width = (format == TokenFormat::RawU16 || format == TokenFormat::LlmcGpt2) ? 2 : 4;
+  int64_t max_tok = width == 2 ? 0xFFFF : 0xFFFFFFFFLL;
+  std::vector<unsigned char> buf;
+  bool llmc = format == TokenFormat::LlmcGpt2 || format == TokenFormat::LlmcLlama3;
+  if (llmc) {
+    COLOSSAL_CHECK_INPUT(tokens.size() < (1ULL << 31), "write_token_file: ", tokens.size(),
+                         " tokens exceed llm.c's int32 count");
+    std::vector<int32_t> header(256, 0);
+    header[0] = format == TokenFormat::LlmcGpt2 ? kLlmcMagicGpt2 : kLlmcMagicLlama3;
+    header[1] = format == TokenFormat::LlmcGpt2 ? 1 : 7;
+    header[2] = static_cast<int32_t>(tokens.size());
+    buf.resize(kLlmcHeaderBytes);
+    std::memcpy(buf.data(), header.data(), kLlmcHeaderBytes);
+  }
+  size_t off = buf.size();
+  buf.resize(off + tokens.size() * width);
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    int64_t t = tokens[i];
+    COLOSSAL_CHECK_INPUT(t >= 0 && t <= max_tok, "write_token_file: token ", t, " at index ", i,
+                         " does not fit format ", to_string(format), " (max ", max_tok, ")");
+    if (width == 2) {
+      uint16_t v = static_cast<uint16_t>(t);
+      std::memcpy(buf.data() + off + 2 * i, &v, 2);
+    } else {
+      uint32_t v = static_cast<uint32_t>(t);
+      std::memcpy(buf.data() + off + 4 * i, &v, 4);
+    }
+  }
+  std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    COLOSSAL_CHECK_INPUT(f.good(), "cannot write token file ", tmp, ": ", std::strerror(errno));
+    f.write(reinterpret_cast<const char*>(buf.data()), static_cast<std::streamsize>(buf.size()));
+    COLOSSAL_CHECK_INPUT(f.good(), "error writing token file ", tmp);
+  }
+  COLOSSAL_CHECK_INPUT(std::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename ", tmp, " to ",
+                       path, ": ", std::strerror(errno));
+}
+
+TokenDataset::TokenDataset(std::shared_ptr<TokenFile> file, int64_t seq_len)
+    : file_(std::move(file)), seq_len_(seq_len) {
+  COLOSSAL_CHECK_INPUT(seq_len_ >= 1, "sequence length must be >= 1, got ", seq_len_);
+  num_samples_ = file_->size() > 0 ? (file_->size() - 1) / seq_len_ : 0;
+  COLOSSAL_CHECK_INPUT(num_samples_ >= 1, "token file ", file_->path(), " has ", file_->size(),
+                       " tokens, fewer than one sample of sequence length ", seq_len_, " needs (",
+                       seq_len_ + 1, ")");
+}
+
+std::pair<at::Tensor, at::Tensor> TokenDataset::sample(int64_t k) const {
+  COLOSSAL_CHECK(k >= 0 && k < num_samples_, "sample ", k, " out of range [0, ", num_samples_, ")");
+  at::Tensor t = file_->slice(k * seq_len_, seq_len_ + 1);
+  return {t.slice(0, 0, seq_len_), t.slice(0, 1, seq_len_ + 1)};
+}
+
+std::pair<at::Tensor, at::Tensor> TokenDataset::batch(const std::vector<int64_t>& indices) const {
+  at::Tensor in = at::empty({static_cast<int64_t>(indices.size()), seq_len_}, at::kLong);
+  at::Tensor tg = at::empty_like(in);
+  for (size_t i = 0; i < indices.size(); ++i) {
+    auto [x, y] = sample(indices[i]);
+    in[static_cast<int64_t>(i)].copy_(x);
+    tg[static_cast<int64_t>(i)].copy_(y);
+  }
+  return {in, tg};
+}
+
+}  // namespace colossal::data
