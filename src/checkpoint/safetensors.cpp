@@ -68,6 +68,19 @@ void pread_all(int fd, void* dst, uint64_t size, uint64_t offset, const std::str
   }
 }
 
+// Large destination buffers: ask for transparent huge pages (where THP is in "madvise" mode),
+// so filling them takes one page fault per 2 MB instead of per 4 KB, the main cost of a copy
+// from the page cache.
+void advise_huge_pages(void* p, uint64_t size) {
+#ifdef MADV_HUGEPAGE
+  constexpr uintptr_t kHuge = 2u << 20;
+  if (size < 4 * kHuge) return;
+  uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
+  uintptr_t end = (reinterpret_cast<uintptr_t>(p) + size) & ~(kHuge - 1);
+  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#endif
+}
+
 bool valid_utf8(std::string_view s) {
   size_t i = 0, n = s.size();
   while (i < n) {
@@ -341,6 +354,7 @@ TensorList load_safetensors_copy(const std::string& path, Metadata* metadata) {
   for (const auto& t : impl->tensors) {
     at::Tensor x = at::empty(t.shape, at::TensorOptions().dtype(t.dtype));
     char* dst = static_cast<char*>(x.data_ptr());
+    advise_huge_pages(dst, t.end - t.begin);
     for (uint64_t o = t.begin; o < t.end; o += kPiece) {
       pieces.push_back({dst + (o - t.begin), std::min(kPiece, t.end - o), impl->data_start + o});
     }
