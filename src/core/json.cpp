@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
+#include <unordered_set>
 
 #include "colossal/core/error.h"
 
@@ -251,6 +252,7 @@ class Parser {
   Value object(int depth) {
     ++p_;
     Value v = Value::object();
+    std::unordered_set<std::string> seen;  // O(1) duplicate check: safetensors headers hold 10^4+ keys
     skip_ws();
     if (peek() == '}') {
       ++p_;
@@ -265,7 +267,7 @@ class Parser {
       ++p_;
       skip_ws();
       Value item = value(depth + 1);
-      if (v.find(key)) fail(str("duplicate key \"", key, "\""));
+      if (!seen.insert(key).second) fail(str("duplicate key \"", key, "\""));
       v.as_object_mut().emplace_back(std::move(key), std::move(item));
       skip_ws();
       char c = peek();
