@@ -206,6 +206,28 @@ TEST(Safetensors, WriterRejectsBadListsAndKeepsOldFile) {
                Error);
 }
 
+TEST(Safetensors, AcceptsWhatTheReferenceAccepts) {
+  TempDir dir;
+  // A misaligned F32 after one byte (legal; the reader copies it into aligned memory), a null
+  // __metadata__, leading whitespace and unknown extra fields, as Python safetensors accepts.
+  float v = 1.5f;
+  std::string data(1, '\x07');
+  data.append(reinterpret_cast<const char*>(&v), 4);
+  std::string header =
+      R"( {"__metadata__":null,"u":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
+      R"("f":{"dtype":"F32","shape":[],"data_offsets":[1,5],"extra":true}})";
+  std::string path = dir.file("odd.safetensors");
+  write_bytes(path, raw_file(header, data));
+  for (const TensorList& got : {load_safetensors(path), load_safetensors_copy(path)}) {
+    ASSERT_EQ(got.size(), 2u);
+    EXPECT_EQ(got[0].first, "u");
+    EXPECT_EQ(got[0].second.item<uint8_t>(), 7);
+    EXPECT_EQ(got[1].first, "f");
+    EXPECT_EQ(got[1].second.item<float>(), 1.5f);
+  }
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(load_safetensors(path)[1].second.data_ptr()) % 4, 0u);
+}
+
 // ---- hostile files
 // -------------------------------------------------------------------------------
 
