@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <limits>
 
 #include "colossal/core/error.h"
@@ -73,10 +74,26 @@ std::vector<at::Tensor> defined(const std::vector<at::Tensor>& grads) {
   return out;
 }
 
-// Sum of squares of every entry, fp64, as one 0-dim tensor on the first grad's device.
+// Sum of squares of every entry, fp64, as one 0-dim tensor on the first grad's device. Grads
+// may live on several devices (CPU-offloaded shards next to GPU ones): one foreach pass per
+// device, partial sums gathered on the first device.
 at::Tensor local_sum_sq(const std::vector<at::Tensor>& grads) {
-  auto norms = at::_foreach_norm(grads, 2, at::kDouble);
-  return at::stack(norms).square().sum();
+  std::vector<std::pair<at::Device, std::vector<at::Tensor>>> by_device;
+  for (const auto& g : grads) {
+    auto it = std::find_if(by_device.begin(), by_device.end(),
+                           [&](auto& e) { return e.first == g.device(); });
+    if (it == by_device.end()) {
+      by_device.emplace_back(g.device(), std::vector<at::Tensor>{});
+      it = std::prev(by_device.end());
+    }
+    it->second.push_back(g);
+  }
+  at::Tensor total;
+  for (auto& [dev, list] : by_device) {
+    at::Tensor part = at::stack(at::_foreach_norm(list, 2, at::kDouble)).square().sum();
+    total = total.defined() ? total + part.to(total.device()) : part;
+  }
+  return total;
 }
 
 bool local_overflow_to_global(bool local, const at::Tensor& like, const GradReducer& r) {
