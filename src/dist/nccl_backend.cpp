@@ -3,7 +3,10 @@
 
 #include "colossal/core/error.h"
 
+#include "colossal/dist/communicator.h"
+
 #ifdef COLOSSAL_WITH_NCCL
+#include <torch/csrc/cuda/nccl.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
@@ -42,3 +45,18 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10
 }
 
 }  // namespace colossal::dist::detail
+
+namespace colossal::dist {
+
+std::string nccl_version() {
+#ifdef COLOSSAL_WITH_NCCL
+  // LibTorch packs the NCCL it was built with as major << 32 | minor << 16 | patch.
+  uint64_t v = torch::cuda::nccl::version();
+  return std::to_string(v >> 32) + "." + std::to_string((v >> 16) & 0xffff) + "." +
+         std::to_string(v & 0xffff);
+#else
+  return "";
+#endif
+}
+
+}  // namespace colossal::dist

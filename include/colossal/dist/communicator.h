@@ -27,6 +27,8 @@ enum class Backend { Gloo, Nccl };
 const char* to_string(Backend b);
 // Which engines this build contains (Gloo needs its headers at build time, NCCL a CUDA LibTorch).
 bool backend_available(Backend b);
+// Version of the NCCL LibTorch was built with ("2.28.9"); "" when this build has no NCCL.
+std::string nccl_version();
 
 // Default timeout of new communicators: COLOSSAL_DIST_TIMEOUT_S when set (seconds, > 0), else 30
 // min.
