@@ -213,3 +213,14 @@ def test_generate_errors(tmp_path):
         {"model_type": "llama", "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}))
     r = gen("--model", tmp_path, "--prompt-ids", "1")
     assert r.returncode == 2 and "yarn" in r.stderr
+
+
+def test_generate_bf16_runs(hf_case):
+    name, model, d = hf_case
+    if name != "llama_gqa":
+        pytest.skip("one bf16 smoke run is enough")
+    r = subprocess.run([BIN, "generate", "--model", str(d), "--prompt-ids", "1,2,3", "--max-new-tokens", "8",
+                        "--dtype", "bf16"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    toks = [int(t) for t in r.stdout.split()]
+    assert len(toks) == 8 and all(0 <= t < model.config.vocab_size for t in toks)
