@@ -140,3 +140,19 @@ TEST(GradScaler, NormSumsAcrossRanks) {
   EXPECT_NEAR(res.norm, global, 1e-12 * global);
   EXPECT_NEAR(res.divisor, 4.0 / (0.5 / (global + 1e-6)), 1e-9 * res.divisor);
 }
+
+// On a CUDA machine (skipped elsewhere): norm, overflow and clipping over grads split between
+// the GPU and the CPU (offloaded shards) equal the all-CPU result.
+TEST(GradScaler, CudaAndMixedDevices) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(1);
+  std::vector<at::Tensor> cpu = {at::randn({1000}) * 64, at::randn({17, 5}).to(at::kHalf) * 64};
+  std::vector<at::Tensor> mixed = {cpu[0].to(at::kCUDA), cpu[1].clone()};
+  auto rc = unscale_and_clip(cpu, 64.0, 1.0);
+  auto rm = unscale_and_clip(mixed, 64.0, 1.0);
+  EXPECT_NEAR(rc.norm, rm.norm, 1e-12 * rc.norm);
+  EXPECT_TRUE(at::allclose(cpu[0], mixed[0].cpu(), 1e-6, 1e-7));
+  EXPECT_TRUE(at::equal(cpu[1], mixed[1]));
+  mixed[0][3] = std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(grads_overflow(mixed));
+}
