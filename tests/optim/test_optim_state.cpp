@@ -269,7 +269,9 @@ TEST(OptimState, CudaMatchesCpu) {
     const char* names[] = {"a", "b", "c"};
     for (size_t i = 0; i < cpu.size(); ++i) {
       at::Tensor mc = oc->master(names[i]), mg = og->master(names[i]);
-      if (mc.defined()) EXPECT_TRUE(at::allclose(mc, mg.cpu(), 1e-6, 1e-7)) << "master " << i;
+      if (mc.defined()) {
+        EXPECT_TRUE(at::allclose(mc, mg.cpu(), 1e-6, 1e-7)) << "master " << i;
+      }
       EXPECT_TRUE(at::allclose(cpu[i].to(at::kFloat), gpu[i].cpu().to(at::kFloat),
                                dt == at::kFloat ? 1e-6 : 8e-3, 1e-7))
           << "param " << i << " dtype " << dt;
