@@ -121,9 +121,10 @@ void write_file_atomic(const std::string& path, const std::function<void(int fd)
 StagedDirectory::StagedDirectory(std::string target) : target_(std::move(target)) {
   while (target_.size() > 1 && target_.back() == '/') target_.pop_back();
   COLOSSAL_CHECK_INPUT(!target_.empty(), "StagedDirectory: empty target folder name");
-  staging_ = str(target_, ".staging-", ::getpid());
+  // A fixed name, not a per-process one: every rank of a job computes the same folder, and the
+  // leftover of a crashed save is found and cleared by the next one.
+  staging_ = target_ + ".staging";
   std::string err;
-  // A leftover of a crashed save by a process with our pid.
   if (!remove_tree(staging_, &err)) throw Error(str("cannot clear old staging folder: ", err));
   std::error_code ec;
   fs::create_directories(staging_, ec);
@@ -159,7 +160,7 @@ void StagedDirectory::commit() {
     } else {
       // No RENAME_EXCHANGE here: move the old folder aside first; a crash between the two
       // renames leaves it complete under "<target>.old-<pid>".
-      old = str(target_, ".old-", ::getpid());
+      old = target_ + ".old";
       std::string err;
       if (!remove_tree(old, &err)) throw Error(str("cannot clear ", old, ": ", err));
       if (::rename(target_.c_str(), old.c_str()) != 0) {

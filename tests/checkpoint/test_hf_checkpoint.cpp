@@ -274,13 +274,18 @@ TEST(AtomicWrites, FailedWriteKeepsOldFile) {
 TEST(AtomicWrites, StagedDirectorySwapsWholeFolder) {
   TempDir dir;
   std::string target = dir.sub("ckpt");
+  // The leftover of a crashed save is cleared, not published.
+  fs::create_directories(target + ".staging");
+  std::ofstream(target + ".staging/junk.txt") << "x";
   {
     StagedDirectory s(target);
+    EXPECT_EQ(s.path(), target + ".staging");
     save_state_dict(s.path(), {{"v", at::full({2}, 1.0)}});
     EXPECT_FALSE(fs::exists(target));
     s.commit();
   }
   EXPECT_TRUE(at::equal(load_state_dict(target)[0].second, at::full({2}, 1.0)));
+  EXPECT_FALSE(fs::exists(target + "/junk.txt"));
   // A save that fails midway leaves the previous folder as it was, and no staging folder.
   try {
     StagedDirectory s(target);

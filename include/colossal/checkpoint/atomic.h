@@ -25,11 +25,13 @@ void write_all(int fd, const void* data, size_t size, const std::string& path);
 // function that libtorch.so 2.11 exports shadows libstdc++'s and crashes (jumps to address 0).
 bool remove_tree(const std::string& path, std::string* error = nullptr);
 
-// A checkpoint folder written as a whole: files go into path() (a fresh sibling
-// "<target>.staging-<pid>"); commit() fsyncs them and swaps the folder into `target`
-// (an existing target is replaced: renameat2(RENAME_EXCHANGE) where the file system supports it,
-// else two renames), then deletes the previous contents. Without commit() (an exception while
-// writing) the destructor removes the staging folder and `target` is untouched.
+// A checkpoint folder written as a whole: files go into path() ("<target>.staging", cleared
+// first if a crashed save left it); commit() fsyncs them and swaps the folder into `target` (an
+// existing target is replaced: renameat2(RENAME_EXCHANGE) where the file system supports it, else
+// two renames via "<target>.old"), then deletes the previous contents. Without commit() (an
+// exception while writing) the destructor removes the staging folder and `target` is untouched.
+// Multi-rank saves: one rank owns the StagedDirectory and commits after a barrier; the others
+// write into the same, deterministic path() without constructing one.
 class StagedDirectory {
  public:
   explicit StagedDirectory(std::string target);
