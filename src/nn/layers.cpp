@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <numbers>
 
 #include "colossal/core/error.h"
 
@@ -168,7 +169,7 @@ at::Tensor rope_inv_freq(const ModelConfig& cfg, std::optional<int64_t> seq_len)
     at::Tensor inv_freq = at::reciprocal(at::pow(r.theta, ex));
     const double old_ctx = double(r.original_max_position_embeddings);
     const double low_wl = old_ctx / r.low_freq_factor, high_wl = old_ctx / r.high_freq_factor;
-    at::Tensor wavelen = at::reciprocal(inv_freq) * (2 * M_PI);
+    at::Tensor wavelen = at::reciprocal(inv_freq) * (2 * std::numbers::pi);
     at::Tensor llama = at::where(wavelen > low_wl, inv_freq / r.factor, inv_freq);
     at::Tensor smooth = (at::reciprocal(wavelen) * old_ctx - r.low_freq_factor) /
                         (r.high_freq_factor - r.low_freq_factor);
