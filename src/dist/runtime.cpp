@@ -64,13 +64,19 @@ void init(const LaunchEnv& env, const InitOptions& options) {
   auto timeout = options.timeout ? *options.timeout : default_timeout();
   set_log_rank(env.world_size > 1 ? env.rank : -1);
 
+  auto& cuda = Accelerator::cuda();
+  int n_gpus = cuda.device_count();
   if (kind == Backend::Nccl) {
-    auto& cuda = Accelerator::cuda();
-    int n = cuda.device_count();
-    COLOSSAL_CHECK_INPUT(env.local_rank < n, "local rank ", env.local_rank,
-                         " has no CUDA device: this host shows ", n, " (start at most ", n,
-                         " ranks per node, or check CUDA_VISIBLE_DEVICES)");
+    COLOSSAL_CHECK_INPUT(env.local_rank < n_gpus, "local rank ", env.local_rank,
+                         " has no CUDA device: this host shows ", n_gpus, " (start at most ",
+                         n_gpus, " ranks per node, or check CUDA_VISIBLE_DEVICES)");
     cuda.set_device(env.local_rank);
+  } else if (env.local_rank < n_gpus) {
+    cuda.set_device(
+        env.local_rank);  // Gloo world on a GPU host: CUDA tensors still go to this rank's GPU
+  } else if (n_gpus > 0) {
+    log_debug("dist: local rank ", env.local_rank, " has no GPU of its own (", n_gpus,
+              " visible); the CUDA device is left as it is");
   }
   Accelerator::current().manual_seed(options.seed);
   Accelerator::cpu().manual_seed(options.seed);
