@@ -136,7 +136,7 @@ void AdamW::update(const GroupOptions& g, std::vector<at::Tensor>& params,
       M.push_back(states[i]->tensors.at("exp_avg"));
       V.push_back(states[i]->tensors.at("exp_avg_sq"));
     }
-    adamw_update(P, G, M, V, step, h, impl_);
+    adamw_update(P, G, M, V, step, h, impl_, grad_divisor());
   }
 }
 

@@ -1,6 +1,8 @@
 // Optimizer base: grouping, masters, step bookkeeping and named state export/import.
 #include "colossal/optim/optimizer.h"
 
+#include <cmath>
+
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
@@ -48,7 +50,10 @@ void Optimizer::add_param_group(std::vector<NamedParam> params, GroupOptions opt
   groups_.push_back(std::move(g));
 }
 
-void Optimizer::step() {
+void Optimizer::step(double grad_divisor) {
+  COLOSSAL_CHECK(grad_divisor > 0 && std::isfinite(grad_divisor), "optimizer: grad_divisor must be finite and > 0, got ",
+                 grad_divisor);
+  grad_divisor_ = grad_divisor;
   c10::NoGradGuard no_grad;
   for (auto& g : groups_) {
     std::vector<at::Tensor> params, grads;
@@ -103,6 +108,20 @@ void Optimizer::set_lr(double lr) {
 at::Tensor Optimizer::master(const std::string& name) const {
   auto it = masters_.find(name);
   return it == masters_.end() ? at::Tensor() : it->second;
+}
+
+void Optimizer::adopt_masters(const std::vector<std::pair<std::string, at::Tensor>>& masters) {
+  if (!options_.master_weights) return;
+  std::map<std::string, const at::Tensor*> by_name;
+  for (const auto& [n, t] : masters) by_name[n] = &t;
+  for (auto& g : groups_)
+    for (size_t i = 0; i < g.params.size(); ++i) {
+      auto it = by_name.find(g.names[i]);
+      if (it == by_name.end() || !is_half(g.params[i])) continue;
+      const at::Tensor& m = *it->second;
+      COLOSSAL_CHECK(m.sizes() == g.params[i].sizes(), "adopt_masters: shape of '", g.names[i], "' differs");
+      masters_[g.names[i]] = m.detach().to(g.params[i].device(), at::kFloat, false, /*copy=*/true);
+    }
 }
 
 void Optimizer::sync_masters_from_params() {

@@ -43,7 +43,13 @@ void SGD::update(const GroupOptions& g, std::vector<at::Tensor>& params,
       auto it = states[i]->tensors.find("momentum_buffer");
       if (it != states[i]->tensors.end()) bufs[i] = it->second;
     }
-  sgd_update(params, grads, bufs, h);
+  if (grad_divisor() != 1.0) {
+    // SGD has no fused divisor: divide copies (the caller's .grad stays untouched).
+    std::vector<at::Tensor> scaled = at::_foreach_div(grads, at::Scalar(grad_divisor()));
+    sgd_update(params, scaled, bufs, h);
+  } else {
+    sgd_update(params, grads, bufs, h);
+  }
   if (h.momentum != 0.0)
     for (size_t i = 0; i < params.size(); ++i) states[i]->tensors["momentum_buffer"] = bufs[i];
 }

@@ -71,7 +71,10 @@ class Optimizer {
 
   // One update with each parameter's .grad(); parameters without a gradient are skipped (their
   // step count does not advance), as in torch.optim.
-  void step();
+  void step() { step(1.0); }
+  // The same with every gradient divided by `grad_divisor` inside the update (loss-scale
+  // unscaling and clipping fused into the step: no separate pass over the gradients).
+  void step(double grad_divisor);
 
   // Sets grads to undefined (set_to_none) or zeroes them in place.
   void zero_grad(bool set_to_none = true);
@@ -84,6 +87,10 @@ class Optimizer {
   at::Tensor master(const std::string& name) const;
   // Re-copies every master from its working parameter (after a model checkpoint load).
   void sync_masters_from_params();
+  // Takes fp32 masters for parameters that were cast to bf16/fp16 after they were added (the
+  // Booster casts the model at boost time): `masters` holds (name, fp32 value before the cast).
+  // Names that are not half parameters of this optimizer are ignored.
+  void adopt_masters(const std::vector<std::pair<std::string, at::Tensor>>& masters);
 
   const ParamState* state(const std::string& name) const;
 
@@ -101,12 +108,15 @@ class Optimizer {
                       std::vector<at::Tensor>& grads, std::vector<ParamState*>& states) = 0;
   // State keys this optimizer keeps for every parameter that has stepped.
   virtual std::vector<std::string> state_keys(const GroupOptions& group) const = 0;
+  // The divisor of the step in progress (1 = none); update() implementations apply it.
+  double grad_divisor() const { return grad_divisor_; }
 
  private:
   OptimizerOptions options_;
   std::vector<ParamGroup> groups_;
   std::map<std::string, ParamState> state_;
   std::map<std::string, at::Tensor> masters_;
+  double grad_divisor_ = 1.0;
 };
 
 }  // namespace colossal::optim

@@ -1,0 +1,85 @@
+// Booster: the one facade a training loop is written against. The plugin decides everything
+// (data parallel, ZeRO, Gemini, ...); switching strategy is a config change, not a code change.
+//
+//   auto plugin = std::make_shared<booster::DDPPlugin>(booster::DDPOptions{});
+//   booster::Booster booster(plugin);
+//   auto [model, optimizer] = booster.boost(net, adamw);
+//   auto loss = criterion(model->as<Net>()->forward(x), y);
+//   booster.backward(loss, *optimizer);
+//   optimizer->step();  optimizer->zero_grad();
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "colossal/booster/plugin.h"
+#include "colossal/booster/wrappers.h"
+
+namespace colossal::optim {
+class LRScheduler;
+}
+
+namespace colossal::booster {
+
+struct BoosterOptions {
+  // Only for plugins that do not control them (ColossalAI's Booster(device, mixed_precision));
+  // our plugins all do, so a value that contradicts the plugin is an error, not a warning.
+  std::optional<std::string> device;
+  std::optional<std::string> mixed_precision;
+};
+
+struct Boosted {
+  std::shared_ptr<ModelWrapper> model;
+  std::shared_ptr<OptimizerWrapper> optimizer;
+};
+
+// Restores gradient synchronisation when it goes out of scope.
+class NoSyncGuard {
+ public:
+  explicit NoSyncGuard(ModelWrapper& model);
+  ~NoSyncGuard();
+  NoSyncGuard(const NoSyncGuard&) = delete;
+  NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+ private:
+  ModelWrapper& model_;
+  bool previous_;
+};
+
+class Booster {
+ public:
+  // plugin == nullptr: the single-process "none" plugin.
+  explicit Booster(std::shared_ptr<Plugin> plugin = nullptr, BoosterOptions options = {});
+
+  Plugin& plugin() { return *plugin_; }
+
+  Boosted boost(std::shared_ptr<torch::nn::Module> model, std::shared_ptr<optim::Optimizer> optimizer = nullptr);
+
+  void backward(const at::Tensor& loss, OptimizerWrapper& optimizer);
+  // Gradients accumulate locally until the guard ends; the next synchronised backward reduces
+  // the accumulated sum. Requires plugin().support_no_sync().
+  [[nodiscard]] std::unique_ptr<NoSyncGuard> no_sync(ModelWrapper& model, OptimizerWrapper* optimizer = nullptr);
+  double clip_grad_by_norm(OptimizerWrapper& optimizer, double max_norm, double norm_type = 2.0);
+  // Pipeline plugins implement this; the others reject it with a clear error.
+  void execute_pipeline();
+
+  // Model: HF safetensors (`model.safetensors`, or shards + index when shard=true), plus
+  // config.json for the project's own models. Written by global rank 0, atomically.
+  void save_model(ModelWrapper& model, const std::string& dir, bool shard = false, int64_t size_per_shard = 1024);
+  void load_model(ModelWrapper& model, const std::string& path, bool strict = true,
+                  OptimizerWrapper* optimizer = nullptr);
+  // Optimizer: full-shape states keyed by parameter name (`optimizer.safetensors` +
+  // `optimizer.json` in `dir`), so they load into any layout.
+  void save_optimizer(OptimizerWrapper& optimizer, const std::string& dir);
+  void load_optimizer(OptimizerWrapper& optimizer, const std::string& dir);
+  void save_lr_scheduler(optim::LRScheduler& scheduler, const std::string& file);
+  void load_lr_scheduler(optim::LRScheduler& scheduler, const std::string& file);
+
+ private:
+  bool is_writer() const;
+  void barrier();
+  std::shared_ptr<Plugin> plugin_;
+};
+
+}  // namespace colossal::booster

@@ -1,0 +1,85 @@
+// The `none` (single process) and `ddp` plugins.
+//
+// ddp: parameters broadcast from rank 0 at boost, gradients all-reduced (averaged) in buckets
+// overlapped with backward (GradSync), no_sync accumulation. Options follow ColossalAI's
+// TorchDDPPlugin names; precision is the plugin's (fp32, or bf16/fp16 working weights with fp32
+// masters in the optimizer and a dynamic loss scale for fp16).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "colossal/booster/plugin.h"
+#include "colossal/booster/wrappers.h"
+
+namespace colossal {
+class OptionSet;
+}
+
+namespace colossal::booster {
+
+struct DDPOptions {
+  std::string precision = "fp32";
+  std::string device = "cpu";
+  double bucket_cap_mb = 25.0;
+  bool broadcast_buffers = true;
+  // Reduce gradients in fp32 even when they are bf16/fp16 (costs bandwidth, saves precision).
+  bool fp32_grad_reduce = false;
+  LossScaleOptions loss_scale;
+
+  // Registers every field under section "plugin" (flags --bucket_cap_mb, ...).
+  void register_options(OptionSet& set);
+};
+
+class DDPPlugin : public Plugin {
+ public:
+  // comm: the data-parallel group (default: the world communicator of dist::init()).
+  explicit DDPPlugin(DDPOptions options = {}, dist::Communicator comm = {});
+  std::string name() const override { return "ddp"; }
+  std::vector<Precision> supported_precisions() const override;
+  std::vector<std::string> supported_devices() const override { return {"cpu", "cuda"}; }
+  bool support_no_sync() const override { return true; }
+  Precision precision() const override { return precision_; }
+  std::string device() const override { return options_.device; }
+  int dp_rank() const override;
+  int dp_size() const override;
+  std::shared_ptr<ModelWrapper> configure_model(std::shared_ptr<torch::nn::Module> model) override;
+  std::shared_ptr<OptimizerWrapper> configure_optimizer(std::shared_ptr<optim::Optimizer> optimizer,
+                                                        ModelWrapper& model) override;
+  const DDPOptions& options() const { return options_; }
+
+ private:
+  DDPOptions options_;
+  Precision precision_;
+  dist::Communicator comm_;
+};
+
+// Single process: no communication. Refuses to run with more than one rank (use ddp).
+class NonePlugin : public Plugin {
+ public:
+  explicit NonePlugin(std::string precision = "fp32", std::string device = "cpu", LossScaleOptions loss_scale = {});
+  std::string name() const override { return "none"; }
+  std::vector<Precision> supported_precisions() const override;
+  std::vector<std::string> supported_devices() const override { return {"cpu", "cuda"}; }
+  bool support_no_sync() const override { return true; }
+  Precision precision() const override { return precision_; }
+  std::string device() const override { return device_; }
+  int dp_rank() const override { return 0; }
+  int dp_size() const override { return 1; }
+  std::shared_ptr<ModelWrapper> configure_model(std::shared_ptr<torch::nn::Module> model) override;
+  std::shared_ptr<OptimizerWrapper> configure_optimizer(std::shared_ptr<optim::Optimizer> optimizer,
+                                                        ModelWrapper& model) override;
+
+ private:
+  Precision precision_;
+  std::string device_;
+  LossScaleOptions loss_scale_;
+};
+
+// Casts a module's floating parameters and buffers to `dtype` and moves them to `device` in
+// place (the Parameter objects stay the same, so an optimizer built before keeps working).
+// Returns, for every floating parameter, its fp32 value before the cast (the master weights).
+std::vector<std::pair<std::string, at::Tensor>> cast_module_in_place(torch::nn::Module& module, at::ScalarType dtype,
+                                                                      const std::string& device);
+
+}  // namespace colossal::booster

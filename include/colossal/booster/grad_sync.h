@@ -1,0 +1,81 @@
+// Bucketed gradient all-reduce overlapped with backward: the engine of the `ddp` plugin.
+//
+// Each trainable parameter gets a post-accumulate-grad hook. Parameters are packed, in reverse
+// registration order (roughly the order backward produces their gradients), into buckets of at
+// most `bucket_cap_mb`, one dtype and device per bucket. When every gradient of a bucket has been
+// accumulated the bucket is flattened and all-reduced (average) asynchronously while backward
+// goes on; finish() waits for all of them and writes the averaged values back into `.grad`.
+// Buckets are launched strictly in index order on every rank, so ranks always issue the same
+// collective sequence even when their gradients become ready in a different order; a parameter
+// with no gradient in this backward contributes zeros (and gets a zero gradient).
+//
+// Why not c10d::Reducer: it needs a c10d::ProcessGroup (we hold Backends through our
+// Communicator), its no_sync and unused-parameter handling are driven from Python, and ZeRO-2
+// needs the same hook + bucket machinery with reduce-scatter instead of all-reduce.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "colossal/dist/communicator.h"
+
+namespace colossal::booster {
+
+class GradSync {
+ public:
+  struct Options {
+    double bucket_cap_mb = 25.0;
+    // Gradients are reduced in this dtype (undefined = their own dtype), e.g. fp32 for bf16 grads.
+    c10::optional<at::ScalarType> communication_dtype;
+  };
+
+  GradSync(std::vector<std::pair<std::string, at::Tensor>> params, dist::Communicator comm, Options options);
+  ~GradSync();
+  GradSync(const GradSync&) = delete;
+  GradSync& operator=(const GradSync&) = delete;
+
+  // While false (inside no_sync), hooks do nothing and gradients accumulate locally.
+  void set_enabled(bool enabled) { enabled_ = enabled; }
+  bool enabled() const { return enabled_; }
+
+  // Runs at the end of every backward that produced gradients (queued on the autograd engine by
+  // the first hook): launches buckets not launched yet (in order), waits for every all-reduce
+  // and writes averaged gradients back. A no-op when disabled or when nothing is pending.
+  void finish();
+
+  size_t num_buckets() const { return buckets_.size(); }
+  // Parameter names of bucket i, in packing order (for tests and logs).
+  std::vector<std::string> bucket_names(size_t i) const;
+
+ private:
+  struct Bucket {
+    std::vector<size_t> params;  // indices into params_
+    int64_t numel = 0;
+    at::ScalarType dtype;
+    int pending = 0;
+    bool launched = false;
+    at::Tensor flat;
+    dist::Work work;
+  };
+  void on_grad_ready(size_t param_index);
+  void launch(size_t bucket_index);
+  void launch_ready_prefix();
+  void reset_iteration();
+
+  std::vector<std::pair<std::string, at::Tensor>> params_;
+  std::vector<size_t> bucket_of_;  // param index -> bucket index
+  std::vector<char> ready_;
+  std::vector<Bucket> buckets_;
+  size_t next_launch_ = 0;
+  dist::Communicator comm_;
+  Options options_;
+  bool enabled_ = true;
+  bool armed_ = false;  // a hook fired since the last finish()
+  std::shared_ptr<bool> alive_;
+};
+
+}  // namespace colossal::booster

@@ -1,0 +1,71 @@
+// The plugin contract: what a parallel strategy tells the Booster about itself (precisions,
+// devices, no_sync, checkpoint IO, pipelines) and how it wraps a model and an optimizer.
+// An unsupported combination is rejected at boost() with a message naming plugin and option.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "colossal/dist/communicator.h"
+
+namespace torch::nn {
+class Module;
+}
+namespace colossal::optim {
+class Optimizer;
+}
+
+namespace colossal::booster {
+
+enum class Precision { FP32, FP16, BF16 };
+Precision precision_from_string(const std::string& s);  // "fp32" | "fp16" | "bf16"; InputError otherwise
+const char* to_string(Precision p);
+at::ScalarType working_dtype(Precision p);
+
+// ColossalAI's dynamic loss-scale arguments (LowLevelZero/Gemini/Hybrid names and defaults).
+struct LossScaleOptions {
+  double initial_scale = 65536.0;  // 2**16
+  double min_scale = 1.0;
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+  int64_t growth_interval = 1000;
+  int64_t hysteresis = 2;
+  double max_scale = 4294967296.0;  // 2**32
+};
+
+class ModelWrapper;
+class OptimizerWrapper;
+
+class Plugin {
+ public:
+  virtual ~Plugin() = default;
+  virtual std::string name() const = 0;
+  virtual std::vector<Precision> supported_precisions() const = 0;
+  virtual std::vector<std::string> supported_devices() const = 0;  // "cpu", "cuda"
+  virtual bool support_no_sync() const = 0;
+  virtual bool support_pipeline() const { return false; }
+  virtual bool control_checkpoint_io() const { return false; }
+  // The precision and device this plugin was configured with.
+  virtual Precision precision() const = 0;
+  virtual std::string device() const = 0;
+
+  // Data-parallel coordinates for the dataloader and sample order.
+  virtual int dp_rank() const = 0;
+  virtual int dp_size() const = 0;
+
+  // Moves/casts the model in place (the module object stays the same), registers what the
+  // strategy needs and returns the wrappers. `optimizer` may be null (inference).
+  virtual std::shared_ptr<ModelWrapper> configure_model(std::shared_ptr<torch::nn::Module> model) = 0;
+  virtual std::shared_ptr<OptimizerWrapper> configure_optimizer(std::shared_ptr<optim::Optimizer> optimizer,
+                                                                ModelWrapper& model) = 0;
+
+  // Checks the combination of options against the capabilities above; throws InputError naming
+  // the plugin and the option.
+  void validate() const;
+};
+
+}  // namespace colossal::booster

@@ -1,0 +1,67 @@
+// `colossal train`: a complete training run driven by one typed config (TOML file + flags):
+// model from a preset, a config.json or an HF folder; token-file data in a layout-independent
+// sample order; AdamW with warmup + schedule; any plugin through the Booster; progress, metrics
+// lines, atomic training checkpoints and exact resume.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "colossal/booster/ddp_plugin.h"
+#include "colossal/core/json.h"
+
+namespace colossal {
+class OptionSet;
+}
+
+namespace colossal::booster {
+
+struct TrainConfig {
+  // [model]
+  std::string model = "tiny";  // preset name or path to an HF config.json
+  std::string init;            // HF model folder to start from (config + weights)
+  // [data]
+  std::string data;             // token file (see data/token_file.h)
+  std::string data_format = "auto";
+  int64_t seq_len = 256;
+  bool shuffle = true;
+  // [train]
+  int64_t micro_batch = 4;
+  int64_t accumulation = 1;
+  int64_t steps = 100;
+  int64_t seed = 1024;
+  std::string device = "cpu";
+  int64_t log_every = 10;
+  // [optim]
+  double lr = 3e-4;
+  std::string schedule = "cosine";
+  int64_t warmup = 0;
+  double min_lr_ratio = 0.0;
+  double weight_decay = 0.1;  // matrices only (dim >= 2)
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  double max_grad_norm = 1.0;  // 0: no clipping
+  // [plugin]
+  std::string plugin = "ddp";
+  DDPOptions ddp;
+  // [checkpoint]
+  std::string save_dir;
+  int64_t save_every = 0;  // optimizer steps; 0: only at the end
+  std::string resume;      // a step folder, or a save_dir (its `latest`)
+  std::string metrics_file;
+
+  void register_options(OptionSet& set);
+  // Cross-option checks (after file + flags); InputError naming the option.
+  void validate() const;
+};
+
+struct TrainResult {
+  int64_t steps_done = 0;
+  double last_loss = 0.0;
+  std::string last_checkpoint;
+};
+
+// Runs the whole training described by `config` on this rank (dist::init() done by the caller,
+// or a single process). `config_json` is what gets recorded in checkpoints.
+TrainResult train(const TrainConfig& config, const json::Value& config_json);
+
+}  // namespace colossal::booster

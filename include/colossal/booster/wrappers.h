@@ -1,0 +1,94 @@
+// What boost() returns: the model and optimizer wrapped so they behave like the originals, with
+// the strategy (gradient sync, mixed precision, loss scaling, clipping) inside.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <typeinfo>
+
+#include "colossal/amp/grad_reducer.h"
+#include "colossal/booster/plugin.h"
+#include "colossal/core/error.h"
+#include "colossal/core/json.h"
+
+namespace torch::nn {
+class Module;
+}
+namespace colossal::amp {
+class DynamicGradScaler;
+}
+
+namespace colossal::booster {
+
+class ModelWrapper {
+ public:
+  explicit ModelWrapper(std::shared_ptr<torch::nn::Module> module) : module_(std::move(module)) {}
+  virtual ~ModelWrapper() = default;
+
+  // The original module (same object the user passed in), e.g. to call its typed forward.
+  torch::nn::Module& module() { return *module_; }
+  const std::shared_ptr<torch::nn::Module>& module_ptr() const { return module_; }
+  template <class M>
+  std::shared_ptr<M> as() const {
+    auto p = std::dynamic_pointer_cast<M>(module_);
+    COLOSSAL_CHECK(p, "the boosted model is not a ", typeid(M).name());
+    return p;
+  }
+
+  // Gradient synchronisation hooks used by Booster::backward and no_sync.
+  virtual void set_require_grad_sync(bool sync) { (void)sync; }
+  virtual bool require_grad_sync() const { return true; }
+  virtual void finish_backward() {}
+
+ private:
+  std::shared_ptr<torch::nn::Module> module_;
+};
+
+class OptimizerWrapper {
+ public:
+  OptimizerWrapper(std::shared_ptr<optim::Optimizer> optimizer, Precision precision,
+                   const LossScaleOptions& loss_scale, amp::GradReducer reducer = {});
+  virtual ~OptimizerWrapper();
+
+  optim::Optimizer& optimizer() { return *optimizer_; }
+  const std::shared_ptr<optim::Optimizer>& optimizer_ptr() const { return optimizer_; }
+
+  // loss.backward(), scaled by the loss scale under fp16.
+  virtual void backward(const at::Tensor& loss);
+  // Computes the global gradient norm now (fp64, unscaled) and clips at step time: unscaling
+  // and clipping are applied in the same pass as the update. Returns the norm (inf/nan on
+  // fp16 overflow).
+  virtual double clip_grad_by_norm(double max_norm, double norm_type = 2.0);
+  // One update; under fp16, a step with inf/nan gradients on any rank is skipped on every rank
+  // (logged) and the loss scale backs off. Returns false when skipped.
+  virtual bool step();
+  virtual void zero_grad(bool set_to_none = true);
+
+  double loss_scale() const;
+  double last_grad_norm() const { return last_norm_; }
+  bool last_step_skipped() const { return last_skipped_; }
+  Precision precision() const { return precision_; }
+  amp::DynamicGradScaler* scaler() { return scaler_.get(); }
+
+  // The loss-scaler state (fp16), for training checkpoints.
+  json::Value state() const;
+  void load_state(const json::Value& state);
+
+ protected:
+  double compute_grad_norm();  // global, unscaled, fp64
+
+  std::shared_ptr<optim::Optimizer> optimizer_;
+  Precision precision_;
+  std::unique_ptr<amp::DynamicGradScaler> scaler_;
+  // Empty when every rank holds full, identical gradients (ddp after its all-reduce); sharded
+  // strategies wire it to their group so norms and overflow are global.
+  amp::GradReducer reducer_;
+  double max_norm_ = 0.0;
+  bool norm_valid_ = false;
+  double last_norm_ = 0.0;
+  bool last_skipped_ = false;
+};
+
+}  // namespace colossal::booster

@@ -1,0 +1,180 @@
+#include "colossal/booster/ddp_plugin.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include "colossal/booster/grad_sync.h"
+#include "colossal/core/accelerator.h"
+#include "colossal/core/logging.h"
+#include "colossal/core/options.h"
+#include "colossal/dist/runtime.h"
+#include "colossal/optim/optimizer.h"
+
+namespace colossal::booster {
+
+void DDPOptions::register_options(OptionSet& set) {
+  set.add("plugin", "precision", &precision, "training precision", {"fp32", "bf16", "fp16"})
+      .add("plugin", "bucket_cap_mb", &bucket_cap_mb, "ddp: gradient bucket size in MB")
+      .add("plugin", "broadcast_buffers", &broadcast_buffers, "ddp: broadcast buffers from rank 0 at boost")
+      .add("plugin", "fp32_grad_reduce", &fp32_grad_reduce, "ddp: all-reduce bf16/fp16 gradients in fp32")
+      .add("plugin", "initial_scale", &loss_scale.initial_scale, "fp16: initial loss scale")
+      .add("plugin", "min_scale", &loss_scale.min_scale, "fp16: minimum loss scale")
+      .add("plugin", "max_scale", &loss_scale.max_scale, "fp16: maximum loss scale")
+      .add("plugin", "growth_factor", &loss_scale.growth_factor, "fp16: loss-scale growth factor")
+      .add("plugin", "backoff_factor", &loss_scale.backoff_factor, "fp16: loss-scale backoff factor")
+      .add("plugin", "growth_interval", &loss_scale.growth_interval, "fp16: clean steps before growing the scale")
+      .add("plugin", "hysteresis", &loss_scale.hysteresis, "fp16: overflows before backing off");
+  set.min("bucket_cap_mb", 1e-6).min("initial_scale", 1e-30).min("min_scale", 1e-30).min("growth_factor", 1.0);
+  set.min("backoff_factor", 1e-9).max("backoff_factor", 1.0).min("growth_interval", 1).min("hysteresis", 1);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> cast_module_in_place(torch::nn::Module& module, at::ScalarType dtype,
+                                                                      const std::string& device) {
+  at::Device dev = device == "cuda" ? Accelerator::cuda().device() : at::Device(at::kCPU);
+  std::vector<std::pair<std::string, at::Tensor>> masters;
+  for (auto& item : module.named_parameters(/*recurse=*/true)) {
+    at::Tensor& p = item.value();
+    at::Tensor data = p.detach();
+    bool floating = at::isFloatingType(p.scalar_type());
+    if (floating) masters.emplace_back(item.key(), data.to(dev, at::kFloat, /*non_blocking=*/false, /*copy=*/true));
+    at::Tensor converted = floating ? data.to(dev, dtype) : data.to(dev);
+    if (!converted.is_same(data)) p.set_data(converted);
+  }
+  for (auto& item : module.named_buffers(/*recurse=*/true)) {
+    at::Tensor& b = item.value();
+    at::Tensor converted = at::isFloatingType(b.scalar_type()) ? b.to(dev, dtype) : b.to(dev);
+    if (!converted.is_same(b)) b.set_data(converted);
+  }
+  return masters;
+}
+
+namespace {
+
+std::vector<std::pair<std::string, at::Tensor>> trainable(torch::nn::Module& m) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (auto& item : m.named_parameters(true))
+    if (item.value().requires_grad()) out.emplace_back(item.key(), item.value());
+  return out;
+}
+
+class DDPModel : public ModelWrapper {
+ public:
+  DDPModel(std::shared_ptr<torch::nn::Module> module, dist::Communicator comm, GradSync::Options opts,
+           std::vector<std::pair<std::string, at::Tensor>> masters)
+      : ModelWrapper(std::move(module)), masters(std::move(masters)) {
+    if (comm.size() > 1) sync = std::make_unique<GradSync>(trainable(this->module()), comm, opts);
+  }
+  void set_require_grad_sync(bool s) override {
+    if (sync) sync->set_enabled(s);
+    require_sync_ = s;
+  }
+  bool require_grad_sync() const override { return require_sync_; }
+  void finish_backward() override {
+    if (sync) sync->finish();
+  }
+  std::unique_ptr<GradSync> sync;
+  std::vector<std::pair<std::string, at::Tensor>> masters;  // handed to the optimizer once
+  bool require_sync_ = true;
+};
+
+std::shared_ptr<OptimizerWrapper> wrap_optimizer(std::shared_ptr<optim::Optimizer> optimizer, ModelWrapper& model,
+                                                 Precision precision, const LossScaleOptions& ls,
+                                                 std::vector<std::pair<std::string, at::Tensor>>& masters,
+                                                 amp::GradReducer reducer) {
+  if (!optimizer) return nullptr;
+  // The optimizer's parameters must be the model's (it was built on the module before boost).
+  std::map<const void*, std::string> model_params;
+  for (auto& item : model.module().named_parameters(true)) model_params[item.value().unsafeGetTensorImpl()] = item.key();
+  for (auto& g : optimizer->param_groups())
+    for (size_t i = 0; i < g.params.size(); ++i)
+      COLOSSAL_CHECK_INPUT(model_params.count(g.params[i].unsafeGetTensorImpl()), "optimizer parameter '", g.names[i],
+                           "' is not a parameter of the boosted model");
+  if (precision != Precision::FP32) optimizer->adopt_masters(masters);
+  masters.clear();
+  return std::make_shared<OptimizerWrapper>(std::move(optimizer), precision, ls, std::move(reducer));
+}
+
+}  // namespace
+
+DDPPlugin::DDPPlugin(DDPOptions options, dist::Communicator comm)
+    : options_(std::move(options)), precision_(precision_from_string(options_.precision)), comm_(std::move(comm)) {
+  if (!comm_.valid()) {
+    COLOSSAL_CHECK_INPUT(dist::is_initialized(),
+                         "the ddp plugin needs the distributed runtime: call colossal::dist::init() first "
+                         "(or start the program with `colossal run`)");
+    comm_ = dist::world();
+  }
+  validate();
+}
+
+std::vector<Precision> DDPPlugin::supported_precisions() const {
+  return {Precision::FP32, Precision::BF16, Precision::FP16};
+}
+int DDPPlugin::dp_rank() const { return comm_.rank(); }
+int DDPPlugin::dp_size() const { return comm_.size(); }
+
+std::shared_ptr<ModelWrapper> DDPPlugin::configure_model(std::shared_ptr<torch::nn::Module> model) {
+  COLOSSAL_CHECK(model, "boost(): model is null");
+  auto masters = cast_module_in_place(*model, working_dtype(precision_), options_.device);
+  // Every rank starts from rank 0's weights (and buffers), as torch DDP does.
+  if (comm_.size() > 1) {
+    for (auto& item : model->named_parameters(true)) {
+      at::Tensor d = item.value().detach();
+      comm_.broadcast(d, 0);
+    }
+    for (auto& [name, m] : masters) comm_.broadcast(m, 0);
+    if (options_.broadcast_buffers) {
+      for (auto& item : model->named_buffers(true)) {
+        at::Tensor d = item.value().detach();
+        comm_.broadcast(d, 0);
+      }
+    }
+  }
+  GradSync::Options gs;
+  gs.bucket_cap_mb = options_.bucket_cap_mb;
+  if (options_.fp32_grad_reduce && precision_ != Precision::FP32) gs.communication_dtype = at::kFloat;
+  return std::make_shared<DDPModel>(std::move(model), comm_, gs, std::move(masters));
+}
+
+std::shared_ptr<OptimizerWrapper> DDPPlugin::configure_optimizer(std::shared_ptr<optim::Optimizer> optimizer,
+                                                                 ModelWrapper& model) {
+  auto* ddp = dynamic_cast<DDPModel*>(&model);
+  COLOSSAL_CHECK(ddp, "ddp plugin: the model was not configured by this plugin");
+  // Gradients are identical on every rank after the all-reduce: norms and overflow are local.
+  return wrap_optimizer(std::move(optimizer), model, precision_, options_.loss_scale, ddp->masters, amp::GradReducer{});
+}
+
+NonePlugin::NonePlugin(std::string precision, std::string device, LossScaleOptions loss_scale)
+    : precision_(precision_from_string(precision)), device_(std::move(device)), loss_scale_(loss_scale) {
+  COLOSSAL_CHECK_INPUT(!dist::is_initialized() || dist::world_size() == 1, "plugin 'none' runs a single process, but ",
+                       dist::world_size(), " ranks were started: use --plugin ddp");
+  validate();
+}
+
+std::vector<Precision> NonePlugin::supported_precisions() const {
+  return {Precision::FP32, Precision::BF16, Precision::FP16};
+}
+
+namespace {
+class PlainModel : public ModelWrapper {
+ public:
+  PlainModel(std::shared_ptr<torch::nn::Module> m, std::vector<std::pair<std::string, at::Tensor>> masters)
+      : ModelWrapper(std::move(m)), masters(std::move(masters)) {}
+  std::vector<std::pair<std::string, at::Tensor>> masters;
+};
+}  // namespace
+
+std::shared_ptr<ModelWrapper> NonePlugin::configure_model(std::shared_ptr<torch::nn::Module> model) {
+  COLOSSAL_CHECK(model, "boost(): model is null");
+  auto masters = cast_module_in_place(*model, working_dtype(precision_), device_);
+  return std::make_shared<PlainModel>(std::move(model), std::move(masters));
+}
+
+std::shared_ptr<OptimizerWrapper> NonePlugin::configure_optimizer(std::shared_ptr<optim::Optimizer> optimizer,
+                                                                  ModelWrapper& model) {
+  auto* plain = dynamic_cast<PlainModel*>(&model);
+  COLOSSAL_CHECK(plain, "none plugin: the model was not configured by this plugin");
+  return wrap_optimizer(std::move(optimizer), model, precision_, loss_scale_, plain->masters, amp::GradReducer{});
+}
+
+}  // namespace colossal::booster

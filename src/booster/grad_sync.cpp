@@ -1,0 +1,168 @@
+#include "colossal/booster/grad_sync.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "colossal/core/error.h"
+#include "colossal/core/logging.h"
+
+namespace colossal::booster {
+namespace {
+
+// Calls back into GradSync after AccumulateGrad has written a parameter's .grad. The weak flag
+// makes a hook left on a parameter after its GradSync is gone harmless.
+struct ReadyHook : torch::autograd::PostAccumulateGradHook {
+  ReadyHook(std::weak_ptr<bool> alive, std::function<void()> fn) : alive_(std::move(alive)), fn_(std::move(fn)) {}
+  void operator()(const torch::autograd::Variable&) override {
+    if (!alive_.expired()) fn_();
+  }
+  std::weak_ptr<bool> alive_;
+  std::function<void()> fn_;
+};
+
+}  // namespace
+
+GradSync::GradSync(std::vector<std::pair<std::string, at::Tensor>> params, dist::Communicator comm, Options options)
+    : params_(std::move(params)), comm_(std::move(comm)), options_(options), alive_(std::make_shared<bool>(true)) {
+  COLOSSAL_CHECK_INPUT(options_.bucket_cap_mb > 0, "bucket_cap_mb must be > 0, got ", options_.bucket_cap_mb);
+  const int64_t cap_bytes = static_cast<int64_t>(options_.bucket_cap_mb * 1024 * 1024);
+  bucket_of_.assign(params_.size(), 0);
+  ready_.assign(params_.size(), 0);
+  // Reverse registration order: the last layers' gradients are produced first.
+  Bucket current;
+  int64_t current_bytes = 0;
+  c10::optional<at::Device> current_device;
+  for (size_t k = params_.size(); k-- > 0;) {
+    const at::Tensor& p = params_[k].second;
+    COLOSSAL_CHECK(p.requires_grad(), "GradSync: parameter ", params_[k].first, " does not require grad");
+    int64_t bytes = p.numel() * static_cast<int64_t>(p.element_size());
+    bool fits = !current.params.empty() && current.dtype == p.scalar_type() && *current_device == p.device() &&
+                current_bytes + bytes <= cap_bytes;
+    if (!current.params.empty() && !fits) {
+      buckets_.push_back(std::move(current));
+      current = Bucket{};
+      current_bytes = 0;
+    }
+    if (current.params.empty()) {
+      current.dtype = p.scalar_type();
+      current_device = p.device();
+    }
+    current.params.push_back(k);
+    current.numel += p.numel();
+    current_bytes += bytes;
+  }
+  if (!current.params.empty()) buckets_.push_back(std::move(current));
+  for (size_t b = 0; b < buckets_.size(); ++b)
+    for (size_t k : buckets_[b].params) bucket_of_[k] = b;
+
+  std::weak_ptr<bool> weak = alive_;
+  for (size_t k = 0; k < params_.size(); ++k) {
+    torch::autograd::impl::set_post_acc_grad_hooks(
+        params_[k].second, std::make_unique<ReadyHook>(weak, [this, k] { on_grad_ready(k); }));
+  }
+  reset_iteration();
+  log_debug("GradSync: ", params_.size(), " parameters in ", buckets_.size(), " buckets (cap ",
+            options_.bucket_cap_mb, " MB) over ", comm_.name());
+}
+
+GradSync::~GradSync() {
+  // Hooks hold a weak flag; dropping it disarms them. Wait for anything still in flight so no
+  // collective outlives its buffers.
+  alive_.reset();
+  for (auto& b : buckets_) {
+    if (b.launched) {
+      try {
+        b.work.wait();
+      } catch (...) {
+      }
+    }
+  }
+}
+
+std::vector<std::string> GradSync::bucket_names(size_t i) const {
+  std::vector<std::string> out;
+  for (size_t k : buckets_.at(i).params) out.push_back(params_[k].first);
+  return out;
+}
+
+void GradSync::reset_iteration() {
+  std::fill(ready_.begin(), ready_.end(), 0);
+  for (auto& b : buckets_) {
+    b.pending = static_cast<int>(b.params.size());
+    b.launched = false;
+    b.work = dist::Work();
+  }
+  next_launch_ = 0;
+  armed_ = false;
+}
+
+void GradSync::on_grad_ready(size_t k) {
+  if (!enabled_) return;
+  if (!armed_) {
+    // First gradient of this backward: finish() runs when the autograd engine is done, so a
+    // plain loss.backward() synchronises too (as torch DDP does).
+    armed_ = true;
+    std::weak_ptr<bool> alive = alive_;
+    torch::autograd::Engine::get_default_engine().queue_callback([this, alive] {
+      if (!alive.expired()) finish();
+    });
+  }
+  if (ready_[k]) return;  // a second accumulation in one backward (reentrant use): counted once
+  ready_[k] = 1;
+  Bucket& b = buckets_[bucket_of_[k]];
+  if (--b.pending == 0) launch_ready_prefix();
+}
+
+void GradSync::launch_ready_prefix() {
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) launch(next_launch_++);
+}
+
+void GradSync::launch(size_t bi) {
+  Bucket& b = buckets_[bi];
+  const at::Tensor& first = params_[b.params.front()].second;
+  if (!b.flat.defined()) {
+    // One persistent flat buffer per bucket: no allocation per step.
+    b.flat = at::empty({b.numel}, first.options().dtype(options_.communication_dtype.value_or(b.dtype)));
+  }
+  int64_t off = 0;
+  for (size_t k : b.params) {
+    const at::Tensor& p = params_[k].second;
+    at::Tensor slot = b.flat.narrow(0, off, p.numel());
+    off += p.numel();
+    const at::Tensor& g = p.grad();
+    if (g.defined()) {
+      slot.copy_(g.reshape({-1}));
+    } else {
+      slot.zero_();
+    }
+  }
+  b.work = comm_.all_reduce(b.flat, dist::ReduceOp::Avg, /*async_op=*/true);
+  b.launched = true;
+}
+
+void GradSync::finish() {
+  if (!enabled_ || !armed_) return;
+  // Buckets whose parameters got no gradient this time (unused parameters) still take part.
+  for (auto& b : buckets_) b.pending = 0;
+  launch_ready_prefix();
+  for (auto& b : buckets_) {
+    b.work.wait();
+    int64_t off = 0;
+    for (size_t k : b.params) {
+      at::Tensor& p = params_[k].second;
+      at::Tensor avg = b.flat.narrow(0, off, p.numel()).view(p.sizes());
+      off += p.numel();
+      at::Tensor g = p.grad();
+      if (!g.defined()) {
+        p.mutable_grad() = avg.to(p.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+      } else {
+        g.copy_(avg);
+      }
+    }
+  }
+  reset_iteration();
+}
+
+}  // namespace colossal::booster

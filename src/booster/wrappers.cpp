@@ -1,0 +1,106 @@
+#include "colossal/booster/wrappers.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+#include "colossal/amp/grad_scaler.h"
+#include "colossal/core/logging.h"
+#include "colossal/optim/optimizer.h"
+
+namespace colossal::booster {
+
+OptimizerWrapper::OptimizerWrapper(std::shared_ptr<optim::Optimizer> optimizer, Precision precision,
+                                   const LossScaleOptions& ls, amp::GradReducer reducer)
+    : optimizer_(std::move(optimizer)), precision_(precision), reducer_(std::move(reducer)) {
+  if (precision_ == Precision::FP16) {
+    amp::DynamicGradScalerOptions o;
+    o.initial_scale = ls.initial_scale;
+    o.min_scale = ls.min_scale;
+    o.max_scale = ls.max_scale;
+    o.growth_factor = ls.growth_factor;
+    o.backoff_factor = ls.backoff_factor;
+    o.growth_interval = ls.growth_interval;
+    o.hysteresis = ls.hysteresis;
+    scaler_ = std::make_unique<amp::DynamicGradScaler>(o);
+  }
+}
+
+OptimizerWrapper::~OptimizerWrapper() = default;
+
+double OptimizerWrapper::loss_scale() const { return scaler_ ? scaler_->scale() : 1.0; }
+
+void OptimizerWrapper::backward(const at::Tensor& loss) {
+  norm_valid_ = false;
+  if (scaler_) {
+    (loss * scaler_->scale()).backward();
+  } else {
+    loss.backward();
+  }
+}
+
+double OptimizerWrapper::compute_grad_norm() {
+  std::vector<at::Tensor> grads;
+  for (auto& g : optimizer_->param_groups())
+    for (auto& p : g.params)
+      if (p.grad().defined()) grads.push_back(p.grad());
+  // fp64 sum of squares, reduced over the group when gradients are sharded; inf/nan on any rank
+  // makes it non-finite everywhere, which is how overflow is agreed.
+  return amp::global_grad_norm(grads, loss_scale(), reducer_);
+}
+
+double OptimizerWrapper::clip_grad_by_norm(double max_norm, double norm_type) {
+  COLOSSAL_CHECK_INPUT(norm_type == 2.0, "clip_grad_by_norm: only norm_type 2 is supported, got ", norm_type);
+  COLOSSAL_CHECK_INPUT(max_norm > 0, "clip_grad_by_norm: max_norm must be > 0, got ", max_norm);
+  max_norm_ = max_norm;
+  last_norm_ = compute_grad_norm();
+  norm_valid_ = true;
+  return last_norm_;
+}
+
+bool OptimizerWrapper::step() {
+  if (!norm_valid_) last_norm_ = compute_grad_norm();
+  norm_valid_ = false;
+  bool overflow = !std::isfinite(last_norm_);
+  if (overflow) {
+    last_skipped_ = true;
+    if (scaler_) {
+      double old = scaler_->scale();
+      scaler_->update(true);
+      log_warn("fp16 gradient overflow: step skipped on every rank, loss scale ", old, " -> ", scaler_->scale());
+    } else {
+      log_warn("non-finite gradient norm (", last_norm_, ") in ", to_string(precision_), ": step skipped");
+    }
+    optimizer_->zero_grad(true);
+    max_norm_ = 0.0;
+    return false;
+  }
+  // Unscaling and clipping are one divisor applied inside the update pass.
+  double divisor = loss_scale();
+  if (max_norm_ > 0) {
+    double coef = max_norm_ / (last_norm_ + 1e-6);
+    if (coef < 1.0) divisor /= coef;
+  }
+  optimizer_->step(divisor);
+  if (scaler_) scaler_->update(false);
+  last_skipped_ = false;
+  max_norm_ = 0.0;
+  return true;
+}
+
+void OptimizerWrapper::zero_grad(bool set_to_none) { optimizer_->zero_grad(set_to_none); }
+
+json::Value OptimizerWrapper::state() const {
+  json::Value s = json::Value::object();
+  s.set("precision", to_string(precision_));
+  if (scaler_) s.set("scaler", scaler_->state_dict());
+  return s;
+}
+
+void OptimizerWrapper::load_state(const json::Value& state) {
+  if (scaler_) {
+    if (const json::Value* sc = state.find("scaler")) scaler_->load_state_dict(*sc);
+  }
+}
+
+}  // namespace colossal::booster
