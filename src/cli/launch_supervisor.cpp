@@ -109,7 +109,9 @@ void emit_lines(Stream& s, bool flush_partial) {
   size_t start = 0;
   std::string line;
   while (true) {
-    size_t nl = s.buf.find('\n', start);
+    // '\r' ends a line too: a rank's progress bar redraws in place on the launcher's terminal.
+    size_t nl = s.buf.find_first_of("\n\r", start);
+    char term = nl != std::string::npos ? s.buf[nl] : '\n';
     size_t end;
     if (nl != std::string::npos) {
       end = nl;
@@ -122,7 +124,7 @@ void emit_lines(Stream& s, bool flush_partial) {
     }
     line.assign(*s.prefix);
     line.append(s.buf, start, end - start);
-    line.push_back('\n');
+    line.push_back(nl == end ? term : '\n');
     write_all(s.out_fd, line.data(), line.size());
     start = nl == end ? end + 1 : end;
   }

@@ -303,14 +303,18 @@ int launch_local(const LaunchOptions& o) {
 
   int world = o.nproc_per_node * nnodes;
   std::vector<std::string> base;
-  bool has_omp = false, has_unbuffered = false;
+  bool has_omp = false, has_unbuffered = false, has_tty = false;
   for (char** e = environ; *e; ++e) {
     std::string name = env_name(*e);
     if (rank_vars().count(name)) continue;
     has_omp |= name == "OMP_NUM_THREADS";
     has_unbuffered |= name == "PYTHONUNBUFFERED";
+    has_tty |= name == "COLOSSAL_TTY";
     base.push_back(*e);
   }
+  // The ranks' stderr is a pipe; tell them whether the person watching has a terminal, so rank
+  // 0 can draw a progress bar ('\r' lines are relayed as such).
+  if (!has_tty) base.push_back(::isatty(STDERR_FILENO) ? "COLOSSAL_TTY=1" : "COLOSSAL_TTY=0");
   // Ranks write into pipes, where Python would buffer whole blocks; at a terminal (torchrun's
   // default) it writes lines. Keep the interactive behaviour: logs appear as they happen.
   if (!has_unbuffered) base.push_back("PYTHONUNBUFFERED=1");
