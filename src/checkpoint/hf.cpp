@@ -7,7 +7,6 @@
 #include <cstdio>
 #include <filesystem>
 #include <map>
-#include <regex>
 #include <set>
 #include <unordered_map>
 
@@ -72,6 +71,19 @@ TensorList load_index(const std::string& index_path) {
     }
   }
   return out;
+}
+
+// <prefix>.safetensors, <prefix>.safetensors.index.json or <prefix>-NNNNN-of-NNNNN.safetensors.
+bool is_checkpoint_file(const std::string& name, const std::string& prefix) {
+  if (name == prefix + ".safetensors" || name == prefix + ".safetensors.index.json") return true;
+  const std::string tail = "-00000-of-00000.safetensors";
+  if (name.size() != prefix.size() + tail.size() || name.compare(0, prefix.size(), prefix) != 0)
+    return false;
+  for (size_t i = 0; i < tail.size(); ++i) {
+    char c = name[prefix.size() + i];
+    if (tail[i] == '0' ? !(c >= '0' && c <= '9') : c != tail[i]) return false;
+  }
+  return true;
 }
 
 std::string shard_name(const std::string& prefix, size_t k, size_t n) {
@@ -191,16 +203,14 @@ void save_state_dict(const std::string& dir, const TensorList& tensors, const Sa
     written.insert(index_name);
   }
   // Only now remove what an earlier save with this prefix left behind.
-  std::regex stale(
-      "^" + std::regex_replace(opts.prefix, std::regex(R"([.^$|()\[\]{}*+?\\])"), R"(\$&)") +
-      R"re((\.safetensors|\.safetensors\.index\.json|-\d{5}-of-\d{5}\.safetensors)$)re");
+  std::vector<fs::path> stale;
   for (const auto& e : fs::directory_iterator(d)) {
     std::string name = e.path().filename().string();
-    if (!written.count(name) && std::regex_match(name, stale)) {
-      fs::remove(e.path(), ec);
-      if (ec)
-        log_warn("could not remove stale checkpoint file ", e.path().string(), ": ", ec.message());
-    }
+    if (!written.count(name) && is_checkpoint_file(name, opts.prefix)) stale.push_back(e.path());
+  }
+  for (const auto& p : stale) {
+    fs::remove(p, ec);
+    if (ec) log_warn("could not remove stale checkpoint file ", p.string(), ": ", ec.message());
   }
   fsync_path(dir);
 }

@@ -138,10 +138,21 @@ TEST(HfCheckpoint, ShardedRoundTripAndIndex) {
   expect_same(load_state_dict(ck), in);
   expect_same(load_state_dict(ck + "/model.safetensors.index.json"), in);
 
-  // Saving again unsharded removes the shards and the index, after writing the new file.
+  // Saving again unsharded removes the shards and the index, after writing the new file, and
+  // leaves files that are not this prefix's checkpoint alone.
+  for (const char* keep : {"config.json", "other-00001-of-00002.safetensors",
+                           "model-00001-of-00007.safetensors.bak"}) {
+    std::ofstream(ck + "/" + keep) << "x";
+  }
   opts.shard = false;
   save_state_dict(ck, in, opts);
-  EXPECT_EQ(files_in(ck), (std::set<std::string>{"model.safetensors"}));
+  EXPECT_EQ(files_in(ck), (std::set<std::string>{"model.safetensors", "config.json",
+                                                 "other-00001-of-00002.safetensors",
+                                                 "model-00001-of-00007.safetensors.bak"}));
+  for (const char* keep : {"config.json", "other-00001-of-00002.safetensors",
+                           "model-00001-of-00007.safetensors.bak"}) {
+    fs::remove(ck + "/" + keep);
+  }
   expect_same(load_state_dict(ck), in);
   // And sharded again with fewer shards: the old single file goes.
   opts.shard = true;

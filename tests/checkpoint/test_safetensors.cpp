@@ -55,6 +55,7 @@ std::string read_bytes(const std::string& path) {
 // Byte-exact comparison (NaN-safe, works for every dtype incl. float8 and bool).
 bool same_bytes(const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() != b.scalar_type() || !a.sizes().equals(b.sizes())) return false;
+  if (a.numel() == 0) return true;
   at::Tensor x = a.contiguous(), y = b.contiguous();
   return std::memcmp(x.data_ptr(), y.data_ptr(), x.numel() * x.element_size()) == 0;
 }
