@@ -30,6 +30,7 @@ GradSync::GradSync(std::vector<std::pair<std::string, at::Tensor>> params, dist:
   const int64_t cap_bytes = static_cast<int64_t>(options_.bucket_cap_mb * 1024 * 1024);
   bucket_of_.assign(params_.size(), 0);
   ready_.assign(params_.size(), 0);
+  had_grad_.assign(params_.size(), 0);
   // Reverse registration order: the last layers' gradients are produced first.
   Bucket current;
   int64_t current_bytes = 0;
@@ -132,6 +133,7 @@ void GradSync::launch(size_t bi) {
     at::Tensor slot = b.flat.narrow(0, off, p.numel());
     off += p.numel();
     const at::Tensor& g = p.grad();
+    had_grad_[k] = g.defined();
     if (g.defined()) {
       slot.copy_(g.reshape({-1}));
     } else {
@@ -147,6 +149,14 @@ void GradSync::finish() {
   // Buckets whose parameters got no gradient this time (unused parameters) still take part.
   for (auto& b : buckets_) b.pending = 0;
   launch_ready_prefix();
+  // Which parameters had a gradient on some rank: one that none had keeps no gradient (and is
+  // skipped by the optimizer), exactly as in a single process. One small extra collective.
+  at::Tensor used = at::tensor(std::vector<float>(had_grad_.begin(), had_grad_.end()), at::kFloat)
+                        .to(params_.front().second.device());
+  dist::Work used_work = comm_.all_reduce(used, dist::ReduceOp::Max, /*async_op=*/true);
+  used_work.wait();
+  at::Tensor used_cpu = used.to(at::kCPU);
+  const float* used_flags = used_cpu.data_ptr<float>();
   for (auto& b : buckets_) {
     b.work.wait();
     int64_t off = 0;
@@ -154,6 +164,7 @@ void GradSync::finish() {
       at::Tensor& p = params_[k].second;
       at::Tensor avg = b.flat.narrow(0, off, p.numel()).view(p.sizes());
       off += p.numel();
+      if (used_flags[k] == 0.0f) continue;
       at::Tensor g = p.grad();
       if (!g.defined()) {
         p.mutable_grad() = avg.to(p.scalar_type(), /*non_blocking=*/false, /*copy=*/true);

@@ -6,8 +6,9 @@
 // accumulated the bucket is flattened and all-reduced (average) asynchronously while backward
 // goes on; finish() waits for all of them and writes the averaged values back into `.grad`.
 // Buckets are launched strictly in index order on every rank, so ranks always issue the same
-// collective sequence even when their gradients become ready in a different order; a parameter
-// with no gradient in this backward contributes zeros (and gets a zero gradient).
+// collective sequence even when their gradients become ready in a different order. A parameter
+// with no gradient on this rank contributes zeros; one with no gradient on any rank keeps no
+// gradient (so the optimizer skips it, as it would in one process).
 //
 // Why not c10d::Reducer: it needs a c10d::ProcessGroup (we hold Backends through our
 // Communicator), its no_sync and unused-parameter handling are driven from Python, and ZeRO-2
@@ -69,6 +70,7 @@ class GradSync {
   std::vector<std::pair<std::string, at::Tensor>> params_;
   std::vector<size_t> bucket_of_;  // param index -> bucket index
   std::vector<char> ready_;
+  std::vector<char> had_grad_;  // this rank had a gradient when its bucket was packed
   std::vector<Bucket> buckets_;
   size_t next_launch_ = 0;
   dist::Communicator comm_;

@@ -1,0 +1,172 @@
+// The ddp plugin through the Booster on a plain LibTorch module (not one of our models), at the
+// world size `colossal run` gives (2 in make test): gradients averaged exactly like a single
+// process on the global batch, no_sync accumulation, parameter broadcast at boost, fp16 overflow
+// agreed across ranks, small buckets with an unused parameter.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+
+#include <cmath>
+#include <limits>
+
+#include "colossal/booster/booster.h"
+#include "colossal/booster/ddp_plugin.h"
+#include "colossal/booster/grad_sync.h"
+#include "colossal/optim/adamw.h"
+#include "dist/dist_test_env.h"
+
+namespace {
+
+using namespace colossal;
+
+struct MLPImpl : torch::nn::Module {
+  MLPImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(8, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 4));
+    unused = register_module("unused", torch::nn::Linear(4, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) { return fc2->forward(at::tanh(fc1->forward(x))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, unused{nullptr};
+};
+
+std::shared_ptr<MLPImpl> make_mlp() {
+  at::manual_seed(0);
+  return std::make_shared<MLPImpl>();
+}
+
+std::shared_ptr<optim::AdamW> make_adamw(torch::nn::Module& m) {
+  auto opt = std::make_shared<optim::AdamW>();
+  std::vector<optim::NamedParam> ps;
+  for (auto& item : m.named_parameters(true)) ps.push_back({item.key(), item.value()});
+  optim::GroupOptions g;
+  g.lr = 1e-2;
+  g.weight_decay = 0.01;
+  opt->add_param_group(ps, g);
+  return opt;
+}
+
+// The global batch: 4 rows per rank per micro-step, for every step and micro-step.
+at::Tensor global_rows(int step, int micro, int64_t rows) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(100 * step + micro + 7));
+  return at::randn({rows, 8}, gen);
+}
+
+double max_rel(const at::Tensor& a, const at::Tensor& b) {
+  return (a - b).abs().max().item<double>() / std::max(1e-12, b.abs().max().item<double>());
+}
+
+// Trains `steps` steps with `accum` micro-steps of B rows per rank under ddp, and the same
+// data as one process (a reference MLP, plain AdamW, one pass on the whole global batch per
+// step); losses and parameters must agree.
+void check_against_single_process(int accum, double bucket_cap_mb) {
+  const int R = dist::world_size(), r = dist::rank();
+  const int64_t B = 4;
+  auto model = make_mlp();
+  auto ref = make_mlp();
+  booster::DDPOptions o;
+  o.bucket_cap_mb = bucket_cap_mb;
+  booster::Booster booster(std::make_shared<booster::DDPPlugin>(o));
+  auto b = booster.boost(model, make_adamw(*model));
+  auto ref_opt = make_adamw(*ref);
+  for (int step = 0; step < 5; ++step) {
+    double ref_loss = 0.0;
+    for (int a = 0; a < accum; ++a) {
+      at::Tensor x = global_rows(step, a, B * R);
+      at::Tensor y = at::sin(x.narrow(1, 0, 4));
+      {
+        std::unique_ptr<booster::NoSyncGuard> guard;
+        if (a + 1 < accum) guard = booster.no_sync(*b.model);
+        at::Tensor mine = x.narrow(0, r * B, B);
+        at::Tensor loss = at::mse_loss(model->forward(mine), y.narrow(0, r * B, B)) / accum;
+        booster.backward(loss, *b.optimizer);
+      }
+      at::Tensor rl = at::mse_loss(ref->forward(x), y) / accum;
+      rl.backward();
+      ref_loss += rl.item<double>();
+    }
+    b.optimizer->step();
+    b.optimizer->zero_grad();
+    ref_opt->step();
+    ref_opt->zero_grad();
+  }
+  auto mp = model->named_parameters(true);
+  auto rp = ref->named_parameters(true);
+  for (auto& item : mp) {
+    // fp32 sums of R partial gradients vs one sum over all rows: rounding only.
+    EXPECT_LT(max_rel(item.value(), rp[item.key()]), 1e-5) << item.key() << " rank " << r;
+  }
+}
+
+TEST(DDP, MatchesSingleProcess) { check_against_single_process(/*accum=*/1, 25.0); }
+
+TEST(DDP, NoSyncAccumulationMatchesBigBatch) { check_against_single_process(/*accum=*/4, 25.0); }
+
+TEST(DDP, SmallBucketsAndUnusedParameter) {
+  // 1 KB buckets: several buckets; `unused` gets no gradient and must not break the ordering.
+  check_against_single_process(/*accum=*/2, 0.001);
+}
+
+TEST(DDP, BroadcastsRankZeroWeightsAtBoost) {
+  auto model = make_mlp();
+  if (dist::rank() != 0) {
+    at::NoGradGuard g;
+    for (auto& p : model->parameters()) p.add_(1.0);
+  }
+  auto expected = make_mlp();
+  booster::Booster booster(std::make_shared<booster::DDPPlugin>());
+  auto b = booster.boost(model, make_adamw(*model));
+  auto e = expected->named_parameters(true);
+  for (auto& item : model->named_parameters(true)) EXPECT_TRUE(item.value().equal(e[item.key()])) << item.key();
+}
+
+TEST(DDP, BucketsFollowReverseOrder) {
+  auto model = make_mlp();
+  std::vector<std::pair<std::string, at::Tensor>> ps;
+  for (auto& item : model->named_parameters(true)) ps.emplace_back(item.key(), item.value());
+  booster::GradSync::Options o;
+  o.bucket_cap_mb = 64.0 / (1024 * 1024);  // 64 bytes: at most 16 fp32 values per bucket
+  booster::GradSync sync(ps, dist::world(), o);
+  EXPECT_GT(sync.num_buckets(), 3u);
+  EXPECT_EQ(sync.bucket_names(0).front(), "unused.bias");
+}
+
+TEST(DDP, Fp16OverflowOnOneRankSkipsEverywhere) {
+  auto model = make_mlp();
+  booster::DDPOptions o;
+  o.precision = "fp16";
+  o.loss_scale.hysteresis = 1;
+  o.loss_scale.initial_scale = 1024;
+  booster::Booster booster(std::make_shared<booster::DDPPlugin>(o));
+  auto b = booster.boost(model, make_adamw(*model));
+  EXPECT_EQ(model->fc1->weight.scalar_type(), at::kHalf);
+  auto before = model->fc1->weight.detach().clone();
+  at::Tensor x = global_rows(0, 0, 4).to(at::kHalf);
+  at::Tensor loss = model->forward(x).to(at::kFloat).pow(2).mean();
+  // Rank 1 (or the only rank) injects an infinite gradient.
+  if (dist::rank() == dist::world_size() - 1) loss = loss * std::numeric_limits<float>::infinity();
+  booster.backward(loss, *b.optimizer);
+  EXPECT_FALSE(b.optimizer->step());
+  EXPECT_TRUE(b.optimizer->last_step_skipped());
+  EXPECT_DOUBLE_EQ(b.optimizer->loss_scale(), 512.0);
+  EXPECT_TRUE(model->fc1->weight.detach().equal(before));
+  // A clean step afterwards updates the weights.
+  b.optimizer->zero_grad();
+  loss = model->forward(x).to(at::kFloat).pow(2).mean();
+  booster.backward(loss, *b.optimizer);
+  EXPECT_TRUE(b.optimizer->step());
+  EXPECT_FALSE(model->fc1->weight.detach().equal(before));
+  EXPECT_TRUE(std::isfinite(b.optimizer->last_grad_norm()));
+}
+
+TEST(DDP, RejectsBadOptions) {
+  booster::DDPOptions o;
+  o.precision = "fp8";
+  EXPECT_THROW(booster::DDPPlugin{o}, colossal::InputError);
+  booster::DDPOptions c;
+  c.device = "tpu";
+  EXPECT_THROW(booster::DDPPlugin{c}, colossal::InputError);
+}
+
+}  // namespace
