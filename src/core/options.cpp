@@ -171,7 +171,12 @@ std::vector<std::string> OptionSet::apply_flags(const std::vector<std::string>& 
     }
     if (!has_value) {
       if (std::holds_alternative<bool*>(o->target)) {
-        value = "true";
+        // `--flag`, or `--flag true|false` as a separate word.
+        if (i + 1 < args.size() && (args[i + 1] == "true" || args[i + 1] == "false")) {
+          value = args[++i];
+        } else {
+          value = "true";
+        }
       } else {
         COLOSSAL_CHECK_INPUT(i + 1 < args.size(), "option --", o->name, " needs a value");
         value = args[++i];
