@@ -5,7 +5,9 @@
 // Every operation returns a Work; with async_op = false (the default) it has already been waited
 // on. A failure or timeout surfaces as colossal::DistError naming the collective, the group and
 // the rank — never a hang: each operation carries the communicator's timeout (default 30 min,
-// COLOSSAL_DIST_TIMEOUT_S, or set_timeout()).
+// COLOSSAL_DIST_TIMEOUT_S, or set_timeout()). On NCCL, wait() only orders the current CUDA
+// stream after the operation (no host blocking) and ProcessGroupNCCL's watchdog enforces the
+// timeout: it reports the group by name and ends the process.
 //
 // fp8 tensors (float8_e4m3fn / e5m2) are moved as bytes by the non-reducing operations
 // (all_gather, broadcast, all_to_all, send/recv); reducing them is an error.
