@@ -9,7 +9,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "colossal/core/error.h"
@@ -255,6 +257,35 @@ TEST(CpuAdam, ClassMatchesAdamWAndStateInterchanges) {
     EXPECT_EQ(resumed.state("p0")->step, 3);
     EXPECT_EQ(back.state("p1")->step, 3);
   }
+}
+
+// COLOSSAL_CPU_ADAM caps the path Auto picks (CTest runs this test again with the variable set
+// to scalar, avx2 and a bad value); a path the CPU lacks or an unknown name is an InputError.
+TEST(CpuAdam, DefaultPathFollowsEnv) {
+  const char* env = std::getenv("COLOSSAL_CPU_ADAM");
+  std::string want = env ? env : "";
+  if (want.empty()) {
+    auto best = cpu_adam_path_available(CpuAdamPath::AVX512) ? CpuAdamPath::AVX512
+                : cpu_adam_path_available(CpuAdamPath::AVX2) ? CpuAdamPath::AVX2
+                                                             : CpuAdamPath::Scalar;
+    EXPECT_EQ(cpu_adam_default_path(), best);
+    return;
+  }
+  bool known = want == "scalar" || want == "avx2" || want == "avx512";
+  bool available = (want == "scalar") ||
+                   (want == "avx2" && cpu_adam_path_available(CpuAdamPath::AVX2)) ||
+                   (want == "avx512" && cpu_adam_path_available(CpuAdamPath::AVX512));
+  if (!known || !available) {
+    EXPECT_THROW(cpu_adam_default_path(), InputError);
+    return;
+  }
+  EXPECT_EQ(std::string(cpu_adam_path_name(cpu_adam_default_path())), want);
+  // Auto now runs that path: the same bits as asking for it by name.
+  auto p = at::randn({1001}), m = at::zeros({1001}), v = at::zeros({1001}), g = at::randn({1001});
+  auto p2 = p.clone(), m2 = m.clone(), v2 = v.clone();
+  cpu_adam_update(p, g, m, v, 1, AdamWHyper{});
+  cpu_adam_update(p2, g, m2, v2, 1, AdamWHyper{}, 1.0, {}, cpu_adam_default_path());
+  EXPECT_TRUE(at::equal(p, p2));
 }
 
 TEST(CpuAdam, BadInputIsAClearError) {
