@@ -30,5 +30,3 @@ for preset in tiny 100m; do
     --micro_batch 8 --steps 30 --warmup 5 --lr 3e-4 --device cuda --precision bf16 --plugin ddp --log_every 10 \
     --metrics_file "$OUT/train_$preset.jsonl" 2>&1 | tail -5
 done
-step generate on cuda
-$C generate --model "${GEN_MODEL:-/dev/null}" --prompt-ids 1,2,3 --max-new-tokens 4 --device cuda 2>&1 | tail -2 || true
