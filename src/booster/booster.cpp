@@ -93,13 +93,13 @@ void Booster::save_model(ModelWrapper& model, const std::string& dir, bool shard
 void Booster::load_model(ModelWrapper& model, const std::string& path, bool strict, OptimizerWrapper* optimizer) {
   checkpoint::load_into_module(model.module(), checkpoint::load_state_dict(path), strict);
   // fp32 masters follow the loaded weights (ColossalAI's update_master_params).
-  if (optimizer) optimizer->optimizer().sync_masters_from_params();
+  if (optimizer) optimizer->sync_masters_from_params();
 }
 
 void Booster::save_optimizer(OptimizerWrapper& optimizer, const std::string& dir) {
+  optim::StateDict sd = optimizer.full_state_dict();  // collective under ZeRO
   if (is_writer()) {
     std::filesystem::create_directories(dir);
-    optim::StateDict sd = optimizer.optimizer().state_dict();
     json::Value scalars = sd.scalars;
     scalars.set("wrapper", optimizer.state());
     checkpoint::TensorList tensors;
@@ -117,7 +117,7 @@ void Booster::load_optimizer(OptimizerWrapper& optimizer, const std::string& dir
   optim::StateDict sd;
   sd.tensors = checkpoint::load_safetensors(dir + "/optimizer.safetensors");
   sd.scalars = json::parse_file(dir + "/optimizer.json");
-  optimizer.optimizer().load_state_dict(sd);
+  optimizer.load_full_state_dict(sd);
   if (const json::Value* w = sd.scalars.find("wrapper")) optimizer.load_state(*w);
 }
 

@@ -113,7 +113,7 @@ void GradSync::on_grad_ready(size_t k) {
   if (ready_[k]) return;  // a second accumulation in one backward (reentrant use): counted once
   ready_[k] = 1;
   Bucket& b = buckets_[bucket_of_[k]];
-  if (--b.pending == 0) launch_ready_prefix();
+  if (--b.pending == 0 && options_.overlap) launch_ready_prefix();
 }
 
 void GradSync::launch_ready_prefix() {
@@ -121,6 +121,10 @@ void GradSync::launch_ready_prefix() {
 }
 
 void GradSync::launch(size_t bi) {
+  if (options_.on_shard) {
+    launch_reduce_scatter(bi);
+    return;
+  }
   Bucket& b = buckets_[bi];
   const at::Tensor& first = params_[b.params.front()].second;
   if (!b.flat.defined()) {
@@ -144,6 +148,41 @@ void GradSync::launch(size_t bi) {
   b.launched = true;
 }
 
+int64_t GradSync::shard_numel(const at::Tensor& p) const {
+  const int64_t w = comm_.size();
+  return (p.numel() + w - 1) / w;
+}
+
+void GradSync::launch_reduce_scatter(size_t bi) {
+  // Rank-major layout: row j of the (size, S) input holds slice j of every parameter of the
+  // bucket, so one reduce-scatter leaves this rank exactly its slices, back to back.
+  Bucket& b = buckets_[bi];
+  const int64_t w = comm_.size();
+  int64_t cols = 0;
+  for (size_t k : b.params) cols += shard_numel(params_[k].second);
+  const at::Tensor& first = params_[b.params.front()].second;
+  at::ScalarType dtype = options_.communication_dtype.value_or(b.dtype);
+  at::Tensor input = at::zeros({w, cols}, first.options().dtype(dtype));
+  int64_t off = 0;
+  for (size_t k : b.params) {
+    at::Tensor& p = params_[k].second;
+    const int64_t s = shard_numel(p);
+    const at::Tensor& g = p.grad();
+    had_grad_[k] = g.defined();
+    if (g.defined()) {
+      at::Tensor padded = at::constant_pad_nd(g.reshape({-1}), {0, w * s - p.numel()});
+      input.narrow(1, off, s).copy_(padded.view({w, s}));
+      // Only this rank's slice is kept (by the caller, from finish()): drop the full gradient.
+      p.mutable_grad() = at::Tensor();
+    }
+    off += s;
+  }
+  b.flat = input.view({-1});
+  b.out = at::empty({cols}, input.options());
+  b.work = comm_.reduce_scatter(b.out, b.flat, dist::ReduceOp::Avg, /*async_op=*/true);
+  b.launched = true;
+}
+
 void GradSync::finish() {
   if (!enabled_ || !armed_) return;
   // Buckets whose parameters got no gradient this time (unused parameters) still take part.
@@ -157,6 +196,21 @@ void GradSync::finish() {
   used_work.wait();
   at::Tensor used_cpu = used.to(at::kCPU);
   const float* used_flags = used_cpu.data_ptr<float>();
+  if (options_.on_shard) {
+    for (auto& b : buckets_) {
+      b.work.wait();
+      int64_t off = 0;
+      for (size_t k : b.params) {
+        const int64_t s = shard_numel(params_[k].second);
+        if (used_flags[k] != 0.0f) options_.on_shard(k, b.out.narrow(0, off, s));
+        off += s;
+      }
+      b.flat = at::Tensor();  // nothing of full size outlives the backward
+      b.out = at::Tensor();
+    }
+    reset_iteration();
+    return;
+  }
   for (auto& b : buckets_) {
     b.work.wait();
     int64_t off = 0;

@@ -90,6 +90,12 @@ bool OptimizerWrapper::step() {
 
 void OptimizerWrapper::zero_grad(bool set_to_none) { optimizer_->zero_grad(set_to_none); }
 
+optim::StateDict OptimizerWrapper::full_state_dict() { return optimizer_->state_dict(); }
+
+void OptimizerWrapper::load_full_state_dict(const optim::StateDict& state) { optimizer_->load_state_dict(state); }
+
+void OptimizerWrapper::sync_masters_from_params() { optimizer_->sync_masters_from_params(); }
+
 json::Value OptimizerWrapper::state() const {
   json::Value s = json::Value::object();
   s.set("precision", to_string(precision_));

@@ -10,6 +10,9 @@
 // with no gradient on this rank contributes zeros; one with no gradient on any rank keeps no
 // gradient (so the optimizer skips it, as it would in one process).
 //
+// In reduce-scatter mode (Options::on_shard, the engine of ZeRO-2) the same hooks and buckets
+// reduce-scatter instead, and each rank keeps only its slice of every gradient.
+//
 // Why not c10d::Reducer: it needs a c10d::ProcessGroup (we hold Backends through our
 // Communicator), its no_sync and unused-parameter handling are driven from Python, and ZeRO-2
 // needs the same hook + bucket machinery with reduce-scatter instead of all-reduce.
@@ -18,6 +21,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -32,6 +36,16 @@ class GradSync {
     double bucket_cap_mb = 25.0;
     // Gradients are reduced in this dtype (undefined = their own dtype), e.g. fp32 for bf16 grads.
     c10::optional<at::ScalarType> communication_dtype;
+    // Launch each bucket from the hooks as soon as it is full (overlapping backward); false:
+    // every bucket is launched by finish().
+    bool overlap = true;
+    // Reduce-scatter mode (ZeRO-2). Each parameter counts as padded to a multiple of the group
+    // size and split into size() equal slices; a bucket is reduce-scattered (average) so this
+    // rank receives only its slice of every parameter, and the parameters' .grad are dropped as
+    // soon as they are packed. finish() calls on_shard(param index, averaged slice of
+    // ceil(numel / size) elements) for every parameter that had a gradient on some rank (the
+    // slice is only valid during the call). Empty: all-reduce mode (ddp, ZeRO-1).
+    std::function<void(size_t, const at::Tensor&)> on_shard;
   };
 
   GradSync(std::vector<std::pair<std::string, at::Tensor>> params, dist::Communicator comm, Options options);
@@ -60,10 +74,13 @@ class GradSync {
     int pending = 0;
     bool launched = false;
     at::Tensor flat;
+    at::Tensor out;  // reduce-scatter mode: this rank's slices
     dist::Work work;
   };
   void on_grad_ready(size_t param_index);
   void launch(size_t bucket_index);
+  void launch_reduce_scatter(size_t bucket_index);
+  int64_t shard_numel(const at::Tensor& p) const;
   void launch_ready_prefix();
   void reset_iteration();
 

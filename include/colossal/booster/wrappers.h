@@ -19,6 +19,9 @@ class Module;
 namespace colossal::amp {
 class DynamicGradScaler;
 }
+namespace colossal::optim {
+struct StateDict;
+}
 
 namespace colossal::booster {
 
@@ -71,6 +74,13 @@ class OptimizerWrapper {
   bool last_step_skipped() const { return last_skipped_; }
   Precision precision() const { return precision_; }
   amp::DynamicGradScaler* scaler() { return scaler_.get(); }
+
+  // The optimizer state as full-shape tensors in optim::Optimizer::state_dict()'s format.
+  // Collective for sharded strategies: every rank calls it (Booster::save_optimizer does).
+  virtual optim::StateDict full_state_dict();
+  virtual void load_full_state_dict(const optim::StateDict& state);
+  // fp32 masters re-taken from the working parameters (after a model checkpoint load).
+  virtual void sync_masters_from_params();
 
   // The loss-scaler state (fp16), for training checkpoints.
   json::Value state() const;

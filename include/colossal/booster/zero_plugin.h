@@ -1,0 +1,102 @@
+// The `low_level_zero` plugin: ZeRO stage 1 (optimizer states and fp32 masters sharded across
+// the data-parallel group, gradients all-reduced in buckets) and stage 2 (gradients
+// reduce-scattered in buckets while backward runs, each rank keeping only its slice). The
+// sharded state lives in zero::LowLevelZeroOptimizer (colossal/zero/low_level_optim.h); this
+// plugin wires it to the model through GradSync (all-reduce mode for stage 1, reduce-scatter
+// mode for stage 2).
+//
+// Differences from ColossalAI, on purpose:
+// - no_sync works for both stages with an exact result. Stage 1 accumulates .grad locally and
+//   reduces once; stage 2 reduce-scatters every micro-step and accumulates the averaged slices
+//   in the rank's fp32 gradient shard (ColossalAI refuses no_sync under stage 2), so memory
+//   stays at one slice during accumulation.
+// - Optimizer checkpoints are full-shape (gathered), in the format of optim::Optimizer, so they
+//   load under another group size, ddp or one process.
+// - The updated working weights are all-gathered synchronously at the end of step();
+//   overlap_allgather = true is refused (not implemented).
+// - Only AdamW is supported as the inner optimizer (its update runs on flat shards).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "colossal/booster/plugin.h"
+#include "colossal/booster/wrappers.h"
+
+namespace colossal {
+class OptionSet;
+}
+namespace colossal::zero {
+class LowLevelZeroOptimizer;
+}
+
+namespace colossal::booster {
+
+struct ZeroOptions {
+  int64_t stage = 1;               // 1 or 2
+  std::string precision = "fp16";  // ColossalAI's default
+  std::string device = "cpu";
+  // ColossalAI's LowLevelZeroPlugin passes initial_scale 2**32 (max_scale 2**32).
+  LossScaleOptions loss_scale = [] {
+    LossScaleOptions l;
+    l.initial_scale = 4294967296.0;
+    return l;
+  }();
+  double max_norm = 0.0;                // clip every step at this global norm (0: off)
+  double reduce_bucket_size_in_m = 12;  // gradient bucket, millions of elements
+  std::string communication_dtype;      // "" (the gradients' own), "fp32", "bf16", "fp16"
+  bool overlap_communication = true;    // launch buckets from backward's hooks as they fill
+  bool overlap_allgather = false;       // refused when true (not implemented)
+  bool cpu_offload = false;             // masters, grad shards and moments in CPU memory
+  bool master_weights = true;           // false is refused for bf16/fp16 (fp32 masters always)
+
+  // Registers the ZeRO-specific fields under section "plugin" (stage, reduce_bucket_size_in_m,
+  // communication_dtype, overlap_communication, overlap_allgather, cpu_offload). Precision and
+  // the loss-scale fields are shared with DDPOptions::register_options.
+  void register_options(OptionSet& set);
+};
+
+class LowLevelZeroPlugin : public Plugin {
+ public:
+  explicit LowLevelZeroPlugin(ZeroOptions options = {}, dist::Communicator comm = {});
+  std::string name() const override { return "low_level_zero"; }
+  std::vector<Precision> supported_precisions() const override;
+  std::vector<std::string> supported_devices() const override { return {"cpu", "cuda"}; }
+  bool support_no_sync() const override { return true; }
+  Precision precision() const override { return precision_; }
+  std::string device() const override { return options_.device; }
+  int dp_rank() const override { return comm_.rank(); }
+  int dp_size() const override { return comm_.size(); }
+  std::shared_ptr<ModelWrapper> configure_model(std::shared_ptr<torch::nn::Module> model) override;
+  std::shared_ptr<OptimizerWrapper> configure_optimizer(std::shared_ptr<optim::Optimizer> optimizer,
+                                                        ModelWrapper& model) override;
+  const ZeroOptions& options() const { return options_; }
+
+ private:
+  ZeroOptions options_;
+  Precision precision_;
+  dist::Communicator comm_;
+};
+
+// What configure_optimizer returns: an OptimizerWrapper whose step, norm, zero_grad and
+// checkpoint export run on the shards.
+class ZeroOptimizerWrapper : public OptimizerWrapper {
+ public:
+  ZeroOptimizerWrapper(std::shared_ptr<optim::Optimizer> optimizer,
+                       std::shared_ptr<zero::LowLevelZeroOptimizer> zero, Precision precision,
+                       const LossScaleOptions& loss_scale, double max_norm);
+  double clip_grad_by_norm(double max_norm, double norm_type = 2.0) override;
+  bool step() override;
+  void zero_grad(bool set_to_none = true) override;
+  optim::StateDict full_state_dict() override;
+  void load_full_state_dict(const optim::StateDict& state) override;
+  void sync_masters_from_params() override;
+  zero::LowLevelZeroOptimizer& zero() { return *zero_; }
+
+ private:
+  double norm_now();
+  std::shared_ptr<zero::LowLevelZeroOptimizer> zero_;
+  double default_max_norm_;
+};
+
+}  // namespace colossal::booster

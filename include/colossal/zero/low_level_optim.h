@@ -1,0 +1,119 @@
+// ZeRO stage 1/2 optimizer state: fp32 master weights, gradients and AdamW moments partitioned
+// across the data-parallel group (ColossalAI's LowLevelZeroOptimizer, without its gaps).
+//
+// Partition: every parameter is flattened, padded with zeros to a multiple of the group size W
+// and split into W equal slices of s = ceil(numel / W) elements; rank r owns elements
+// [r*s, (r+1)*s) of every parameter (its "shard"). A rank keeps, per parameter, an fp32 master
+// shard, an fp32 gradient shard and the optimizer's moments for that shard only, so optimizer
+// memory is 1/W of the unsharded one plus at most W-1 padding elements per parameter. Padding
+// elements carry zero gradients, so they never change and never enter the norm.
+//
+// Gradients arrive either as full averaged .grad of the working parameters (stage 1, after an
+// all-reduce: take_full_grads() slices them) or as this rank's averaged slice (stage 2, from a
+// reduce-scatter: add_grad_shard() accumulates into the fp32 shard, which is how no_sync
+// accumulation stays exact). step() runs optim::adamw_update on the shards (hyper-parameters read
+// from the wrapped optimizer's groups, so LR schedulers keep working) and all-gathers the updated
+// masters, cast to the working dtype, into the working parameters in buckets.
+//
+// Checkpoints are full-shape and named exactly as optim::Optimizer::state_dict() writes them
+// ("<param>.exp_avg", "<param>.exp_avg_sq", "<param>.master" for half working params), gathered
+// from the shards, so they load under any group size, ddp or a single process, and the reverse.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "colossal/dist/communicator.h"
+#include "colossal/optim/optimizer.h"
+
+namespace colossal::zero {
+
+struct ZeroOptimizerOptions {
+  // Master shards, gradient shards and moments live in (pinned, when the parameters are on a
+  // GPU) CPU memory and the update runs on the CPU.
+  bool cpu_offload = false;
+  // All-gather bucket size of the updated working weights, in elements.
+  int64_t allgather_bucket_numel = 12 * 1024 * 1024;
+};
+
+class LowLevelZeroOptimizer {
+ public:
+  // `inner`: the user's optimizer (AdamW), whose parameter groups, names and hyper-parameters
+  // are used; it keeps no state itself. `masters`: (name, fp32 full value) of every parameter
+  // before its cast to the working dtype (missing names: taken from the parameter).
+  LowLevelZeroOptimizer(std::shared_ptr<optim::Optimizer> inner, dist::Communicator comm,
+                        const std::vector<std::pair<std::string, at::Tensor>>& masters,
+                        ZeroOptimizerOptions options = {});
+  ~LowLevelZeroOptimizer();
+
+  int world() const { return world_; }
+  int rank() const { return rank_; }
+  size_t num_params() const { return params_.size(); }
+  // Index of a parameter (by its TensorImpl), or -1 when the optimizer does not hold it.
+  int64_t index_of(const at::Tensor& param) const;
+  // Elements per shard of parameter i: ceil(numel / world).
+  int64_t shard_numel(size_t i) const;
+
+  // Stage 2: adds this rank's averaged gradient slice of parameter i (shard_numel(i) elements,
+  // any floating dtype) to its fp32 gradient shard.
+  void add_grad_shard(size_t i, const at::Tensor& slice);
+  // Stage 1: slices the full (already averaged) .grad of every parameter that has one into its
+  // gradient shard and drops the .grad. Idempotent until the next zero_grad()/step().
+  void take_full_grads();
+
+  // Global L2 norm of the gradients / scale: fp64 sum of squares of the shards, SUM over the
+  // group (inf/nan on any rank makes it non-finite on every rank).
+  double grad_norm(double scale);
+  // One AdamW update of the shards with every gradient divided by `divisor`, then the all-gather
+  // of the working parameters. Parameters without a gradient (on every rank) are skipped.
+  void step(double divisor);
+  // Clears gradient shards (and any .grad left on the working parameters).
+  void zero_grad();
+
+  // Full-shape state (collective: every rank calls it; every rank gets the whole dict).
+  optim::StateDict state_dict() const;
+  // Loads a full-shape state written by state_dict() or by optim::Optimizer::state_dict() of
+  // the same optimizer type; each rank keeps its slices. Working parameters follow the masters.
+  void load_state_dict(const optim::StateDict& state);
+  // Master shards re-taken from the working parameters (after a model checkpoint load).
+  void sync_masters_from_params();
+
+  // Accounting: bytes this rank holds in optimizer state (masters + moments) and in gradient
+  // shards; and the same figures for the whole model unsharded (fp32 masters, two moments).
+  int64_t state_bytes() const;
+  int64_t grad_shard_bytes() const;
+  int64_t padded_numel() const;  // sum over parameters of world * shard_numel
+  int64_t total_numel() const;
+
+  optim::Optimizer& inner() { return *inner_; }
+
+ private:
+  struct Param {
+    std::string name;
+    at::Tensor param;  // working parameter (full)
+    size_t group;
+    at::Tensor master, grad, exp_avg, exp_avg_sq;  // shards (fp32, shard device)
+    bool has_grad = false;
+    int64_t step = 0;
+  };
+  at::Tensor slice_of(const at::Tensor& full, size_t i) const;  // this rank's fp32 slice
+  at::Tensor gather_full(const at::Tensor& shard, size_t i) const;
+  void all_gather_params(const std::vector<size_t>& which);
+  at::Tensor new_shard(size_t i) const;
+
+  std::shared_ptr<optim::Optimizer> inner_;
+  dist::Communicator comm_;
+  ZeroOptimizerOptions options_;
+  int world_ = 1, rank_ = 0;
+  at::Device shard_device_{at::kCPU};
+  bool pin_ = false;
+  std::vector<Param> params_;
+  bool grads_taken_ = false;
+};
+
+}  // namespace colossal::zero

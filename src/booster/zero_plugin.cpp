@@ -1,0 +1,232 @@
+#include "colossal/booster/zero_plugin.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <cmath>
+#include <map>
+
+#include "colossal/amp/grad_scaler.h"
+#include "colossal/booster/ddp_plugin.h"
+#include "colossal/booster/grad_sync.h"
+#include "colossal/core/logging.h"
+#include "colossal/core/options.h"
+#include "colossal/dist/runtime.h"
+#include "colossal/optim/optimizer.h"
+#include "colossal/zero/low_level_optim.h"
+
+namespace colossal::booster {
+
+void ZeroOptions::register_options(OptionSet& set) {
+  set.add("plugin", "stage", &stage,
+          "low_level_zero: ZeRO stage (1: sharded optimizer states, 2: and gradients)")
+      .add("plugin", "reduce_bucket_size_in_m", &reduce_bucket_size_in_m,
+           "low_level_zero: gradient bucket size in millions of elements")
+      .add("plugin", "communication_dtype", &communication_dtype,
+           "low_level_zero: dtype gradients are reduced in ('' = their own)",
+           {"", "fp32", "bf16", "fp16"})
+      .add("plugin", "overlap_communication", &overlap_communication,
+           "low_level_zero: reduce gradient buckets while backward runs")
+      .add("plugin", "overlap_allgather", &overlap_allgather,
+           "low_level_zero: overlapped weight all-gather (not implemented)")
+      .add("plugin", "cpu_offload", &cpu_offload,
+           "low_level_zero: fp32 masters, gradient shards and moments on the CPU");
+  set.min("stage", 1).max("stage", 2).min("reduce_bucket_size_in_m", 1e-6);
+}
+
+namespace {
+
+std::vector<std::pair<std::string, at::Tensor>> trainable(torch::nn::Module& m) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (auto& item : m.named_parameters(true))
+    if (item.value().requires_grad()) out.emplace_back(item.key(), item.value());
+  return out;
+}
+
+class ZeroModel : public ModelWrapper {
+ public:
+  ZeroModel(std::shared_ptr<torch::nn::Module> module,
+            std::vector<std::pair<std::string, at::Tensor>> masters)
+      : ModelWrapper(std::move(module)), masters(std::move(masters)) {}
+  void set_require_grad_sync(bool s) override {
+    // Stage 2 reduce-scatters every micro-step and accumulates slices: its sync stays on.
+    if (sync && stage == 1) sync->set_enabled(s);
+    require_sync_ = s;
+  }
+  bool require_grad_sync() const override { return require_sync_; }
+  void finish_backward() override {
+    if (sync) sync->finish();
+  }
+  int stage = 1;
+  std::unique_ptr<GradSync> sync;
+  std::vector<std::pair<std::string, at::Tensor>> masters;  // fp32 values before the cast
+  bool require_sync_ = true;
+};
+
+}  // namespace
+
+LowLevelZeroPlugin::LowLevelZeroPlugin(ZeroOptions options, dist::Communicator comm)
+    : options_(std::move(options)),
+      precision_(precision_from_string(options_.precision)),
+      comm_(std::move(comm)) {
+  if (!comm_.valid()) {
+    COLOSSAL_CHECK_INPUT(dist::is_initialized(),
+                         "the low_level_zero plugin needs the distributed runtime: call "
+                         "colossal::dist::init() first "
+                         "(or start the program with `colossal run`)");
+    comm_ = dist::world();
+  }
+  COLOSSAL_CHECK_INPUT(options_.stage == 1 || options_.stage == 2,
+                       "low_level_zero: stage must be 1 or 2, got ", options_.stage);
+  COLOSSAL_CHECK_INPUT(options_.reduce_bucket_size_in_m > 0,
+                       "low_level_zero: reduce_bucket_size_in_m must be > 0, got ",
+                       options_.reduce_bucket_size_in_m);
+  COLOSSAL_CHECK_INPUT(!options_.overlap_allgather,
+                       "low_level_zero: overlap_allgather is not implemented (weights are "
+                       "all-gathered at the end of "
+                       "step()); set it to false");
+  COLOSSAL_CHECK_INPUT(options_.master_weights || precision_ == Precision::FP32,
+                       "low_level_zero: master_weights=false is not supported with ",
+                       to_string(precision_), " (fp32 master shards are always kept)");
+  COLOSSAL_CHECK_INPUT(options_.max_norm >= 0, "low_level_zero: max_norm must be >= 0, got ",
+                       options_.max_norm);
+  validate();
+}
+
+std::vector<Precision> LowLevelZeroPlugin::supported_precisions() const {
+  return {Precision::FP32, Precision::BF16, Precision::FP16};
+}
+
+std::shared_ptr<ModelWrapper> LowLevelZeroPlugin::configure_model(
+    std::shared_ptr<torch::nn::Module> model) {
+  COLOSSAL_CHECK(model, "boost(): model is null");
+  auto masters = cast_module_in_place(*model, working_dtype(precision_), options_.device);
+  if (comm_.size() > 1) {  // every rank starts from rank 0's weights
+    for (auto& item : model->named_parameters(true)) {
+      at::Tensor d = item.value().detach();
+      comm_.broadcast(d, 0);
+    }
+    for (auto& [name, m] : masters) comm_.broadcast(m, 0);
+    for (auto& item : model->named_buffers(true)) {
+      at::Tensor d = item.value().detach();
+      comm_.broadcast(d, 0);
+    }
+  }
+  return std::make_shared<ZeroModel>(std::move(model), std::move(masters));
+}
+
+std::shared_ptr<OptimizerWrapper> LowLevelZeroPlugin::configure_optimizer(
+    std::shared_ptr<optim::Optimizer> optimizer, ModelWrapper& model) {
+  auto* zm = dynamic_cast<ZeroModel*>(&model);
+  COLOSSAL_CHECK(zm, "low_level_zero plugin: the model was not configured by this plugin");
+  if (!optimizer) return nullptr;
+  std::map<const void*, std::string> model_params;
+  for (auto& item : model.module().named_parameters(true))
+    model_params[item.value().unsafeGetTensorImpl()] = item.key();
+  for (auto& g : optimizer->param_groups())
+    for (size_t i = 0; i < g.params.size(); ++i)
+      COLOSSAL_CHECK_INPUT(model_params.count(g.params[i].unsafeGetTensorImpl()),
+                           "optimizer parameter '", g.names[i],
+                           "' is not a parameter of the boosted model");
+  zero::ZeroOptimizerOptions zo;
+  zo.cpu_offload = options_.cpu_offload;
+  zo.allgather_bucket_numel = static_cast<int64_t>(options_.reduce_bucket_size_in_m * 1024 * 1024);
+  auto zopt = std::make_shared<zero::LowLevelZeroOptimizer>(optimizer, comm_, zm->masters, zo);
+  zm->masters.clear();
+
+  GradSync::Options gs;
+  const int64_t elem = at::elementSize(working_dtype(precision_));
+  gs.bucket_cap_mb = options_.reduce_bucket_size_in_m * static_cast<double>(elem);
+  gs.overlap = options_.overlap_communication;
+  if (!options_.communication_dtype.empty())
+    gs.communication_dtype = working_dtype(precision_from_string(options_.communication_dtype));
+  auto params = trainable(model.module());
+  zm->stage = static_cast<int>(options_.stage);
+  if (options_.stage == 2) {
+    std::vector<int64_t> index;
+    for (auto& [n, p] : params) index.push_back(zopt->index_of(p));
+    zero::LowLevelZeroOptimizer* raw = zopt.get();
+    gs.on_shard = [raw, index](size_t k, const at::Tensor& slice) {
+      if (index[k] >= 0) raw->add_grad_shard(static_cast<size_t>(index[k]), slice);
+    };
+    if (!params.empty()) zm->sync = std::make_unique<GradSync>(params, comm_, gs);
+  } else if (comm_.size() > 1 && !params.empty()) {
+    zm->sync = std::make_unique<GradSync>(params, comm_, gs);
+  }
+  zm->set_require_grad_sync(zm->require_grad_sync());
+  log_info("low_level_zero: stage ", options_.stage, ", ", to_string(precision_), ", dp ",
+           comm_.size(), options_.cpu_offload ? ", cpu offload" : "",
+           "; optimizer state on this rank ", zopt->state_bytes(), " bytes");
+  return std::make_shared<ZeroOptimizerWrapper>(std::move(optimizer), std::move(zopt), precision_,
+                                                options_.loss_scale, options_.max_norm);
+}
+
+ZeroOptimizerWrapper::ZeroOptimizerWrapper(std::shared_ptr<optim::Optimizer> optimizer,
+                                           std::shared_ptr<zero::LowLevelZeroOptimizer> zero,
+                                           Precision precision, const LossScaleOptions& loss_scale,
+                                           double max_norm)
+    : OptimizerWrapper(std::move(optimizer), precision, loss_scale),
+      zero_(std::move(zero)),
+      default_max_norm_(max_norm) {}
+
+double ZeroOptimizerWrapper::norm_now() {
+  zero_->take_full_grads();  // stage 1 (and anything left on .grad); a no-op for stage 2
+  return zero_->grad_norm(loss_scale());
+}
+
+double ZeroOptimizerWrapper::clip_grad_by_norm(double max_norm, double norm_type) {
+  COLOSSAL_CHECK_INPUT(norm_type == 2.0, "clip_grad_by_norm: only norm_type 2 is supported, got ",
+                       norm_type);
+  COLOSSAL_CHECK_INPUT(max_norm > 0, "clip_grad_by_norm: max_norm must be > 0, got ", max_norm);
+  max_norm_ = max_norm;
+  last_norm_ = norm_now();
+  norm_valid_ = true;
+  return last_norm_;
+}
+
+bool ZeroOptimizerWrapper::step() {
+  if (!norm_valid_) last_norm_ = norm_now();
+  norm_valid_ = false;
+  const double max_norm = max_norm_ > 0 ? max_norm_ : default_max_norm_;
+  max_norm_ = 0.0;
+  if (!std::isfinite(last_norm_)) {
+    last_skipped_ = true;
+    if (scaler_) {
+      double old = scaler_->scale();
+      scaler_->update(true);
+      log_warn("fp16 gradient overflow: step skipped on every rank, loss scale ", old, " -> ",
+               scaler_->scale());
+    } else {
+      log_warn("non-finite gradient norm (", last_norm_, ") in ", to_string(precision_),
+               ": step skipped");
+    }
+    zero_->zero_grad();
+    return false;
+  }
+  double divisor = loss_scale();
+  if (max_norm > 0) {
+    double coef = max_norm / (last_norm_ + 1e-6);
+    if (coef < 1.0) divisor /= coef;
+  }
+  zero_->step(divisor);
+  if (scaler_) scaler_->update(false);
+  last_skipped_ = false;
+  return true;
+}
+
+void ZeroOptimizerWrapper::zero_grad(bool set_to_none) {
+  (void)set_to_none;  // shards are zeroed in place; working .grad always dropped
+  zero_->zero_grad();
+}
+
+optim::StateDict ZeroOptimizerWrapper::full_state_dict() {
+  return zero_->state_dict();
+}
+void ZeroOptimizerWrapper::load_full_state_dict(const optim::StateDict& state) {
+  zero_->load_state_dict(state);
+}
+void ZeroOptimizerWrapper::sync_masters_from_params() {
+  zero_->sync_masters_from_params();
+}
+
+}  // namespace colossal::booster

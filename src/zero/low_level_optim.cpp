@@ -1,0 +1,355 @@
+// ZeRO-1/2 sharded optimizer state: partition, gradient intake, sharded AdamW, all-gather,
+// full-shape checkpoints.
+#include "colossal/zero/low_level_optim.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <cmath>
+#include <map>
+
+#include "colossal/amp/grad_scaler.h"
+#include "colossal/core/error.h"
+#include "colossal/core/logging.h"
+#include "colossal/optim/adamw.h"
+
+namespace colossal::zero {
+
+LowLevelZeroOptimizer::LowLevelZeroOptimizer(
+    std::shared_ptr<optim::Optimizer> inner, dist::Communicator comm,
+    const std::vector<std::pair<std::string, at::Tensor>>& masters, ZeroOptimizerOptions options)
+    : inner_(std::move(inner)), comm_(std::move(comm)), options_(options) {
+  COLOSSAL_CHECK(inner_, "LowLevelZeroOptimizer: optimizer is null");
+  COLOSSAL_CHECK_INPUT(std::string(inner_->type()) == "adamw",
+                       "the low_level_zero plugin updates sharded states with ",
+                       "AdamW only; got a '", inner_->type(), "' optimizer");
+  COLOSSAL_CHECK_INPUT(options_.allgather_bucket_numel > 0,
+                       "ZeRO all-gather bucket size must be > 0");
+  if (comm_.valid()) {
+    world_ = comm_.size();
+    rank_ = comm_.rank();
+  }
+  std::map<std::string, const at::Tensor*> by_name;
+  for (const auto& [n, t] : masters) by_name[n] = &t;
+  c10::NoGradGuard no_grad;
+  auto& groups = inner_->param_groups();
+  for (size_t gi = 0; gi < groups.size(); ++gi)
+    for (size_t k = 0; k < groups[gi].params.size(); ++k) {
+      Param p;
+      p.name = groups[gi].names[k];
+      p.param = groups[gi].params[k];
+      p.group = gi;
+      params_.push_back(std::move(p));
+    }
+  if (!params_.empty()) {
+    const at::Tensor& first = params_.front().param;
+    shard_device_ = options_.cpu_offload ? at::Device(at::kCPU) : first.device();
+    pin_ = options_.cpu_offload && first.is_cuda();
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto it = by_name.find(params_[i].name);
+    const at::Tensor full = it != by_name.end() ? *it->second : params_[i].param.detach();
+    COLOSSAL_CHECK(full.numel() == params_[i].param.numel(), "LowLevelZeroOptimizer: master of '",
+                   params_[i].name, "' has ", full.numel(), " elements, the parameter ",
+                   params_[i].param.numel());
+    params_[i].master = slice_of(full, i);
+    params_[i].grad = new_shard(i);
+  }
+  log_debug("ZeRO: ", params_.size(), " parameters sharded over ", world_, " rank(s), ",
+            state_bytes(), " optimizer bytes on this rank");
+}
+
+LowLevelZeroOptimizer::~LowLevelZeroOptimizer() = default;
+
+int64_t LowLevelZeroOptimizer::index_of(const at::Tensor& param) const {
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].param.unsafeGetTensorImpl() == param.unsafeGetTensorImpl())
+      return static_cast<int64_t>(i);
+  return -1;
+}
+
+int64_t LowLevelZeroOptimizer::shard_numel(size_t i) const {
+  return (params_[i].param.numel() + world_ - 1) / world_;
+}
+
+at::Tensor LowLevelZeroOptimizer::new_shard(size_t i) const {
+  at::Tensor t =
+      at::zeros({shard_numel(i)}, at::TensorOptions().dtype(at::kFloat).device(shard_device_));
+  return pin_ ? t.pin_memory() : t;
+}
+
+at::Tensor LowLevelZeroOptimizer::slice_of(const at::Tensor& full, size_t i) const {
+  const int64_t s = shard_numel(i);
+  at::Tensor flat = full.detach().reshape({-1});
+  at::Tensor padded = at::constant_pad_nd(flat, {0, s * world_ - flat.numel()});
+  at::Tensor out = new_shard(i);
+  out.copy_(padded.narrow(0, s * rank_, s));
+  return out;
+}
+
+at::Tensor LowLevelZeroOptimizer::gather_full(const at::Tensor& shard, size_t i) const {
+  const at::Tensor& p = params_[i].param;
+  at::Tensor local = shard.to(p.device(), at::kFloat).contiguous();
+  if (world_ == 1) return local.narrow(0, 0, p.numel()).view(p.sizes()).clone();
+  at::Tensor out = at::empty({shard_numel(i) * world_}, local.options());
+  dist::Communicator c = comm_;
+  c.all_gather(out, local);
+  return out.narrow(0, 0, p.numel()).view(p.sizes()).clone();
+}
+
+void LowLevelZeroOptimizer::add_grad_shard(size_t i, const at::Tensor& slice) {
+  COLOSSAL_CHECK(i < params_.size() && slice.numel() == shard_numel(i),
+                 "ZeRO: gradient slice of parameter ", i, " has ", slice.numel(),
+                 " elements, expected ", i < params_.size() ? shard_numel(i) : -1);
+  c10::NoGradGuard no_grad;
+  Param& p = params_[i];
+  p.grad.add_(slice.to(shard_device_, at::kFloat));
+  p.has_grad = true;
+}
+
+void LowLevelZeroOptimizer::take_full_grads() {
+  if (grads_taken_) return;
+  c10::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param& p = params_[i];
+    const at::Tensor& g = p.param.grad();
+    if (!g.defined()) continue;
+    const int64_t s = shard_numel(i);
+    at::Tensor padded = at::constant_pad_nd(g.reshape({-1}), {0, s * world_ - g.numel()});
+    p.grad.add_(padded.narrow(0, s * rank_, s).to(shard_device_, at::kFloat));
+    p.has_grad = true;
+    p.param.mutable_grad() = at::Tensor();
+  }
+  grads_taken_ = true;
+}
+
+double LowLevelZeroOptimizer::grad_norm(double scale) {
+  std::vector<at::Tensor> grads;
+  for (auto& p : params_)
+    if (p.has_grad) grads.push_back(p.grad);
+  amp::GradReducer reducer;
+  if (world_ > 1) {
+    dist::Communicator c = comm_;
+    at::Device dev = params_.front().param.device();
+    reducer.all_reduce_sum = [c, dev](at::Tensor& t) mutable {
+      at::Tensor d = t.to(dev);
+      c.all_reduce(d, dist::ReduceOp::Sum);
+      t.copy_(d);
+    };
+    reducer.all_reduce_max = [c, dev](at::Tensor& t) mutable {
+      at::Tensor d = t.to(dev);
+      c.all_reduce(d, dist::ReduceOp::Max);
+      t.copy_(d);
+    };
+  }
+  return amp::global_grad_norm(grads, scale, reducer);
+}
+
+void LowLevelZeroOptimizer::step(double divisor) {
+  c10::NoGradGuard no_grad;
+  auto& groups = inner_->param_groups();
+  std::vector<size_t> updated;
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    const optim::GroupOptions& g = groups[gi].options;
+    optim::AdamWHyper h{g.lr, g.beta1, g.beta2, g.eps, g.weight_decay};
+    std::map<int64_t, std::vector<size_t>> by_step;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      Param& p = params_[i];
+      if (p.group != gi || !p.has_grad) continue;
+      p.step += 1;
+      if (!p.exp_avg.defined()) {
+        p.exp_avg = new_shard(i);
+        p.exp_avg_sq = new_shard(i);
+      }
+      by_step[p.step].push_back(i);
+      updated.push_back(i);
+    }
+    for (auto& [step, idx] : by_step) {
+      std::vector<at::Tensor> P, G, M, V;
+      for (size_t i : idx) {
+        P.push_back(params_[i].master);
+        G.push_back(params_[i].grad);
+        M.push_back(params_[i].exp_avg);
+        V.push_back(params_[i].exp_avg_sq);
+      }
+      optim::adamw_update(P, G, M, V, step, h, optim::AdamWImpl::Auto, divisor);
+    }
+  }
+  all_gather_params(updated);
+  zero_grad();
+}
+
+void LowLevelZeroOptimizer::all_gather_params(const std::vector<size_t>& which) {
+  // Buckets of one working dtype, at most allgather_bucket_numel shard elements each: the local
+  // slices are concatenated, gathered rank-major, and every parameter takes its columns.
+  size_t k = 0;
+  while (k < which.size()) {
+    const at::Tensor& first = params_[which[k]].param;
+    std::vector<size_t> bucket;
+    int64_t cols = 0;
+    while (k < which.size()) {
+      const at::Tensor& p = params_[which[k]].param;
+      if (!bucket.empty() &&
+          (p.scalar_type() != first.scalar_type() || p.device() != first.device() ||
+           cols + shard_numel(which[k]) > options_.allgather_bucket_numel))
+        break;
+      bucket.push_back(which[k]);
+      cols += shard_numel(which[k]);
+      ++k;
+    }
+    std::vector<at::Tensor> parts;
+    for (size_t i : bucket)
+      parts.push_back(params_[i].master.to(first.device(), first.scalar_type()));
+    at::Tensor local = at::cat(parts);
+    at::Tensor gathered;
+    if (world_ == 1) {
+      gathered = local.view({1, cols});
+    } else {
+      gathered = at::empty({world_ * cols}, local.options());
+      comm_.all_gather(gathered, local);
+      gathered = gathered.view({world_, cols});
+    }
+    int64_t off = 0;
+    for (size_t i : bucket) {
+      at::Tensor& p = params_[i].param;
+      const int64_t s = shard_numel(i);
+      at::Tensor full = gathered.narrow(1, off, s).reshape({-1}).narrow(0, 0, p.numel());
+      p.detach().copy_(full.view(p.sizes()));
+      off += s;
+    }
+  }
+}
+
+void LowLevelZeroOptimizer::zero_grad() {
+  for (auto& p : params_) {
+    if (p.has_grad) p.grad.zero_();
+    p.has_grad = false;
+    if (p.param.grad().defined()) p.param.mutable_grad() = at::Tensor();
+  }
+  grads_taken_ = false;
+}
+
+namespace {
+bool is_half(const at::Tensor& t) {
+  return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
+}
+}  // namespace
+
+optim::StateDict LowLevelZeroOptimizer::state_dict() const {
+  // Scalars in the format of optim::Optimizer::state_dict(): the inner optimizer has no state,
+  // so its dict carries the groups; the steps are ours.
+  optim::StateDict out = inner_->state_dict();
+  out.tensors.clear();
+  json::Value steps = json::Value::object();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Param& p = params_[i];
+    if (p.step > 0) {
+      steps.set(p.name, p.step);
+      out.tensors.emplace_back(p.name + ".exp_avg", gather_full(p.exp_avg, i));
+      out.tensors.emplace_back(p.name + ".exp_avg_sq", gather_full(p.exp_avg_sq, i));
+    }
+    if (is_half(p.param)) out.tensors.emplace_back(p.name + ".master", gather_full(p.master, i));
+  }
+  out.scalars.set("steps", std::move(steps));
+  return out;
+}
+
+void LowLevelZeroOptimizer::load_state_dict(const optim::StateDict& sd) {
+  c10::NoGradGuard no_grad;
+  const json::Value& s = sd.scalars;
+  COLOSSAL_CHECK_INPUT(s.is_object(), "optimizer state: scalars must be an object");
+  const std::string& t = s.at("type").as_string("optimizer state 'type'");
+  COLOSSAL_CHECK_INPUT(t == inner_->type(), "optimizer state was saved by '", t,
+                       "' but this optimizer is '", inner_->type(), "'");
+  auto& groups = inner_->param_groups();
+  const auto& jgroups = s.at("param_groups").as_array("optimizer state 'param_groups'");
+  COLOSSAL_CHECK_INPUT(jgroups.size() == groups.size(), "optimizer state has ", jgroups.size(),
+                       " param groups but this optimizer has ", groups.size());
+  std::vector<optim::GroupOptions> opts;
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    const auto& jg = jgroups[gi];
+    const auto& names = jg.at("params").as_array("param_groups.params");
+    COLOSSAL_CHECK_INPUT(names.size() == groups[gi].names.size(), "optimizer state group ", gi,
+                         " has ", names.size(), " params but this optimizer's group has ",
+                         groups[gi].names.size());
+    for (size_t k = 0; k < names.size(); ++k)
+      COLOSSAL_CHECK_INPUT(names[k].as_string("param name") == groups[gi].names[k],
+                           "optimizer state group ", gi, " param ", k, " is '",
+                           names[k].as_string(), "' but this optimizer has '", groups[gi].names[k],
+                           "'");
+    optim::GroupOptions o = groups[gi].options;
+    o.lr = jg.at("lr").as_double("lr");
+    o.weight_decay = jg.at("weight_decay").as_double("weight_decay");
+    o.beta1 = jg.at("beta1").as_double("beta1");
+    o.beta2 = jg.at("beta2").as_double("beta2");
+    o.eps = jg.at("eps").as_double("eps");
+    opts.push_back(o);
+  }
+  std::map<std::string, const at::Tensor*> by_name;
+  for (auto& [n, tensor] : sd.tensors) by_name[n] = &tensor;
+  const json::Value& steps = s.at("steps");
+  auto full = [&](const Param& p, const std::string& key) -> const at::Tensor* {
+    auto it = by_name.find(p.name + "." + key);
+    if (it == by_name.end()) return nullptr;
+    COLOSSAL_CHECK_INPUT(it->second->sizes() == p.param.sizes(), "optimizer state tensor '", p.name,
+                         ".", key, "' has shape ", it->second->sizes(), " but parameter '", p.name,
+                         "' needs ", p.param.sizes());
+    return it->second;
+  };
+  std::vector<Param> next = params_;
+  for (size_t i = 0; i < next.size(); ++i) {
+    Param& p = next[i];
+    const at::Tensor* m = is_half(p.param) ? full(p, "master") : nullptr;
+    p.master = slice_of(m ? *m : p.param.detach(), i);
+    if (m) p.param.detach().copy_(*m);  // working parameters follow their restored masters
+    const json::Value* st = steps.find(p.name);
+    if (!st) {
+      p.step = 0;
+      p.exp_avg = p.exp_avg_sq = at::Tensor();
+      continue;
+    }
+    p.step = st->as_int("steps." + p.name);
+    const at::Tensor* ea = full(p, "exp_avg");
+    const at::Tensor* eas = full(p, "exp_avg_sq");
+    COLOSSAL_CHECK_INPUT(ea && eas, "optimizer state lacks tensor '", p.name, ".",
+                         ea ? "exp_avg_sq" : "exp_avg", "'");
+    p.exp_avg = slice_of(*ea, i);
+    p.exp_avg_sq = slice_of(*eas, i);
+  }
+  for (size_t gi = 0; gi < groups.size(); ++gi) groups[gi].options = opts[gi];
+  params_ = std::move(next);
+}
+
+void LowLevelZeroOptimizer::sync_masters_from_params() {
+  c10::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i)
+    params_[i].master.copy_(slice_of(params_[i].param, i));
+}
+
+int64_t LowLevelZeroOptimizer::state_bytes() const {
+  int64_t b = 0;
+  for (const auto& p : params_)
+    for (const at::Tensor* t : {&p.master, &p.exp_avg, &p.exp_avg_sq})
+      if (t->defined()) b += t->numel() * static_cast<int64_t>(t->element_size());
+  return b;
+}
+
+int64_t LowLevelZeroOptimizer::grad_shard_bytes() const {
+  int64_t b = 0;
+  for (const auto& p : params_) b += p.grad.numel() * static_cast<int64_t>(p.grad.element_size());
+  return b;
+}
+
+int64_t LowLevelZeroOptimizer::padded_numel() const {
+  int64_t n = 0;
+  for (size_t i = 0; i < params_.size(); ++i) n += shard_numel(i) * world_;
+  return n;
+}
+
+int64_t LowLevelZeroOptimizer::total_numel() const {
+  int64_t n = 0;
+  for (const auto& p : params_) n += p.param.numel();
+  return n;
+}
+
+}  // namespace colossal::zero

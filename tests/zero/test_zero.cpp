@@ -1,0 +1,350 @@
+// The low_level_zero plugin (ZeRO-1/2) through the Booster on a plain LibTorch MLP, at the world
+// size `colossal run` gives (2 and 4 in make test): per-step losses equal one process on the
+// global batch and the ddp plugin; optimizer memory is 1/W; stage 2 keeps only its gradient
+// slice; no_sync accumulation equals one step on the larger batch; full-shape checkpoints match
+// plain AdamW's and load across plugins.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+
+#include <cmath>
+
+#include "colossal/booster/booster.h"
+#include "colossal/booster/ddp_plugin.h"
+#include "colossal/booster/zero_plugin.h"
+#include "colossal/optim/adamw.h"
+#include "colossal/zero/low_level_optim.h"
+#include "dist/dist_test_env.h"
+
+namespace {
+
+using namespace colossal;
+
+// Odd sizes so parameters do not divide evenly by 2 or 4 (padding is exercised).
+struct MLPImpl : torch::nn::Module {
+  MLPImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(7, 13));
+    fc2 = register_module("fc2", torch::nn::Linear(13, 5));
+    unused = register_module("unused", torch::nn::Linear(3, 3));
+  }
+  at::Tensor forward(const at::Tensor& x) { return fc2->forward(at::tanh(fc1->forward(x))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, unused{nullptr};
+};
+
+std::shared_ptr<MLPImpl> make_mlp() {
+  at::manual_seed(0);
+  return std::make_shared<MLPImpl>();
+}
+
+std::shared_ptr<optim::AdamW> make_adamw(torch::nn::Module& m) {
+  auto opt = std::make_shared<optim::AdamW>();
+  std::vector<optim::NamedParam> decay, other;
+  for (auto& item : m.named_parameters(true))
+    (item.value().dim() >= 2 ? decay : other).push_back({item.key(), item.value()});
+  optim::GroupOptions g;
+  g.lr = 1e-2;
+  g.weight_decay = 0.05;
+  opt->add_param_group(decay, g);
+  g.weight_decay = 0.0;
+  opt->add_param_group(other, g);
+  return opt;
+}
+
+at::Tensor global_rows(int step, int micro, int64_t rows) {
+  auto gen =
+      at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(100 * step + micro + 7));
+  return at::randn({rows, 7}, gen);
+}
+
+at::Tensor target(const at::Tensor& x) {
+  return at::sin(x.narrow(1, 0, 5) * 2.0);
+}
+
+double rel(double a, double b) {
+  return std::abs(a - b) / std::max(1e-12, std::abs(b));
+}
+
+double max_rel(const at::Tensor& a, const at::Tensor& b) {
+  return (a.to(at::kFloat) - b.to(at::kFloat)).abs().max().item<double>() /
+         std::max(1e-12, b.to(at::kFloat).abs().max().item<double>());
+}
+
+struct TrainRun {
+  std::vector<double> losses;  // global (mean over ranks) loss per step
+  std::shared_ptr<MLPImpl> model;
+  booster::Boosted boosted;
+  std::unique_ptr<booster::Booster> booster;
+};
+
+// Trains `steps` steps of `accum` micro-steps with B rows per rank and micro-step, clipping the
+// global norm at 0.5 (so clipping is active at the start).
+std::shared_ptr<booster::Plugin> zero_plugin(int stage, const std::string& precision,
+                                             bool overlap = true, double bucket_m = 12) {
+  booster::ZeroOptions o;
+  o.stage = stage;
+  o.precision = precision;
+  o.overlap_communication = overlap;
+  o.reduce_bucket_size_in_m = bucket_m;
+  return std::make_shared<booster::LowLevelZeroPlugin>(o);
+}
+
+std::shared_ptr<booster::Plugin> ddp_plugin(const std::string& precision) {
+  booster::DDPOptions o;
+  o.precision = precision;
+  return std::make_shared<booster::DDPPlugin>(o);
+}
+
+void train(TrainRun& run, int steps, int accum, int64_t B, int first_step = 0) {
+  const int R = dist::world_size(), r = dist::rank();
+  auto& b = run.boosted;
+  for (int step = first_step; step < first_step + steps; ++step) {
+    double loss_sum = 0.0;
+    for (int a = 0; a < accum; ++a) {
+      at::Tensor x = global_rows(step, a, B * R).narrow(0, r * B, B);
+      at::Tensor y = target(x);
+      std::unique_ptr<booster::NoSyncGuard> guard;
+      if (a + 1 < accum) guard = run.booster->no_sync(*b.model);
+      at::Tensor dtype_probe = run.model->fc1->weight;
+      at::Tensor out = run.model->forward(x.to(dtype_probe.scalar_type())).to(at::kFloat);
+      at::Tensor loss = at::mse_loss(out, y) / accum;
+      run.booster->backward(loss, *b.optimizer);
+      at::Tensor l = loss.detach().clone();
+      dist::world().all_reduce(l, dist::ReduceOp::Avg);
+      loss_sum += l.item<double>();
+    }
+    run.booster->clip_grad_by_norm(*b.optimizer, 0.5);
+    EXPECT_TRUE(b.optimizer->step());
+    b.optimizer->zero_grad();
+    run.losses.push_back(loss_sum);
+  }
+}
+
+TrainRun boosted_run(std::shared_ptr<booster::Plugin> plugin) {
+  TrainRun run;
+  run.model = make_mlp();
+  run.booster = std::make_unique<booster::Booster>(std::move(plugin));
+  run.boosted = run.booster->boost(run.model, make_adamw(*run.model));
+  return run;
+}
+
+// One process on the whole global batch: plain AdamW, manual fp64 norm and clipping.
+std::vector<double> reference_losses(int steps, int accum, int64_t B,
+                                     std::shared_ptr<MLPImpl>* out_model = nullptr) {
+  const int R = dist::world_size();
+  auto model = make_mlp();
+  auto opt = make_adamw(*model);
+  std::vector<double> losses;
+  for (int step = 0; step < steps; ++step) {
+    double loss_sum = 0.0;
+    for (int a = 0; a < accum; ++a) {
+      at::Tensor x = global_rows(step, a, B * R);
+      at::Tensor loss = at::mse_loss(model->forward(x), target(x)) / accum;
+      loss.backward();
+      loss_sum += loss.item<double>();
+    }
+    double sq = 0.0;
+    for (auto& p : model->parameters())
+      if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum().item<double>();
+    double norm = std::sqrt(sq), coef = 0.5 / (norm + 1e-6);
+    opt->step(coef < 1.0 ? 1.0 / coef : 1.0);
+    opt->zero_grad();
+    losses.push_back(loss_sum);
+  }
+  if (out_model) *out_model = model;
+  return losses;
+}
+
+class Zero : public ::testing::TestWithParam<int> {};
+
+TEST_P(Zero, Fp32LossesMatchSingleProcessAndDdp) {
+  const int stage = GetParam();
+  const int64_t B = 3;
+  std::shared_ptr<MLPImpl> ref_model;
+  auto ref = reference_losses(10, 1, B, &ref_model);
+  TrainRun ddp = boosted_run(ddp_plugin("fp32"));
+  train(ddp, 10, 1, B);
+  // Tiny buckets (a few elements): many buckets, launched in order, each parameter alone.
+  for (double bucket_m : {12.0, 1e-4}) {
+    for (bool overlap : {true, false}) {
+      TrainRun z = boosted_run(zero_plugin(stage, "fp32", overlap, bucket_m));
+      train(z, 10, 1, B);
+      for (int s = 0; s < 10; ++s) {
+        EXPECT_LT(rel(z.losses[s], ref[s]), 1e-5) << "stage " << stage << " step " << s;
+        EXPECT_LT(rel(z.losses[s], ddp.losses[s]), 1e-5) << "stage " << stage << " step " << s;
+      }
+      auto zp = z.model->named_parameters(true);
+      auto rp = ref_model->named_parameters(true);
+      for (auto& item : zp) EXPECT_LT(max_rel(item.value(), rp[item.key()]), 1e-5) << item.key();
+      // The unused layer never got a gradient: untouched, no state.
+      EXPECT_TRUE(z.model->unused->weight.equal(make_mlp()->unused->weight));
+    }
+  }
+  // The losses moved: the comparison is not between two frozen runs.
+  EXPECT_LT(ref.back(), 0.9 * ref.front());
+}
+
+TEST_P(Zero, Bf16LossesTrackFp32AndDdp) {
+  // bf16 working weights carry 8 significant bits (relative rounding 2^-9 ~ 0.2%) and bf16
+  // gradients are reduced in bf16; over 10 steps of lr 1e-2 the loss of a run with fp32 masters
+  // stays within a few percent of fp32 (3e-2 allows ~15 rounding steps of 0.2%), and within 1e-2
+  // of ddp in bf16, whose masters see the same rounded gradients up to the order of the sum.
+  const int stage = GetParam();
+  const int64_t B = 3;
+  auto ref = reference_losses(10, 1, B);
+  TrainRun ddp = boosted_run(ddp_plugin("bf16"));
+  train(ddp, 10, 1, B);
+  TrainRun z = boosted_run(zero_plugin(stage, "bf16"));
+  train(z, 10, 1, B);
+  EXPECT_EQ(z.model->fc1->weight.scalar_type(), at::kBFloat16);
+  for (int s = 0; s < 10; ++s) {
+    EXPECT_LT(rel(z.losses[s], ref[s]), 3e-2) << "step " << s;
+    EXPECT_LT(rel(z.losses[s], ddp.losses[s]), 1e-2) << "step " << s;
+  }
+}
+
+TEST_P(Zero, StateIsShardedAndStage2KeepsOnlyItsSlice) {
+  const int stage = GetParam();
+  const int R = dist::world_size();
+  TrainRun z = boosted_run(zero_plugin(stage, "fp32"));
+  auto& w = dynamic_cast<booster::ZeroOptimizerWrapper&>(*z.boosted.optimizer);
+  auto& zo = w.zero();
+  // Before any step: only the fp32 master shards.
+  const int64_t padded = zo.padded_numel(), total = zo.total_numel();
+  EXPECT_EQ(total, 7 * 13 + 13 + 13 * 5 + 5 + 3 * 3 + 3);
+  EXPECT_LT(padded - total, static_cast<int64_t>(R * zo.num_params()));
+  EXPECT_EQ(zo.state_bytes(), 4 * padded / R);
+  const int64_t B = 3;
+  at::Tensor x = global_rows(0, 0, B * R).narrow(0, dist::rank() * B, B);
+  z.booster->backward(at::mse_loss(z.model->forward(x), target(x)), *z.boosted.optimizer);
+  if (stage == 2) {
+    // Right after backward: no full gradient anywhere, only this rank's slices.
+    for (auto& p : z.model->parameters()) EXPECT_FALSE(p.grad().defined());
+    EXPECT_EQ(zo.grad_shard_bytes(), 4 * padded / R);
+  } else {
+    EXPECT_TRUE(z.model->fc1->weight.grad().defined());
+  }
+  ASSERT_TRUE(z.boosted.optimizer->step());
+  // Masters + exp_avg + exp_avg_sq of the parameters that stepped (all but `unused`).
+  int64_t unused_shard = 0;
+  for (auto& p : z.model->unused->parameters()) unused_shard += (p.numel() + R - 1) / R;
+  EXPECT_EQ(zo.state_bytes(), 4 * padded / R + 8 * (padded / R - unused_shard));
+  // What one unsharded AdamW holds for the same model, divided by R, within the padding.
+  auto plain = make_mlp();
+  auto popt = make_adamw(*plain);
+  for (auto& p : plain->parameters()) p.mutable_grad() = at::ones_like(p);
+  popt->step();
+  int64_t plain_state = 4 * total;  // fp32 masters = the parameters themselves
+  for (auto& [n, t] : popt->state_dict().tensors) plain_state += t.numel() * 4;
+  EXPECT_LE(std::abs(zo.state_bytes() * R - plain_state),
+            12 * R * static_cast<int64_t>(zo.num_params()));
+}
+
+TEST_P(Zero, AccumulationEqualsOneStepOnTheLargerBatch) {
+  // 4 micro-steps of B rows (no_sync on the first 3) == one step on 4B rows per rank. Under
+  // stage 2 every micro-step is reduce-scattered and its slice accumulated in fp32.
+  const int stage = GetParam();
+  const int R = dist::world_size(), r = dist::rank();
+  const int64_t B = 2;
+  TrainRun acc = boosted_run(zero_plugin(stage, "fp32"));
+  TrainRun big = boosted_run(zero_plugin(stage, "fp32"));
+  for (int step = 0; step < 3; ++step) {
+    // Rank r's 4B rows: the micro-batches' rows of rank r, in micro order.
+    std::vector<at::Tensor> parts;
+    for (int a = 0; a < 4; ++a) {
+      at::Tensor x = global_rows(step, a, B * R).narrow(0, r * B, B);
+      parts.push_back(x);
+      std::unique_ptr<booster::NoSyncGuard> guard;
+      if (a < 3) guard = acc.booster->no_sync(*acc.boosted.model);
+      acc.booster->backward(at::mse_loss(acc.model->forward(x), target(x)) / 4,
+                            *acc.boosted.optimizer);
+    }
+    at::Tensor xb = at::cat(parts);
+    big.booster->backward(at::mse_loss(big.model->forward(xb), target(xb)), *big.boosted.optimizer);
+    for (TrainRun* run : {&acc, &big}) {
+      run->booster->clip_grad_by_norm(*run->boosted.optimizer, 0.5);
+      ASSERT_TRUE(run->boosted.optimizer->step());
+      run->boosted.optimizer->zero_grad();
+    }
+  }
+  auto bp = big.model->named_parameters(true);
+  for (auto& item : acc.model->named_parameters(true))
+    EXPECT_LT(max_rel(item.value(), bp[item.key()]), 1e-5) << item.key();
+}
+
+TEST_P(Zero, FullStateMatchesPlainAdamWAndLoadsAcrossPlugins) {
+  const int stage = GetParam();
+  const int64_t B = 3;
+  TrainRun z = boosted_run(zero_plugin(stage, "bf16"));
+  train(z, 4, 1, B);
+  TrainRun d = boosted_run(ddp_plugin("bf16"));
+  train(d, 4, 1, B);
+  optim::StateDict zs = z.boosted.optimizer->full_state_dict();
+  optim::StateDict ds = d.boosted.optimizer->full_state_dict();
+  // Same names, shapes and (up to bf16 reduction order) values as the unsharded optimizer.
+  ASSERT_EQ(zs.tensors.size(), ds.tensors.size());
+  std::map<std::string, at::Tensor> dmap(ds.tensors.begin(), ds.tensors.end());
+  for (auto& [n, t] : zs.tensors) {
+    ASSERT_TRUE(dmap.count(n)) << n;
+    ASSERT_EQ(t.sizes(), dmap[n].sizes()) << n;
+    EXPECT_LT(max_rel(t, dmap[n]), n.find("exp_avg_sq") != std::string::npos ? 5e-2 : 2e-2) << n;
+  }
+  EXPECT_EQ(zs.scalars.at("steps").dump(), ds.scalars.at("steps").dump());
+  // ZeRO state -> ddp optimizer and ddp state -> ZeRO: continuing gives the same losses as the
+  // run that produced the state.
+  TrainRun d2 = boosted_run(ddp_plugin("bf16"));
+  TrainRun z2 = boosted_run(zero_plugin(stage, "bf16"));
+  for (auto& item : z.model->named_parameters(true)) {
+    d2.model->named_parameters(true)[item.key()].detach().copy_(item.value());
+    z2.model->named_parameters(true)[item.key()].detach().copy_(item.value());
+  }
+  d2.boosted.optimizer->load_full_state_dict(zs);
+  z2.boosted.optimizer->load_full_state_dict(zs);
+  train(z, 3, 1, B, 4);
+  train(z2, 3, 1, B, 4);
+  train(d2, 3, 1, B, 4);
+  for (int s = 0; s < 3; ++s) {
+    EXPECT_EQ(z2.losses[s], z.losses[4 + s]) << "step " << s;  // ZeRO -> ZeRO is exact
+    EXPECT_LT(rel(d2.losses[s], z.losses[4 + s]), 1e-2) << "step " << s;
+  }
+}
+
+TEST_P(Zero, Fp16OverflowIsSkippedOnEveryRank) {
+  const int stage = GetParam();
+  booster::ZeroOptions o;
+  o.stage = stage;
+  o.precision = "fp16";
+  o.loss_scale.initial_scale = 1024;
+  o.loss_scale.hysteresis = 1;
+  TrainRun z = boosted_run(std::make_shared<booster::LowLevelZeroPlugin>(o));
+  at::Tensor before = z.model->fc1->weight.detach().clone();
+  at::Tensor x = global_rows(0, 0, 3).to(at::kHalf);
+  at::Tensor loss = at::mse_loss(z.model->forward(x).to(at::kFloat), target(x.to(at::kFloat)));
+  // Only the last rank's loss is poisoned: the overflow must be agreed by all.
+  if (dist::rank() == dist::world_size() - 1) loss = loss * std::numeric_limits<float>::infinity();
+  z.booster->backward(loss, *z.boosted.optimizer);
+  EXPECT_FALSE(z.boosted.optimizer->step());
+  EXPECT_EQ(z.boosted.optimizer->loss_scale(), 512);
+  EXPECT_TRUE(z.model->fc1->weight.equal(before));
+  // The next clean step updates.
+  z.boosted.optimizer->zero_grad();
+  loss = at::mse_loss(z.model->forward(x).to(at::kFloat), target(x.to(at::kFloat)));
+  z.booster->backward(loss, *z.boosted.optimizer);
+  EXPECT_TRUE(z.boosted.optimizer->step());
+  EXPECT_FALSE(z.model->fc1->weight.equal(before));
+}
+
+TEST(ZeroOptions, BadInputIsRejected) {
+  booster::ZeroOptions o;
+  o.stage = 3;
+  EXPECT_THROW(booster::LowLevelZeroPlugin{o}, InputError);
+  o.stage = 2;
+  o.overlap_allgather = true;
+  EXPECT_THROW(booster::LowLevelZeroPlugin{o}, InputError);
+}
+
+INSTANTIATE_TEST_SUITE_P(Stages, Zero, ::testing::Values(1, 2),
+                         [](const auto& info) { return "stage" + std::to_string(info.param); });
+
+}  // namespace
