@@ -1,5 +1,5 @@
 // CPU Adam benchmark (C++ side of bench/cpu_adam.sh): one JSON line per measurement, median of
-// `repeats` timed runs after one warm-up, all at the given thread count.
+// `repeats` interleaved rounds after one warm-up round, all at the given thread count.
 //   copy          dst.copy_(src) and a threaded memcpy of n fp32 (the machine's memory
 //                 bandwidth; 8 bytes per element: read + write)
 //   fp32          the plain step: fp32 param, grad, exp_avg, exp_avg_sq (28 bytes per parameter:
@@ -27,18 +27,6 @@
 using namespace colossal::optim;
 
 namespace {
-
-double median_seconds(int repeats, const std::function<void()>& fn) {
-  fn();  // warm-up
-  std::vector<double> t;
-  for (int i = 0; i < repeats; ++i) {
-    auto t0 = std::chrono::steady_clock::now();
-    fn();
-    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
 
 void report(const std::string& impl, const std::string& mode, int64_t n, int threads,
             double seconds, double bytes_per_elem) {
@@ -70,27 +58,32 @@ int main(int argc, char** argv) {
   c10::NoGradGuard no_grad;
   at::manual_seed(0);
 
-  {
-    auto src = at::rand({n}), dst = at::empty({n});
-    dst.zero_();
-    report("aten", "copy", n, threads, median_seconds(repeats, [&] { dst.copy_(src); }), 8.0);
-    const float* s = src.data_ptr<float>();
-    float* d = dst.data_ptr<float>();
-    report("memcpy", "copy", n, threads,
-           median_seconds(repeats,
-                          [&] {
-                            at::parallel_for(0, n, 1 << 20, [&](int64_t b, int64_t e) {
-                              std::memcpy(d + b, s + b, static_cast<size_t>(e - b) * sizeof(float));
-                            });
-                          }),
-           8.0);
-  }
+  struct Case {
+    std::string impl, mode;
+    double bytes;
+    std::function<void()> fn;
+    std::vector<double> times;
+  };
+  std::vector<Case> cases;
+
+  auto src = at::rand({n}), dst = at::zeros({n});
+  const float* s = src.data_ptr<float>();
+  float* d = dst.data_ptr<float>();
+  cases.push_back({"aten", "copy", 8.0, [&] { dst.copy_(src); }, {}});
+  cases.push_back({"memcpy",
+                   "copy",
+                   8.0,
+                   [&] {
+                     at::parallel_for(0, n, 1 << 20, [&](int64_t b, int64_t e) {
+                       std::memcpy(d + b, s + b, static_cast<size_t>(e - b) * sizeof(float));
+                     });
+                   },
+                   {}});
 
   auto p = at::randn({n}), m = at::zeros({n}), v = at::zeros({n});
   auto g = at::randn({n}) * 1e-2;
   auto g16 = g.to(at::kBFloat16);
-  auto out16 = at::empty({n}, at::kBFloat16);
-  out16.zero_();
+  auto out16 = at::zeros({n}, at::kBFloat16);
   AdamWHyper h{1e-4, 0.9, 0.999, 1e-8, 0.01};
   int64_t step = 0;
 
@@ -98,30 +91,49 @@ int main(int argc, char** argv) {
   for (std::string name; std::getline(ss, name, ',');) {
     CpuAdamPath path = parse_path(name);
     std::string impl = std::string("cpu_adam_") + cpu_adam_path_name(path);
-    report(impl, "fp32", n, threads,
-           median_seconds(repeats, [&] { cpu_adam_update(p, g, m, v, ++step, h, 1.0, {}, path); }),
-           28.0);
-    report(impl, "bf16", n, threads,
-           median_seconds(repeats,
-                          [&] { cpu_adam_update(p, g16, m, v, ++step, h, 1.0, out16, path); }),
-           28.0);
+    cases.push_back({impl,
+                     "fp32",
+                     28.0,
+                     [&, path] { cpu_adam_update(p, g, m, v, ++step, h, 1.0, {}, path); },
+                     {}});
+    cases.push_back({impl,
+                     "bf16",
+                     28.0,
+                     [&, path] { cpu_adam_update(p, g16, m, v, ++step, h, 1.0, out16, path); },
+                     {}});
   }
 
-  // ATen's fused AdamW (torch.optim.AdamW(fused=True) calls this kernel).
+  // ATen's fused AdamW (torch.optim.AdamW(fused=True) calls this kernel); for the offload step
+  // it needs an upcast of the gradient and a downcast of the weights around it.
   auto step_t = at::zeros({}, at::kFloat);
   auto fused = [&] {
     step_t.add_(1);
     at::_fused_adamw_({p}, {g}, {m}, {v}, {}, {step_t}, h.lr, h.beta1, h.beta2, h.weight_decay,
                       h.eps, false, false, std::nullopt, std::nullopt);
   };
-  report("aten_fused_adamw", "fp32", n, threads, median_seconds(repeats, fused), 28.0);
-  report("aten_fused_adamw", "bf16", n, threads,
-         median_seconds(repeats,
-                        [&] {
-                          g.copy_(g16);  // upcast
-                          fused();
-                          out16.copy_(p);  // downcast
-                        }),
-         28.0);
+  cases.push_back({"aten_fused_adamw", "fp32", 28.0, fused, {}});
+  cases.push_back({"aten_fused_adamw",
+                   "bf16",
+                   28.0,
+                   [&] {
+                     g.copy_(g16);
+                     fused();
+                     out16.copy_(p);
+                   },
+                   {}});
+
+  // Interleaved rounds (one warm-up round), so load from other processes on a shared machine
+  // hits every case alike; medians per case.
+  for (int r = 0; r <= repeats; ++r)
+    for (auto& c : cases) {
+      auto t0 = std::chrono::steady_clock::now();
+      c.fn();
+      double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (r > 0) c.times.push_back(t);
+    }
+  for (auto& c : cases) {
+    std::sort(c.times.begin(), c.times.end());
+    report(c.impl, c.mode, n, threads, c.times[c.times.size() / 2], c.bytes);
+  }
   return 0;
 }

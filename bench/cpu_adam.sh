@@ -31,12 +31,14 @@ for t in sorted({r["threads"] for r in rows}):
     ours = [k for k in r if k[0].startswith("cpu_adam_")]
     for mode in ("fp32", "bf16"):
         torch_s = r[("torch_adamw_fused", mode)]["median_s"]
+        aten_s = r[("aten_fused_adamw", mode)]["median_s"]
         for impl in sorted({i for i, m in ours if m == mode}):
             d = r[(impl, mode)]
             print(f"  {mode:4s} {impl:16s} {d['median_s']*1e3:7.1f} ms  {d['elems_per_s']/1e9:5.3f} Gparam/s"
                   f"  {d['gb_per_s']:5.1f} GB/s = {100*d['gb_per_s']/bw:3.0f}% of copy"
-                  f"  {torch_s/d['median_s']:.2f}x torch")
-        d = r[("torch_adamw_fused", mode)]
-        print(f"  {mode:4s} {'torch fused':16s} {d['median_s']*1e3:7.1f} ms  {d['elems_per_s']/1e9:5.3f} Gparam/s"
-              f"  {d['gb_per_s']:5.1f} GB/s = {100*d['gb_per_s']/bw:3.0f}% of copy")
+                  f"  {torch_s/d['median_s']:.2f}x torch, {aten_s/d['median_s']:.2f}x ATen fused (interleaved)")
+        for impl in ("torch_adamw_fused", "aten_fused_adamw"):
+            d = r[(impl, mode)]
+            print(f"  {mode:4s} {impl:16s} {d['median_s']*1e3:7.1f} ms  {d['elems_per_s']/1e9:5.3f} Gparam/s"
+                  f"  {d['gb_per_s']:5.1f} GB/s = {100*d['gb_per_s']/bw:3.0f}% of copy")
 PY
