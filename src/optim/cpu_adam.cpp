@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <map>
@@ -119,9 +120,24 @@ CpuAdamPath cpu_adam_default_path() {
   return path;
 }
 
-void cpu_adam_update(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-                     const at::Tensor& exp_avg_sq, int64_t step, const AdamWHyper& h,
-                     double grad_divisor, const at::Tensor& param_out, CpuAdamPath path) {
+namespace {
+
+using Kernel = void (*)(const detail::AdamKernelArgs&, int64_t, int64_t);
+
+Kernel resolve_kernel(CpuAdamPath path) {
+  if (path == CpuAdamPath::Auto) path = cpu_adam_default_path();
+  COLOSSAL_CHECK(cpu_has(path), "cpu_adam_update: path ", cpu_adam_path_name(path),
+                 " is not available on this CPU");
+  return path == CpuAdamPath::AVX512 ? detail::adam_kernel_avx512
+         : path == CpuAdamPath::AVX2 ? detail::adam_kernel_avx2
+                                     : detail::adam_kernel_scalar;
+}
+
+// Checks one tensor set and fills the kernel arguments for it.
+detail::AdamKernelArgs make_args(const at::Tensor& param, const at::Tensor& grad,
+                                 const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                                 int64_t step, const AdamWHyper& h, double grad_divisor,
+                                 const at::Tensor& param_out) {
   check_fp32(param, param, "param");
   check_fp32(exp_avg, param, "exp_avg");
   check_fp32(exp_avg_sq, param, "exp_avg_sq");
@@ -131,10 +147,6 @@ void cpu_adam_update(const at::Tensor& param, const at::Tensor& grad, const at::
                  step);
   COLOSSAL_CHECK(grad_divisor > 0 && std::isfinite(grad_divisor),
                  "cpu_adam_update: grad_divisor must be finite and > 0, got ", grad_divisor);
-  if (path == CpuAdamPath::Auto) path = cpu_adam_default_path();
-  COLOSSAL_CHECK(cpu_has(path), "cpu_adam_update: path ", cpu_adam_path_name(path),
-                 " is not available on this CPU");
-
   detail::AdamKernelArgs a{};
   a.param = param.data_ptr<float>();
   a.exp_avg = exp_avg.data_ptr<float>();
@@ -159,11 +171,16 @@ void cpu_adam_update(const at::Tensor& param, const at::Tensor& grad, const at::
   a.step_size = static_cast<float>(h.lr / bc1);
   a.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
   a.eps = static_cast<float>(h.eps);
+  return a;
+}
 
-  void (*kernel)(const detail::AdamKernelArgs&, int64_t, int64_t) =
-      path == CpuAdamPath::AVX512 ? detail::adam_kernel_avx512
-      : path == CpuAdamPath::AVX2 ? detail::adam_kernel_avx2
-                                  : detail::adam_kernel_scalar;
+}  // namespace
+
+void cpu_adam_update(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                     const at::Tensor& exp_avg_sq, int64_t step, const AdamWHyper& h,
+                     double grad_divisor, const at::Tensor& param_out, CpuAdamPath path) {
+  const auto a = make_args(param, grad, exp_avg, exp_avg_sq, step, h, grad_divisor, param_out);
+  const Kernel kernel = resolve_kernel(path);
   at::parallel_for(0, param.numel(), kGrain,
                    [&](int64_t begin, int64_t end) { kernel(a, begin, end); });
 }
@@ -179,9 +196,28 @@ void cpu_adam_update(const std::vector<at::Tensor>& params, const std::vector<at
                  "cpu_adam_update: list lengths differ (params ", params.size(), ", grads ",
                  grads.size(), ", exp_avgs ", exp_avgs.size(), ", exp_avg_sqs ", exp_avg_sqs.size(),
                  ", params_out ", params_out.size(), ")");
-  for (size_t i = 0; i < params.size(); ++i)
-    cpu_adam_update(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], step, hyper, grad_divisor,
-                    params_out.empty() ? at::Tensor() : params_out[i], path);
+  if (params.empty()) return;
+  const Kernel kernel = resolve_kernel(path);
+  // One parallel loop over all tensors' elements laid end to end, so many small tensors (the
+  // shards of a ZeRO rank) are split over the threads too.
+  std::vector<detail::AdamKernelArgs> args;
+  std::vector<int64_t> offsets{0};  // offsets[i]: first element of tensor i in the joint range
+  args.reserve(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    args.push_back(make_args(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], step, hyper,
+                             grad_divisor, params_out.empty() ? at::Tensor() : params_out[i]));
+    offsets.push_back(offsets.back() + params[i].numel());
+  }
+  at::parallel_for(0, offsets.back(), kGrain, [&](int64_t begin, int64_t end) {
+    size_t i = static_cast<size_t>(std::upper_bound(offsets.begin(), offsets.end(), begin) -
+                                   offsets.begin()) -
+               1;
+    for (; i < args.size() && offsets[i] < end; ++i) {
+      int64_t lo = std::max(begin, offsets[i]) - offsets[i];
+      int64_t hi = std::min(end, offsets[i + 1]) - offsets[i];
+      if (lo < hi) kernel(args[i], lo, hi);
+    }
+  });
 }
 
 void CPUAdam::update(const GroupOptions& g, std::vector<at::Tensor>& params,
@@ -192,7 +228,7 @@ void CPUAdam::update(const GroupOptions& g, std::vector<at::Tensor>& params,
   std::map<int64_t, std::vector<size_t>> by_step;
   for (size_t i = 0; i < params.size(); ++i) by_step[states[i]->step].push_back(i);
   for (auto& [step, idx] : by_step) {
-    std::vector<at::Tensor> P, G, M, V;
+    std::vector<at::Tensor> P, G, M, V, CP, CG, CM, CV;
     for (size_t i : idx) {
       const at::Tensor& m = states[i]->tensors.at("exp_avg");
       const at::Tensor& v = states[i]->tensors.at("exp_avg_sq");
@@ -201,7 +237,10 @@ void CPUAdam::update(const GroupOptions& g, std::vector<at::Tensor>& params,
       };
       if (fits(params[i]) && fits(m) && fits(v) && grads[i].device().is_cpu() &&
           grads[i].is_contiguous()) {
-        cpu_adam_update(params[i], grads[i], m, v, step, h, grad_divisor(), {}, path_);
+        CP.push_back(params[i]);
+        CG.push_back(grads[i]);
+        CM.push_back(m);
+        CV.push_back(v);
       } else {
         P.push_back(params[i]);
         G.push_back(grads[i]);
@@ -209,6 +248,7 @@ void CPUAdam::update(const GroupOptions& g, std::vector<at::Tensor>& params,
         V.push_back(v);
       }
     }
+    if (!CP.empty()) cpu_adam_update(CP, CG, CM, CV, step, h, grad_divisor(), {}, path_);
     if (!P.empty()) adamw_update(P, G, M, V, step, h, AdamWImpl::Auto, grad_divisor());
   }
 }

@@ -196,6 +196,42 @@ TEST(CpuAdam, ListOverViewsOfAFlatBuffer) {
   EXPECT_TRUE(at::equal(m, m2));
 }
 
+// The list form runs one parallel loop over all tensors end to end (chunks straddle tensor
+// boundaries): many tensors of mixed sizes, grad dtypes and outputs equal one call per tensor.
+TEST(CpuAdam, ListOfManyTensorsEqualsSeparateCalls) {
+  const int threads = at::get_num_threads();
+  at::set_num_threads(3);
+  at::manual_seed(11);
+  std::vector<at::Tensor> P, G, M, V, O, P2, M2, V2, O2;
+  const at::ScalarType gdts[] = {at::kFloat, at::kBFloat16, at::kHalf};
+  for (int i = 0; i < 60; ++i) {
+    int64_t n = i % 7 == 0 ? 40000 + i : 1 + (i * 131) % 3000;
+    P.push_back(at::randn({n}));
+    G.push_back(at::randn({n}).to(gdts[i % 3]));
+    M.push_back(at::randn({n}) * 0.1);
+    V.push_back(at::rand({n}) * 0.01);
+    O.push_back(i % 4 == 0 ? at::Tensor() : at::zeros({n}, at::kBFloat16));
+    P2.push_back(P.back().clone());
+    M2.push_back(M.back().clone());
+    V2.push_back(V.back().clone());
+    O2.push_back(O.back().defined() ? O.back().clone() : at::Tensor());
+  }
+  AdamWHyper h{1e-3, 0.9, 0.999, 1e-8, 0.1};
+  cpu_adam_update(P, G, M, V, 3, h, 2.0, O);
+  for (size_t i = 0; i < P.size(); ++i)
+    cpu_adam_update(P2[i], G[i], M2[i], V2[i], 3, h, 2.0, O2[i]);
+  for (size_t i = 0; i < P.size(); ++i) {
+    SCOPED_TRACE(::testing::Message() << "tensor " << i);
+    EXPECT_TRUE(at::equal(P[i], P2[i]));
+    EXPECT_TRUE(at::equal(M[i], M2[i]));
+    EXPECT_TRUE(at::equal(V[i], V2[i]));
+    if (O[i].defined()) {
+      EXPECT_TRUE(at::equal(O[i], O2[i]));
+    }
+  }
+  at::set_num_threads(threads);
+}
+
 std::vector<at::Tensor> make_params(at::ScalarType dt) {
   at::manual_seed(0);
   std::vector<at::Tensor> ps = {at::randn({5, 3}), at::randn({17}), at::randn({2, 2, 2})};
