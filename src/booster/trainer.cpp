@@ -49,8 +49,10 @@ void TrainConfig::register_options(OptionSet& s) {
       .add("optim", "beta2", &beta2, "AdamW beta2")
       .add("optim", "eps", &eps, "AdamW epsilon")
       .add("optim", "max_grad_norm", &max_grad_norm, "clip the global gradient norm (0: off)")
-      .add("plugin", "plugin", &plugin, "parallel strategy", {"none", "ddp"});
+      .add("plugin", "plugin", &plugin, "parallel strategy (zero1/zero2: low_level_zero at that stage)",
+           {"none", "ddp", "low_level_zero", "zero1", "zero2"});
   ddp.register_options(s);
+  zero.register_options(s);
   s.add("checkpoint", "save_dir", &save_dir, "folder for training checkpoints (step-N/ and latest)")
       .add("checkpoint", "save_every", &save_every, "save every N optimizer steps (0: at the end only)")
       .add("checkpoint", "resume", &resume, "continue from a checkpoint folder (a step-N/ or a save_dir)")
@@ -66,6 +68,7 @@ void TrainConfig::validate() const {
   COLOSSAL_CHECK_INPUT(warmup <= steps, "option 'warmup' (", warmup, ") must not exceed 'steps' (", steps, ")");
   COLOSSAL_CHECK_INPUT(save_every == 0 || !save_dir.empty(), "option 'save_every' needs 'save_dir'");
   precision_from_string(ddp.precision);
+  COLOSSAL_CHECK_INPUT(!(plugin == "zero1" && zero.stage != 1), "--plugin zero1 contradicts --stage ", zero.stage);
 }
 
 namespace {
@@ -159,6 +162,15 @@ TrainResult train(const TrainConfig& c, const json::Value& config_json) {
   std::shared_ptr<Plugin> plugin;
   if (c.plugin == "ddp") {
     plugin = std::make_shared<DDPPlugin>(ddp);
+  } else if (c.plugin == "low_level_zero" || c.plugin == "zero1" || c.plugin == "zero2") {
+    // Precision and loss-scale flags are shared with ddp (so `colossal train` defaults to fp32,
+    // not ColossalAI's fp16, and to the initial scale 2**16).
+    ZeroOptions zero = c.zero;
+    if (c.plugin == "zero2") zero.stage = 2;
+    zero.precision = ddp.precision;
+    zero.device = c.device;
+    zero.loss_scale = ddp.loss_scale;
+    plugin = std::make_shared<LowLevelZeroPlugin>(zero);
   } else {
     plugin = std::make_shared<NonePlugin>(ddp.precision, c.device, ddp.loss_scale);
   }

@@ -12,6 +12,7 @@
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
 #include "colossal/optim/adamw.h"
+#include "colossal/optim/cpu_adam.h"
 
 namespace colossal::zero {
 
@@ -172,7 +173,21 @@ void LowLevelZeroOptimizer::step(double divisor) {
         M.push_back(params_[i].exp_avg);
         V.push_back(params_[i].exp_avg_sq);
       }
-      optim::adamw_update(P, G, M, V, step, h, optim::AdamWImpl::Auto, divisor);
+      if (options_.cpu_offload) {
+        std::vector<at::Tensor> W;
+        for (size_t i : idx) {
+          Param& p = params_[i];
+          if (!p.working.defined()) {
+            p.working =
+                at::empty({shard_numel(i)}, at::TensorOptions().dtype(p.param.scalar_type()));
+            if (pin_) p.working = p.working.pin_memory();
+          }
+          W.push_back(p.working);
+        }
+        optim::cpu_adam_update(P, G, M, V, step, h, divisor, W);
+      } else {
+        optim::adamw_update(P, G, M, V, step, h, optim::AdamWImpl::Auto, divisor);
+      }
     }
   }
   all_gather_params(updated);
@@ -198,8 +213,12 @@ void LowLevelZeroOptimizer::all_gather_params(const std::vector<size_t>& which) 
       ++k;
     }
     std::vector<at::Tensor> parts;
-    for (size_t i : bucket)
-      parts.push_back(params_[i].master.to(first.device(), first.scalar_type()));
+    for (size_t i : bucket) {
+      const Param& p = params_[i];
+      const at::Tensor& src = p.working.defined() ? p.working : p.master;
+      parts.push_back(src.to(first.device(), first.scalar_type(),
+                             /*non_blocking=*/p.working.defined() && pin_));
+    }
     at::Tensor local = at::cat(parts);
     at::Tensor gathered;
     if (world_ == 1) {

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "colossal/booster/ddp_plugin.h"
+#include "colossal/booster/zero_plugin.h"
 #include "colossal/core/json.h"
 
 namespace colossal {
@@ -43,6 +44,7 @@ struct TrainConfig {
   // [plugin]
   std::string plugin = "ddp";
   DDPOptions ddp;
+  ZeroOptions zero;  // low_level_zero / zero1 / zero2 (precision and loss scale: ddp's fields)
   // [checkpoint]
   std::string save_dir;
   int64_t save_every = 0;  // optimizer steps; 0: only at the end

@@ -35,7 +35,8 @@ namespace colossal::zero {
 
 struct ZeroOptimizerOptions {
   // Master shards, gradient shards and moments live in (pinned, when the parameters are on a
-  // GPU) CPU memory and the update runs on the CPU.
+  // GPU) CPU memory and the update runs on the CPU with optim::cpu_adam_update (SIMD, threaded),
+  // which also writes the working-dtype shard to all-gather in the same pass.
   bool cpu_offload = false;
   // All-gather bucket size of the updated working weights, in elements.
   int64_t allgather_bucket_numel = 12 * 1024 * 1024;
@@ -98,6 +99,7 @@ class LowLevelZeroOptimizer {
     at::Tensor param;  // working parameter (full)
     size_t group;
     at::Tensor master, grad, exp_avg, exp_avg_sq;  // shards (fp32, shard device)
+    at::Tensor working;  // cpu_offload: the updated shard in the working dtype (CPU Adam writes it)
     bool has_grad = false;
     int64_t step = 0;
   };
