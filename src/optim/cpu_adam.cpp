@@ -22,6 +22,7 @@ using detail::AdamDtype;
 
 bool cpu_has(CpuAdamPath path) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
   switch (path) {
     case CpuAdamPath::AVX512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&

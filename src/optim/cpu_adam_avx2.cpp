@@ -1,12 +1,14 @@
 // CPU Adam, AVX2 kernel (AVX2, F16C): 8 lanes; the tail goes through the same vector code on
 // zero-padded stack copies. Compiled for those ISAs by a target pragma below the includes only
 // (nothing shared with baseline code is built with AVX2); run only when the CPU has them.
-#include <immintrin.h>
 
 #include <cstdint>
 #include <cstring>
 
 #include "cpu_adam_kernels.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
@@ -121,4 +123,13 @@ COLOSSAL_TARGET_AVX2 void adam_kernel_avx2(const AdamKernelArgs& a, int64_t begi
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
+#endif
+#else  // not x86: never selected (cpu_adam_path_available is false), defined for the linker
+
+namespace colossal::optim::detail {
+void adam_kernel_avx2(const AdamKernelArgs& a, int64_t begin, int64_t end) {
+  adam_kernel_scalar(a, begin, end);
+}
+}  // namespace colossal::optim::detail
+
 #endif

@@ -4,11 +4,13 @@
 //
 // bf16 stores round to nearest even with integer arithmetic rather than VCVTNEPS2BF16, which
 // treats denormal inputs as zero and would differ from at::Tensor::to(kBFloat16) there.
-#include <immintrin.h>
 
 #include <cstdint>
 
 #include "cpu_adam_kernels.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
@@ -97,4 +99,13 @@ COLOSSAL_TARGET_AVX512 void adam_kernel_avx512(const AdamKernelArgs& a, int64_t 
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
+#endif
+#else  // not x86: never selected (cpu_adam_path_available is false), defined for the linker
+
+namespace colossal::optim::detail {
+void adam_kernel_avx512(const AdamKernelArgs& a, int64_t begin, int64_t end) {
+  adam_kernel_scalar(a, begin, end);
+}
+}  // namespace colossal::optim::detail
+
 #endif
