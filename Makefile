@@ -6,7 +6,7 @@ BUILD_TYPE ?= Release
 CMAKE_ARGS ?=
 CTEST_ARGS ?=
 
-.PHONY: all setup configure build test demo format clean check
+.PHONY: all setup configure build test test-asan demo format clean check
 
 all: build
 
@@ -23,6 +23,23 @@ build: configure
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 1200 $(CTEST_ARGS)
+	@$(MAKE) --no-print-directory test-asan
+
+# The parsers of untrusted input (JSON, TOML, options, safetensors headers, token files) again
+# under AddressSanitizer + UndefinedBehaviorSanitizer. (LibTorch itself is not instrumented;
+# its exit-time allocations are not ours, so leak checking is off.)
+ASAN_BUILD ?= build-asan
+ASAN_TESTS := core/test_json core/test_options core/test_toml checkpoint/test_safetensors data/test_data
+test-asan: setup
+	@if [ ! -f $(ASAN_BUILD)/build.ninja ]; then \
+	  cmake -S . -B $(ASAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DCOLOSSAL_SANITIZE=address,undefined $(CMAKE_ARGS); \
+	fi
+	cmake --build $(ASAN_BUILD) -j $(JOBS) --target $(notdir $(ASAN_TESTS))
+	@set -e; for t in $(ASAN_TESTS); do \
+	  echo "== sanitizers: $$t"; \
+	  ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 $(ASAN_BUILD)/tests/$$t --gtest_brief=1; \
+	done
+	@echo "sanitizer tests: $(words $(ASAN_TESTS)) passed, 0 failed"
 
 demo: build
 	@scripts/demo.sh $(BUILD)
@@ -34,4 +51,4 @@ format:
 	@git ls-files '*.cpp' '*.h' '*.cu' '*.cuh' | xargs clang-format -i
 
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD)
