@@ -10,7 +10,7 @@ BUILD=${BUILD:-build-gpu}
 step() { echo; echo "=== $*"; }
 step build
 if ! TARGETS="colossal_cli test_nccl test_optim_state test_grad_scaler test_accelerator test_nn_module" \
-     BUILD=$BUILD scripts/device_build.sh > "$OUT/build.log" 2>&1; then
+     BUILD=$BUILD scripts/device_build.sh -DCOLOSSAL_WERROR=OFF > "$OUT/build.log" 2>&1; then
   tail -60 "$OUT/build.log"; exit 1
 fi
 tail -2 "$OUT/build.log"
