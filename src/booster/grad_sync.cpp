@@ -170,8 +170,12 @@ void GradSync::launch_reduce_scatter(size_t bi) {
     const at::Tensor& g = p.grad();
     had_grad_[k] = g.defined();
     if (g.defined()) {
-      at::Tensor padded = at::constant_pad_nd(g.reshape({-1}), {0, w * s - p.numel()});
-      input.narrow(1, off, s).copy_(padded.view({w, s}));
+      // Straight into the (already zero) columns: full rows, then the partial one; no padded copy.
+      at::Tensor flat = g.reshape({-1});
+      at::Tensor dst = input.narrow(1, off, s);
+      const int64_t rows = s > 0 ? p.numel() / s : 0, rem = s > 0 ? p.numel() % s : 0;
+      if (rows > 0) dst.narrow(0, 0, rows).copy_(flat.narrow(0, 0, rows * s).view({rows, s}));
+      if (rem > 0) dst.select(0, rows).narrow(0, 0, rem).copy_(flat.narrow(0, rows * s, rem));
       // Only this rank's slice is kept (by the caller, from finish()): drop the full gradient.
       p.mutable_grad() = at::Tensor();
     }

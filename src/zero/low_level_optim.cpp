@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 
@@ -79,12 +80,16 @@ at::Tensor LowLevelZeroOptimizer::new_shard(size_t i) const {
   return pin_ ? t.pin_memory() : t;
 }
 
+at::Tensor LowLevelZeroOptimizer::local_part(const at::Tensor& flat, size_t i) const {
+  // This rank's elements of a flat full-size tensor (no padded copy): [r*s, min((r+1)*s, n)).
+  const int64_t s = shard_numel(i), start = std::min(s * rank_, flat.numel());
+  return flat.narrow(0, start, std::min(s, flat.numel() - start));
+}
+
 at::Tensor LowLevelZeroOptimizer::slice_of(const at::Tensor& full, size_t i) const {
-  const int64_t s = shard_numel(i);
-  at::Tensor flat = full.detach().reshape({-1});
-  at::Tensor padded = at::constant_pad_nd(flat, {0, s * world_ - flat.numel()});
-  at::Tensor out = new_shard(i);
-  out.copy_(padded.narrow(0, s * rank_, s));
+  at::Tensor out = new_shard(i);  // zeros: the padding stays 0
+  at::Tensor part = local_part(full.detach().reshape({-1}), i);
+  if (part.numel() > 0) out.narrow(0, 0, part.numel()).copy_(part);
   return out;
 }
 
@@ -115,9 +120,9 @@ void LowLevelZeroOptimizer::take_full_grads() {
     Param& p = params_[i];
     const at::Tensor& g = p.param.grad();
     if (!g.defined()) continue;
-    const int64_t s = shard_numel(i);
-    at::Tensor padded = at::constant_pad_nd(g.reshape({-1}), {0, s * world_ - g.numel()});
-    p.grad.add_(padded.narrow(0, s * rank_, s).to(shard_device_, at::kFloat));
+    at::Tensor part = local_part(g.reshape({-1}), i);
+    if (part.numel() > 0)
+      p.grad.narrow(0, 0, part.numel()).add_(part.to(shard_device_, at::kFloat));
     p.has_grad = true;
     p.param.mutable_grad() = at::Tensor();
   }

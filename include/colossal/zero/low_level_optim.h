@@ -103,7 +103,8 @@ class LowLevelZeroOptimizer {
     bool has_grad = false;
     int64_t step = 0;
   };
-  at::Tensor slice_of(const at::Tensor& full, size_t i) const;  // this rank's fp32 slice
+  at::Tensor slice_of(const at::Tensor& full, size_t i) const;    // this rank's fp32 slice
+  at::Tensor local_part(const at::Tensor& flat, size_t i) const;  // its unpadded elements
   at::Tensor gather_full(const at::Tensor& shard, size_t i) const;
   void all_gather_params(const std::vector<size_t>& which);
   at::Tensor new_shard(size_t i) const;
