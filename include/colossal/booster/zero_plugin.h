@@ -14,7 +14,9 @@
 //   load under another group size, ddp or one process.
 // - The updated working weights are all-gathered synchronously at the end of step();
 //   overlap_allgather = true is refused (not implemented).
-// - Only AdamW is supported as the inner optimizer (its update runs on flat shards).
+// - Only AdamW (or CPUAdam: same state) is supported as the inner optimizer (its update runs on
+//   flat shards). Under stage 2 a trainable parameter the optimizer does not hold loses its
+//   gradient after backward (only optimizer parameters have slices to keep it in).
 #pragma once
 
 #include <memory>
