@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <map>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "colossal/core/error.h"
 #include "cpu_adam_kernels.h"
@@ -93,8 +95,30 @@ void check_half_or_fp32(const at::Tensor& t, const at::Tensor& param, const char
                  " elements, param ", param.numel());
 }
 
-// Elements per task: small enough for 2+ threads on a 1M tensor, large enough to amortise.
-constexpr int64_t kGrain = 1 << 15;
+// The least work worth a thread of its own (~2 MB of traffic, far more than a thread start).
+constexpr int64_t kMinPerThread = 1 << 16;
+
+// Runs f(begin, end) over [0, n) split into cpu_adam_num_threads(n) contiguous chunks (multiples
+// of 64 elements), the calling thread taking the first. Not at::parallel_for: that is an inline
+// template which runs in parallel only in files compiled with -fopenmp (it tests _OPENMP), and
+// project code is not, so there it silently runs on one thread.
+template <class F>
+void run_parallel(int64_t n, const F& f) {
+  const int64_t threads = cpu_adam_num_threads(n);
+  if (threads <= 1) {
+    if (n > 0) f(int64_t{0}, n);
+    return;
+  }
+  const int64_t chunk = ((n + threads - 1) / threads + 63) / 64 * 64;
+  std::vector<std::thread> workers;
+  workers.reserve(static_cast<size_t>(threads - 1));
+  for (int64_t b = chunk; b < n; b += chunk) {
+    const int64_t e = std::min(n, b + chunk);
+    workers.emplace_back([&f, b, e] { f(b, e); });
+  }
+  f(int64_t{0}, std::min(n, chunk));
+  for (auto& w : workers) w.join();
+}
 
 }  // namespace
 
@@ -114,6 +138,10 @@ const char* cpu_adam_path_name(CpuAdamPath path) {
 
 bool cpu_adam_path_available(CpuAdamPath path) {
   return cpu_has(path);
+}
+
+int64_t cpu_adam_num_threads(int64_t numel) {
+  return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), numel / kMinPerThread));
 }
 
 CpuAdamPath cpu_adam_default_path() {
@@ -182,8 +210,7 @@ void cpu_adam_update(const at::Tensor& param, const at::Tensor& grad, const at::
                      double grad_divisor, const at::Tensor& param_out, CpuAdamPath path) {
   const auto a = make_args(param, grad, exp_avg, exp_avg_sq, step, h, grad_divisor, param_out);
   const Kernel kernel = resolve_kernel(path);
-  at::parallel_for(0, param.numel(), kGrain,
-                   [&](int64_t begin, int64_t end) { kernel(a, begin, end); });
+  run_parallel(param.numel(), [&](int64_t begin, int64_t end) { kernel(a, begin, end); });
 }
 
 void cpu_adam_update(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
@@ -209,7 +236,7 @@ void cpu_adam_update(const std::vector<at::Tensor>& params, const std::vector<at
                              grad_divisor, params_out.empty() ? at::Tensor() : params_out[i]));
     offsets.push_back(offsets.back() + params[i].numel());
   }
-  at::parallel_for(0, offsets.back(), kGrain, [&](int64_t begin, int64_t end) {
+  run_parallel(offsets.back(), [&](int64_t begin, int64_t end) {
     size_t i = static_cast<size_t>(std::upper_bound(offsets.begin(), offsets.end(), begin) -
                                    offsets.begin()) -
                1;

@@ -183,6 +183,18 @@ TEST(CpuAdam, PathsAndThreadsAgreeBitwise) {
   at::set_num_threads(threads);
 }
 
+// Large updates use at::get_num_threads() threads, small ones fewer (never zero).
+TEST(CpuAdam, ThreadCountFollowsATen) {
+  const int threads = at::get_num_threads();
+  at::set_num_threads(3);
+  EXPECT_EQ(cpu_adam_num_threads(100'000'000), 3);
+  EXPECT_EQ(cpu_adam_num_threads(1), 1);
+  EXPECT_EQ(cpu_adam_num_threads(0), 1);
+  at::set_num_threads(1);
+  EXPECT_EQ(cpu_adam_num_threads(100'000'000), 1);
+  at::set_num_threads(threads);
+}
+
 // The list form updates views of one flat buffer (how ZeRO holds its shard) like separate calls.
 TEST(CpuAdam, ListOverViewsOfAFlatBuffer) {
   auto flat = at::randn({100}), m = at::zeros({100}), v = at::zeros({100}), g = at::randn({100});

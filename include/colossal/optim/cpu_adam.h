@@ -1,6 +1,7 @@
 // CPU Adam: AdamW (the math of adamw.h, torch.optim.AdamW) on CPU fp32 master weights and fp32
 // moments in ONE pass over memory, vectorised with AVX-512 or AVX2 (picked at run time from the
-// CPU's features, scalar fallback) and split over at::get_num_threads() threads.
+// CPU's features, scalar fallback) and split over at::get_num_threads() threads (its own
+// std::threads: at::parallel_for is serial in code built without OpenMP).
 //
 // The offload step of ZeRO: gradients may be bf16 or fp16 (upcast on the fly), a `grad_divisor`
 // (loss-scale unscaling and clipping) is fused in, and an optional bf16/fp16 buffer receives the
@@ -27,6 +28,9 @@ enum class CpuAdamPath { Auto, Scalar, AVX2, AVX512 };
 const char* cpu_adam_path_name(CpuAdamPath path);
 // Whether this CPU (and this build) can run the path; Auto and Scalar are always available.
 bool cpu_adam_path_available(CpuAdamPath path);
+// Threads an update of `numel` elements runs on: at::get_num_threads(), fewer for small updates
+// (at least 64K elements per thread).
+int64_t cpu_adam_num_threads(int64_t numel);
 // The path Auto resolves to: the best available one, capped by COLOSSAL_CPU_ADAM when set.
 CpuAdamPath cpu_adam_default_path();
 
