@@ -307,6 +307,9 @@ class CudaAccelerator final : public Accelerator {
         "CUDA is not in this LibTorch build (a CPU-only torch); use the CPU accelerator");
     COLOSSAL_CHECK(device_count() > 0,
                    "no CUDA device is visible (check the driver and CUDA_VISIBLE_DEVICES)");
+    // The caching allocator's stats (and the generators) need CUDA initialised; a memory query
+    // before the first CUDA tensor must not fail with "Invalid device argument" (seen on H200).
+    at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
   }
   int resolve(int index) const {
     need();
