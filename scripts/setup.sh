@@ -7,7 +7,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${COLOSSAL_VENV:-$ROOT/.venv}
 PY=${PYTHON:-python3}
 
-APT_PKGS=(build-essential cmake ninja-build ccache git libgloo-dev libgtest-dev libgmock-dev
+APT_PKGS=(build-essential cmake ninja-build ccache git libgloo-dev libgtest-dev libgmock-dev openmpi-bin
           python3 python3-venv python3-dev)
 missing=()
 for p in "${APT_PKGS[@]}"; do

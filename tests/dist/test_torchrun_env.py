@@ -44,3 +44,19 @@ def test_torchrun_two_ranks():
                         f"--master_port={port}", "--no-python", str(BINARY), "--gtest_brief=1"],
                        capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_mpirun_two_ranks():
+    # Open MPI's launcher (installed by scripts/setup.sh): ranks read OMPI_COMM_WORLD_RANK/SIZE/
+    # LOCAL_RANK; only the rendezvous address comes from MASTER_ADDR/MASTER_PORT.
+    mpirun = shutil.which("mpirun")
+    assert mpirun, "mpirun not found: scripts/setup.sh installs openmpi-bin"
+    port = free_port()
+    cmd = [mpirun, "--oversubscribe", "-np", "2", "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={port}",
+           "-x", "OMP_NUM_THREADS=1", str(BINARY), "--gtest_brief=1"]
+    if os.geteuid() == 0:
+        cmd.insert(1, "--allow-run-as-root")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.stdout.count("PASSED") >= 2, p.stdout
