@@ -8,10 +8,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <condition_variable>
 #include <cstdlib>
+#include <functional>
 #include <map>
+#include <mutex>
 #include <string>
 #include <thread>
+
+#include <unistd.h>
 #include <vector>
 
 #include "colossal/core/error.h"
@@ -95,13 +100,79 @@ void check_half_or_fp32(const at::Tensor& t, const at::Tensor& param, const char
                  " elements, param ", param.numel());
 }
 
-// The least work worth a thread of its own (~2 MB of traffic, far more than a thread start).
+// The least work worth a thread of its own (~2 MB of traffic).
 constexpr int64_t kMinPerThread = 1 << 16;
 
+// Persistent workers (started on first use, as many as ever asked for), so a step does not pay
+// thread starts. run(n, fn) calls fn(0..n-1), fn(0) on the caller, and returns when all are done;
+// one run at a time. A forked child gets a fresh pool (threads do not survive fork).
+class WorkerPool {
+ public:
+  static WorkerPool& get() {
+    static std::mutex mu;
+    static WorkerPool* pool = nullptr;
+    static pid_t owner = 0;
+    std::lock_guard<std::mutex> lk(mu);
+    if (!pool || owner != ::getpid()) {
+      pool = new WorkerPool;  // never freed: workers block until the process ends
+      owner = ::getpid();
+    }
+    return *pool;
+  }
+
+  void run(int n, const std::function<void(int)>& fn) {
+    std::lock_guard<std::mutex> run_lk(run_mu_);
+    std::unique_lock<std::mutex> lk(mu_);
+    while (static_cast<int>(threads_.size()) < n - 1)
+      threads_.emplace_back([this, g = generation_] { work(g); });  // joins this run
+    fn_ = &fn;
+    tasks_ = n;
+    next_ = 1;
+    pending_ = n - 1;
+    ++generation_;
+    lk.unlock();
+    work_cv_.notify_all();
+    fn(0);
+    lk.lock();
+    while (next_ < tasks_) {  // help with tasks no worker has claimed yet
+      int i = next_++;
+      lk.unlock();
+      fn(i);
+      lk.lock();
+      --pending_;
+    }
+    done_cv_.wait(lk, [this] { return pending_ == 0; });
+    fn_ = nullptr;
+  }
+
+ private:
+  void work(uint64_t seen) {
+    std::unique_lock<std::mutex> lk(mu_);
+    for (;;) {
+      work_cv_.wait(lk, [&] { return generation_ != seen; });
+      seen = generation_;
+      while (next_ < tasks_) {
+        int i = next_++;
+        lk.unlock();
+        (*fn_)(i);
+        lk.lock();
+        if (--pending_ == 0) done_cv_.notify_all();
+      }
+    }
+  }
+
+  std::mutex run_mu_, mu_;
+  std::condition_variable work_cv_, done_cv_;
+  std::vector<std::thread> threads_;
+  const std::function<void(int)>* fn_ = nullptr;
+  int tasks_ = 0, next_ = 0, pending_ = 0;
+  uint64_t generation_ = 0;
+};
+
 // Runs f(begin, end) over [0, n) split into cpu_adam_num_threads(n) contiguous chunks (multiples
-// of 64 elements), the calling thread taking the first. Not at::parallel_for: that is an inline
-// template which runs in parallel only in files compiled with -fopenmp (it tests _OPENMP), and
-// project code is not, so there it silently runs on one thread.
+// of 64 elements). Not at::parallel_for: that is an inline template which runs in parallel only
+// in files compiled with -fopenmp (it tests _OPENMP), and project code is not, so there it
+// silently runs on one thread.
 template <class F>
 void run_parallel(int64_t n, const F& f) {
   const int64_t threads = cpu_adam_num_threads(n);
@@ -110,14 +181,11 @@ void run_parallel(int64_t n, const F& f) {
     return;
   }
   const int64_t chunk = ((n + threads - 1) / threads + 63) / 64 * 64;
-  std::vector<std::thread> workers;
-  workers.reserve(static_cast<size_t>(threads - 1));
-  for (int64_t b = chunk; b < n; b += chunk) {
-    const int64_t e = std::min(n, b + chunk);
-    workers.emplace_back([&f, b, e] { f(b, e); });
-  }
-  f(int64_t{0}, std::min(n, chunk));
-  for (auto& w : workers) w.join();
+  const int tasks = static_cast<int>((n + chunk - 1) / chunk);
+  WorkerPool::get().run(tasks, [&](int t) {
+    const int64_t b = t * chunk;
+    f(b, std::min(n, b + chunk));
+  });
 }
 
 }  // namespace

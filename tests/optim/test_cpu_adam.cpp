@@ -195,6 +195,28 @@ TEST(CpuAdam, ThreadCountFollowsATen) {
   at::set_num_threads(threads);
 }
 
+// Many back-to-back threaded steps (the persistent workers are reused, thread counts change
+// between calls) end where the same steps on one thread end.
+TEST(CpuAdam, RepeatedThreadedStepsEqualOneThread) {
+  const int threads = at::get_num_threads();
+  at::manual_seed(5);
+  auto g = at::randn({300001}).to(at::kBFloat16);
+  auto p1 = at::randn({300001}), m1 = at::zeros({300001}), v1 = at::zeros({300001});
+  auto p2 = p1.clone(), m2 = m1.clone(), v2 = v1.clone();
+  auto o1 = at::empty({300001}, at::kBFloat16), o2 = o1.clone();
+  AdamWHyper h{1e-3, 0.9, 0.999, 1e-8, 0.01};
+  for (int64_t step = 1; step <= 60; ++step) {
+    at::set_num_threads(1);
+    cpu_adam_update(p1, g, m1, v1, step, h, 1.0, o1);
+    at::set_num_threads(2 + static_cast<int>(step % 3));
+    cpu_adam_update(p2, g, m2, v2, step, h, 1.0, o2);
+  }
+  at::set_num_threads(threads);
+  EXPECT_TRUE(at::equal(p1, p2));
+  EXPECT_TRUE(at::equal(v1, v2));
+  EXPECT_TRUE(at::equal(o1, o2));
+}
+
 // The list form updates views of one flat buffer (how ZeRO holds its shard) like separate calls.
 TEST(CpuAdam, ListOverViewsOfAFlatBuffer) {
   auto flat = at::randn({100}), m = at::zeros({100}), v = at::zeros({100}), g = at::randn({100});

@@ -1,7 +1,7 @@
 // CPU Adam: AdamW (the math of adamw.h, torch.optim.AdamW) on CPU fp32 master weights and fp32
 // moments in ONE pass over memory, vectorised with AVX-512 or AVX2 (picked at run time from the
 // CPU's features, scalar fallback) and split over at::get_num_threads() threads (its own
-// std::threads: at::parallel_for is serial in code built without OpenMP).
+// persistent std::threads: at::parallel_for is serial in code built without OpenMP).
 //
 // The offload step of ZeRO: gradients may be bf16 or fp16 (upcast on the fly), a `grad_divisor`
 // (loss-scale unscaling and clipping) is fused in, and an optional bf16/fp16 buffer receives the
