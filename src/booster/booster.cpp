@@ -39,11 +39,16 @@ Booster::Booster(std::shared_ptr<Plugin> plugin, BoosterOptions options) : plugi
                          "' contradicts plugin '", plugin_->name(), "' device '", plugin_->device(), "'");
 }
 
-Boosted Booster::boost(std::shared_ptr<torch::nn::Module> model, std::shared_ptr<optim::Optimizer> optimizer) {
+Boosted Booster::boost(std::shared_ptr<torch::nn::Module> model, std::shared_ptr<optim::Optimizer> optimizer,
+                       Criterion criterion, std::shared_ptr<data::DataLoader> dataloader,
+                       std::shared_ptr<optim::LRScheduler> lr_scheduler) {
   plugin_->validate();
   Boosted out;
   out.model = plugin_->configure_model(std::move(model));
   if (optimizer) out.optimizer = plugin_->configure_optimizer(std::move(optimizer), *out.model);
+  out.criterion = std::move(criterion);
+  out.dataloader = std::move(dataloader);
+  out.lr_scheduler = std::move(lr_scheduler);
   return out;
 }
 
@@ -77,6 +82,7 @@ void Booster::barrier() {
 
 void Booster::save_model(ModelWrapper& model, const std::string& dir, bool shard, int64_t size_per_shard) {
   COLOSSAL_CHECK_INPUT(size_per_shard > 0, "save_model: size_per_shard must be > 0 MB, got ", size_per_shard);
+  model.wait_weights();
   if (is_writer()) {
     checkpoint::SaveOptions so;
     so.shard = shard;
@@ -91,6 +97,7 @@ void Booster::save_model(ModelWrapper& model, const std::string& dir, bool shard
 }
 
 void Booster::load_model(ModelWrapper& model, const std::string& path, bool strict, OptimizerWrapper* optimizer) {
+  model.wait_weights();  // a late all-gather must not overwrite the loaded weights
   checkpoint::load_into_module(model.module(), checkpoint::load_state_dict(path), strict);
   // fp32 masters follow the loaded weights (ColossalAI's update_master_params).
   if (optimizer) optimizer->sync_masters_from_params();

@@ -4,6 +4,7 @@
 
 #include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
+#include "colossal/data/dataloader.h"
 
 namespace colossal::booster {
 
@@ -41,6 +42,21 @@ void Plugin::validate() const {
   if (device() == "cuda")
     COLOSSAL_CHECK_INPUT(Accelerator::cuda().available(), "plugin '", name(),
                          "': device 'cuda' was requested but no CUDA device is visible");
+}
+
+std::shared_ptr<data::DataLoader> Plugin::prepare_dataloader(std::shared_ptr<data::TokenDataset> dataset,
+                                                             int64_t batch_size, bool shuffle, uint64_t seed,
+                                                             int64_t accumulation) const {
+  COLOSSAL_CHECK_INPUT(batch_size >= 1, "prepare_dataloader: batch_size must be >= 1, got ", batch_size);
+  COLOSSAL_CHECK_INPUT(accumulation >= 1, "prepare_dataloader: accumulation must be >= 1, got ", accumulation);
+  data::SamplerOptions o;
+  o.micro_batch = batch_size;
+  o.dp_size = dp_size();
+  o.dp_rank = dp_rank();
+  o.accum = accumulation;
+  o.shuffle = shuffle;
+  o.seed = seed;
+  return std::make_shared<data::DataLoader>(std::move(dataset), o);
 }
 
 }  // namespace colossal::booster

@@ -13,9 +13,11 @@
 #include "colossal/booster/booster.h"
 #include "colossal/checkpoint/atomic.h"
 #include "colossal/checkpoint/pretrained.h"
+#include "colossal/checkpoint/safetensors.h"
 #include "colossal/core/accelerator.h"
 #include "colossal/core/logging.h"
 #include "colossal/core/options.h"
+#include "colossal/data/dataloader.h"
 #include "colossal/data/sampler.h"
 #include "colossal/data/token_file.h"
 #include "colossal/dist/runtime.h"
@@ -194,8 +196,8 @@ TrainResult train(const TrainConfig& c, const json::Value& config_json) {
 
   // Data.
   auto file = std::make_shared<data::TokenFile>(c.data, data::token_format_from_string(c.data_format));
-  data::TokenDataset dataset(file, c.seq_len);
-  COLOSSAL_CHECK_INPUT(dataset.num_samples() >= 1, c.data, " holds ", file->size(), " tokens: too few for one sample of seq_len ",
+  auto dataset = std::make_shared<data::TokenDataset>(file, c.seq_len);
+  COLOSSAL_CHECK_INPUT(dataset->num_samples() >= 1, c.data, " holds ", file->size(), " tokens: too few for one sample of seq_len ",
                        c.seq_len, " (needs ", c.seq_len + 1, ")");
 
   // Optimizer: weight decay on matrices only.
@@ -215,29 +217,24 @@ TrainResult train(const TrainConfig& c, const json::Value& config_json) {
   g.weight_decay = 0.0;
   if (!no_decay.empty()) adamw->add_param_group(no_decay, g);
 
-  Booster booster(plugin);
-  Boosted boosted = booster.boost(model, adamw);
-  ModelWrapper& mw = *boosted.model;
-  OptimizerWrapper& opt = *boosted.optimizer;
-
   optim::LRScheduleOptions so;
   so.kind = optim::schedule_kind_from_string(c.schedule);
   so.warmup_steps = c.warmup;
   so.total_steps = c.steps;
   so.min_lr_ratio = c.min_lr_ratio;
-  optim::LRScheduler scheduler(*adamw, so);
+  auto lr_scheduler = std::make_shared<optim::LRScheduler>(*adamw, so);
 
   const int64_t B = c.micro_batch, D = plugin->dp_size(), A = c.accumulation, S = c.seq_len;
   const int64_t G = B * D * A;
-  data::SamplerOptions sopt;
-  sopt.num_samples = dataset.num_samples();
-  sopt.micro_batch = B;
-  sopt.dp_size = D;
-  sopt.dp_rank = plugin->dp_rank();
-  sopt.accum = A;
-  sopt.shuffle = c.shuffle;
-  sopt.seed = static_cast<uint64_t>(c.seed);
-  data::DistributedSampler sampler(sopt);
+  auto loader = plugin->prepare_dataloader(dataset, B, c.shuffle, static_cast<uint64_t>(c.seed), A);
+
+  Booster booster(plugin);
+  Boosted boosted = booster.boost(model, adamw, {}, loader, lr_scheduler);
+  ModelWrapper& mw = *boosted.model;
+  OptimizerWrapper& opt = *boosted.optimizer;
+  optim::LRScheduler& scheduler = *boosted.lr_scheduler;
+  data::DataLoader& dataloader = *boosted.dataloader;
+  const at::Device device = c.device == "cuda" ? Accelerator::cuda().device() : at::Device(at::kCPU);
 
   int64_t start = 0;
   if (!c.resume.empty()) {
@@ -250,13 +247,19 @@ TrainResult train(const TrainConfig& c, const json::Value& config_json) {
     booster.load_model(mw, dir + "/model", /*strict=*/true, &opt);
     booster.load_optimizer(opt, dir);
     booster.load_lr_scheduler(scheduler, dir + "/scheduler.json");
-    sampler.load_state_dict(state.at("sampler"));
+    dataloader.load_state_dict(state.at("sampler"));
+    // RNG state (nothing in this loop draws from it today, but dropout and custom models may).
+    if (fs::exists(dir + "/rng.safetensors")) {
+      for (auto& [name, t] : checkpoint::load_safetensors(dir + "/rng.safetensors")) {
+        if (name == "cpu") Accelerator::cpu().set_rng_state(t.clone());
+        if (name == "cuda" && device.is_cuda()) Accelerator::cuda().set_rng_state(t.clone());
+      }
+    }
     start = state.at("step").as_int("step");
     COLOSSAL_CHECK_INPUT(start <= c.steps, "resume: checkpoint is at step ", start, ", beyond steps ", c.steps);
     log_info("resumed from ", dir, " at step ", start);
   }
 
-  const at::Device device = c.device == "cuda" ? Accelerator::cuda().device() : at::Device(at::kCPU);
   if (rank0) {
     log_info("training ", mcfg.model_type, " (", human_count(static_cast<double>(nn::count_parameters(*model))),
              " parameters) with plugin ", plugin->name(), " on ", D, " rank(s), ", to_string(plugin->precision()),
@@ -287,9 +290,12 @@ TrainResult train(const TrainConfig& c, const json::Value& config_json) {
       st.set("step", step);
       st.set("global_batch", G);
       st.set("seq_len", S);
-      st.set("sampler", sampler.state_dict());
+      st.set("sampler", dataloader.state_dict());
       st.set("config", config_json);
       write_text_atomic(path + "/trainer_state.json", st.dump(2));
+      checkpoint::TensorList rng{{"cpu", Accelerator::cpu().get_rng_state()}};
+      if (device.is_cuda()) rng.emplace_back("cuda", Accelerator::cuda().get_rng_state().to(at::kCPU));
+      checkpoint::save_safetensors(path + "/rng.safetensors", rng, {{"format", "colossal-rng"}});
       staged->commit();
       write_text_atomic(c.save_dir + "/latest", step_dir_name(step) + "\n");
       log_info("saved checkpoint ", target);
@@ -306,8 +312,7 @@ TrainResult train(const TrainConfig& c, const json::Value& config_json) {
     const double lr = scheduler.lrs().front();
     double local_loss = 0.0;
     for (int64_t a = 0; a < A; ++a) {
-      std::vector<int64_t> idx = sampler.next();
-      auto [inputs, targets] = dataset.batch(idx);
+      auto [inputs, targets] = dataloader.next();
       int64_t max_id = inputs.max().item<int64_t>();
       int64_t last = targets.select(1, S - 1).max().item<int64_t>();
       COLOSSAL_CHECK_INPUT(std::max(max_id, last) < mcfg.vocab_size, c.data, ": token id ", std::max(max_id, last),

@@ -14,7 +14,11 @@
 #include "colossal/booster/booster.h"
 #include "colossal/booster/ddp_plugin.h"
 #include "colossal/booster/grad_sync.h"
+#include "colossal/data/dataloader.h"
+#include "colossal/data/token_file.h"
 #include "colossal/optim/adamw.h"
+
+#include <unistd.h>
 #include "dist/dist_test_env.h"
 
 namespace {
@@ -158,6 +162,39 @@ TEST(DDP, Fp16OverflowOnOneRankSkipsEverywhere) {
   EXPECT_TRUE(b.optimizer->step());
   EXPECT_FALSE(model->fc1->weight.detach().equal(before));
   EXPECT_TRUE(std::isfinite(b.optimizer->last_grad_norm()));
+}
+
+TEST(DDP, PrepareDataloaderSplitsTheGlobalBatch) {
+  // Rank 0 writes a token file; every rank's rows of a step, gathered, are exactly what one
+  // process with the whole global batch reads (same samples, rank-major order).
+  std::string path = "/tmp/colossal_test_ddp_tokens_" + std::to_string(::getppid()) + ".bin";
+  if (dist::rank() == 0) {
+    std::vector<int64_t> toks(4001);
+    for (size_t i = 0; i < toks.size(); ++i) toks[i] = static_cast<int64_t>((i * 7919) % 50000);
+    data::write_token_file(path, toks, data::TokenFormat::RawU16);
+  }
+  dist::world().barrier();
+  auto ds = std::make_shared<data::TokenDataset>(std::make_shared<data::TokenFile>(path), 16);
+  booster::DDPPlugin plugin;
+  const int64_t B = 3;
+  auto mine = plugin.prepare_dataloader(ds, B, /*shuffle=*/true, /*seed=*/5, /*accumulation=*/2);
+  data::SamplerOptions all;
+  all.micro_batch = B * dist::world_size();
+  all.accum = 2;
+  all.shuffle = true;
+  all.seed = 5;
+  data::DataLoader whole(ds, all);
+  for (int micro = 0; micro < 6; ++micro) {
+    auto [x, y] = mine->next();
+    auto [wx, wy] = whole.next();
+    at::Tensor gathered = at::empty({B * dist::world_size(), 16}, at::kLong);
+    dist::world().all_gather(gathered, x.contiguous());
+    EXPECT_TRUE(gathered.equal(wx)) << "micro-step " << micro;
+    EXPECT_TRUE(x.narrow(1, 1, 15).equal(y.narrow(1, 0, 15)));
+  }
+  EXPECT_THROW(plugin.prepare_dataloader(ds, 0), colossal::InputError);
+  dist::world().barrier();
+  if (dist::rank() == 0) ::unlink(path.c_str());
 }
 
 TEST(DDP, RejectsBadOptions) {

@@ -9,6 +9,7 @@
 //   optimizer->step();  optimizer->zero_grad();
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -29,9 +30,15 @@ struct BoosterOptions {
   std::optional<std::string> mixed_precision;
 };
 
+// What a loss is computed by: (model outputs, targets) -> scalar loss.
+using Criterion = std::function<at::Tensor(const at::Tensor& outputs, const at::Tensor& targets)>;
+
 struct Boosted {
   std::shared_ptr<ModelWrapper> model;
   std::shared_ptr<OptimizerWrapper> optimizer;
+  Criterion criterion;                            // passed through
+  std::shared_ptr<data::DataLoader> dataloader;   // passed through (see Plugin::prepare_dataloader)
+  std::shared_ptr<optim::LRScheduler> lr_scheduler;  // passed through; drives the wrapped optimizer
 };
 
 // Restores gradient synchronisation when it goes out of scope.
@@ -54,7 +61,10 @@ class Booster {
 
   Plugin& plugin() { return *plugin_; }
 
-  Boosted boost(std::shared_ptr<torch::nn::Module> model, std::shared_ptr<optim::Optimizer> optimizer = nullptr);
+  // ColossalAI's boost(model, optimizer, criterion, dataloader, lr_scheduler).
+  Boosted boost(std::shared_ptr<torch::nn::Module> model, std::shared_ptr<optim::Optimizer> optimizer = nullptr,
+                Criterion criterion = {}, std::shared_ptr<data::DataLoader> dataloader = nullptr,
+                std::shared_ptr<optim::LRScheduler> lr_scheduler = nullptr);
 
   void backward(const at::Tensor& loss, OptimizerWrapper& optimizer);
   // Gradients accumulate locally until the guard ends; the next synchronised backward reduces

@@ -18,6 +18,10 @@ class Module;
 namespace colossal::optim {
 class Optimizer;
 }
+namespace colossal::data {
+class DataLoader;
+class TokenDataset;
+}
 
 namespace colossal::booster {
 
@@ -66,6 +70,14 @@ class Plugin {
   // Checks the combination of options against the capabilities above; throws InputError naming
   // the plugin and the option.
   void validate() const;
+
+  // This rank's loader over `dataset` (ColossalAI's prepare_dataloader): micro-batches of
+  // `batch_size` rows per rank, sample order by global position (see data/sampler.h), so the
+  // samples of a step are the same for any number of data-parallel ranks. There is no
+  // drop_last: epochs roll over seamlessly.
+  std::shared_ptr<data::DataLoader> prepare_dataloader(std::shared_ptr<data::TokenDataset> dataset, int64_t batch_size,
+                                                       bool shuffle = false, uint64_t seed = 1024,
+                                                       int64_t accumulation = 1) const;
 };
 
 }  // namespace colossal::booster
