@@ -3,7 +3,9 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <map>
 
 #include "colossal/amp/grad_scaler.h"
@@ -12,6 +14,7 @@
 #include "colossal/core/logging.h"
 #include "colossal/core/options.h"
 #include "colossal/dist/runtime.h"
+#include "colossal/nn/module.h"
 #include "colossal/optim/optimizer.h"
 #include "colossal/zero/low_level_optim.h"
 
@@ -28,7 +31,7 @@ void ZeroOptions::register_options(OptionSet& set) {
       .add("plugin", "overlap_communication", &overlap_communication,
            "low_level_zero: reduce gradient buckets while backward runs")
       .add("plugin", "overlap_allgather", &overlap_allgather,
-           "low_level_zero: overlapped weight all-gather (not implemented)")
+           "low_level_zero: all-gather updated weights in the background; forward waits per layer")
       .add("plugin", "cpu_offload", &cpu_offload,
            "low_level_zero: fp32 masters, gradient shards and moments on the CPU");
   set.min("stage", 1).max("stage", 2).min("reduce_bucket_size_in_m", 1e-6);
@@ -57,11 +60,60 @@ class ZeroModel : public ModelWrapper {
   void finish_backward() override {
     if (sync) sync->finish();
   }
+  void wait_weights() override {
+    if (auto z = zero.lock()) z->wait_all();
+  }
+  ~ZeroModel() override {
+    for (auto& h : hooks) h.remove();
+  }
   int stage = 1;
+  std::weak_ptr<zero::LowLevelZeroOptimizer> zero;  // overlap_allgather: in-flight gathers
+  std::vector<nn::HookHandle> hooks;
   std::unique_ptr<GradSync> sync;
   std::vector<std::pair<std::string, at::Tensor>> masters;  // fp32 values before the cast
   bool require_sync_ = true;
 };
+
+// overlap_allgather: every parameter is waited for by the forward pre hook of the nearest
+// colossal::nn::Module at or above the module that registers it (its own layer, or the
+// colossal layer around a plain torch::nn::Module child). Parameters with no colossal::nn::Module
+// above them cannot be hooked: they are not deferrable and step() finishes their gathers.
+void plan_gathers(zero::LowLevelZeroOptimizer& zopt, ZeroModel& zm,
+                  const std::shared_ptr<zero::LowLevelZeroOptimizer>& shared) {
+  torch::nn::Module& root = zm.module();
+  std::vector<int64_t> position(zopt.num_params(), 0);
+  std::vector<bool> deferrable(zopt.num_params(), false);
+  int64_t pos = 0;
+  for (auto& item : root.named_parameters(true)) {
+    int64_t i = zopt.index_of(item.value());
+    if (i >= 0) position[static_cast<size_t>(i)] = pos++;
+  }
+  std::map<nn::Module*, std::vector<size_t>> covered;
+  std::function<void(torch::nn::Module&, nn::Module*)> walk = [&](torch::nn::Module& m,
+                                                                  nn::Module* nearest) {
+    if (auto* cm = dynamic_cast<nn::Module*>(&m)) nearest = cm;
+    for (auto& item : m.named_parameters(false)) {
+      int64_t i = zopt.index_of(item.value());
+      if (i < 0 || !nearest) continue;
+      covered[nearest].push_back(static_cast<size_t>(i));
+      deferrable[static_cast<size_t>(i)] = true;
+    }
+    for (auto& child : m.children()) walk(*child, nearest);
+  };
+  walk(root, nullptr);
+  std::weak_ptr<zero::LowLevelZeroOptimizer> weak = shared;
+  for (auto& [module, idx] : covered)
+    zm.hooks.push_back(module->add_forward_pre_hook([weak, idx](nn::Module&) {
+      if (auto z = weak.lock()) z->wait_params(idx);
+    }));
+  zm.zero = shared;
+  const auto deferred = std::count(deferrable.begin(), deferrable.end(), true);
+  log_info("low_level_zero: overlap_allgather: ", deferred, " of ", zopt.num_params(),
+           " parameters gathered in the background (", covered.size(), " layer hooks); ",
+           static_cast<int64_t>(zopt.num_params()) - deferred,
+           " outside any colossal::nn::Module are gathered before step() returns");
+  zopt.set_gather_plan(std::move(position), std::move(deferrable));
+}
 
 }  // namespace
 
@@ -81,10 +133,6 @@ LowLevelZeroPlugin::LowLevelZeroPlugin(ZeroOptions options, dist::Communicator c
   COLOSSAL_CHECK_INPUT(options_.reduce_bucket_size_in_m > 0,
                        "low_level_zero: reduce_bucket_size_in_m must be > 0, got ",
                        options_.reduce_bucket_size_in_m);
-  COLOSSAL_CHECK_INPUT(!options_.overlap_allgather,
-                       "low_level_zero: overlap_allgather is not implemented (weights are "
-                       "all-gathered at the end of "
-                       "step()); set it to false");
   COLOSSAL_CHECK_INPUT(options_.master_weights || precision_ == Precision::FP32,
                        "low_level_zero: master_weights=false is not supported with ",
                        to_string(precision_), " (fp32 master shards are always kept)");
@@ -131,8 +179,12 @@ std::shared_ptr<OptimizerWrapper> LowLevelZeroPlugin::configure_optimizer(
   zero::ZeroOptimizerOptions zo;
   zo.cpu_offload = options_.cpu_offload;
   zo.allgather_bucket_numel = static_cast<int64_t>(options_.reduce_bucket_size_in_m * 1024 * 1024);
+  zo.overlap_allgather = options_.overlap_allgather;
   auto zopt = std::make_shared<zero::LowLevelZeroOptimizer>(optimizer, comm_, zm->masters, zo);
   zm->masters.clear();
+  for (auto& h : zm->hooks) h.remove();
+  zm->hooks.clear();
+  if (options_.overlap_allgather) plan_gathers(*zopt, *zm, zopt);
 
   GradSync::Options gs;
   const int64_t elem = at::elementSize(working_dtype(precision_));

@@ -17,6 +17,14 @@
 
 namespace colossal::zero {
 
+struct LowLevelZeroOptimizer::Gather {
+  dist::Work work;
+  at::Tensor local, gathered;  // kept alive until the gather is finished
+  std::vector<size_t> params;
+  int64_t cols = 0;
+  bool done = false;
+};
+
 LowLevelZeroOptimizer::LowLevelZeroOptimizer(
     std::shared_ptr<optim::Optimizer> inner, dist::Communicator comm,
     const std::vector<std::pair<std::string, at::Tensor>>& masters, ZeroOptimizerOptions options)
@@ -57,11 +65,68 @@ LowLevelZeroOptimizer::LowLevelZeroOptimizer(
     params_[i].master = slice_of(full, i);
     params_[i].grad = new_shard(i);
   }
+  gather_of_.assign(params_.size(), nullptr);
+  deferrable_.assign(params_.size(), false);
+  for (size_t i = 0; i < params_.size(); ++i) position_.push_back(static_cast<int64_t>(i));
   log_debug("ZeRO: ", params_.size(), " parameters sharded over ", world_, " rank(s), ",
             state_bytes(), " optimizer bytes on this rank");
 }
 
-LowLevelZeroOptimizer::~LowLevelZeroOptimizer() = default;
+LowLevelZeroOptimizer::~LowLevelZeroOptimizer() {
+  try {
+    wait_all();  // never leave a collective writing into freed buffers
+  } catch (const std::exception& e) {
+    log_error("ZeRO: in-flight weight all-gather failed at shutdown: ", e.what());
+  }
+}
+
+void LowLevelZeroOptimizer::set_gather_plan(std::vector<int64_t> position,
+                                            std::vector<bool> deferrable) {
+  COLOSSAL_CHECK(position.size() == params_.size() && deferrable.size() == params_.size(),
+                 "ZeRO: gather plan for ", position.size(), "/", deferrable.size(),
+                 " parameters, the optimizer holds ", params_.size());
+  wait_all();
+  position_ = std::move(position);
+  deferrable_ = std::move(deferrable);
+}
+
+void LowLevelZeroOptimizer::finish_gather(Gather& g) {
+  if (g.done) return;
+  g.done = true;  // also on failure: the error is reported once, by the Work
+  for (size_t i : g.params) gather_of_[i] = nullptr;
+  g.work.wait();
+  c10::NoGradGuard no_grad;
+  at::Tensor gathered = g.gathered.view({world_, g.cols});
+  int64_t off = 0;
+  for (size_t i : g.params) {
+    at::Tensor& p = params_[i].param;
+    const int64_t s = shard_numel(i);
+    at::Tensor full = gathered.narrow(1, off, s).reshape({-1}).narrow(0, 0, p.numel());
+    p.detach().copy_(full.view(p.sizes()));
+    off += s;
+  }
+  g.local = g.gathered = at::Tensor();
+}
+
+void LowLevelZeroOptimizer::wait_params(const std::vector<size_t>& which) {
+  for (size_t i : which)
+    if (i < gather_of_.size() && gather_of_[i]) finish_gather(*gather_of_[i]);
+  // Buckets are finished in any order; drop the finished ones at the front.
+  size_t k = 0;
+  while (k < gathers_.size() && gathers_[k]->done) ++k;
+  gathers_.erase(gathers_.begin(), gathers_.begin() + static_cast<std::ptrdiff_t>(k));
+}
+
+void LowLevelZeroOptimizer::wait_all() {
+  for (auto& g : gathers_) finish_gather(*g);
+  gathers_.clear();
+}
+
+size_t LowLevelZeroOptimizer::gathers_in_flight() const {
+  size_t n = 0;
+  for (const auto& g : gathers_) n += g->done ? 0 : 1;
+  return n;
+}
 
 int64_t LowLevelZeroOptimizer::index_of(const at::Tensor& param) const {
   for (size_t i = 0; i < params_.size(); ++i)
@@ -107,6 +172,7 @@ void LowLevelZeroOptimizer::add_grad_shard(size_t i, const at::Tensor& slice) {
   COLOSSAL_CHECK(i < params_.size() && slice.numel() == shard_numel(i),
                  "ZeRO: gradient slice of parameter ", i, " has ", slice.numel(),
                  " elements, expected ", i < params_.size() ? shard_numel(i) : -1);
+  wait_all();
   c10::NoGradGuard no_grad;
   Param& p = params_[i];
   p.grad.add_(slice.to(shard_device_, at::kFloat));
@@ -115,6 +181,7 @@ void LowLevelZeroOptimizer::add_grad_shard(size_t i, const at::Tensor& slice) {
 
 void LowLevelZeroOptimizer::take_full_grads() {
   if (grads_taken_) return;
+  wait_all();
   c10::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     Param& p = params_[i];
@@ -130,6 +197,7 @@ void LowLevelZeroOptimizer::take_full_grads() {
 }
 
 double LowLevelZeroOptimizer::grad_norm(double scale) {
+  wait_all();
   std::vector<at::Tensor> grads;
   for (auto& p : params_)
     if (p.has_grad) grads.push_back(p.grad);
@@ -152,6 +220,7 @@ double LowLevelZeroOptimizer::grad_norm(double scale) {
 }
 
 void LowLevelZeroOptimizer::step(double divisor) {
+  wait_all();  // the previous step's weights
   c10::NoGradGuard no_grad;
   auto& groups = inner_->param_groups();
   std::vector<size_t> updated;
@@ -199,18 +268,26 @@ void LowLevelZeroOptimizer::step(double divisor) {
   zero_grad();
 }
 
-void LowLevelZeroOptimizer::all_gather_params(const std::vector<size_t>& which) {
+void LowLevelZeroOptimizer::all_gather_params(std::vector<size_t> which) {
   // Buckets of one working dtype, at most allgather_bucket_numel shard elements each: the local
-  // slices are concatenated, gathered rank-major, and every parameter takes its columns.
+  // slices are concatenated, gathered rank-major, and every parameter takes its columns. With
+  // overlap_allgather the buckets are launched in forward order and only those holding a
+  // parameter that is not deferrable are finished here; the rest land in wait_params/wait_all.
+  const bool overlap = options_.overlap_allgather && world_ > 1;
+  if (overlap)
+    std::stable_sort(which.begin(), which.end(),
+                     [&](size_t a, size_t b) { return position_[a] < position_[b]; });
   size_t k = 0;
   while (k < which.size()) {
     const at::Tensor& first = params_[which[k]].param;
+    const bool defer = overlap && deferrable_[which[k]];
     std::vector<size_t> bucket;
     int64_t cols = 0;
     while (k < which.size()) {
       const at::Tensor& p = params_[which[k]].param;
       if (!bucket.empty() &&
           (p.scalar_type() != first.scalar_type() || p.device() != first.device() ||
+           (overlap && deferrable_[which[k]] != defer) ||
            cols + shard_numel(which[k]) > options_.allgather_bucket_numel))
         break;
       bucket.push_back(which[k]);
@@ -224,27 +301,26 @@ void LowLevelZeroOptimizer::all_gather_params(const std::vector<size_t>& which) 
       parts.push_back(src.to(first.device(), first.scalar_type(),
                              /*non_blocking=*/p.working.defined() && pin_));
     }
-    at::Tensor local = at::cat(parts);
-    at::Tensor gathered;
+    auto g = std::make_unique<Gather>();
+    g->local = at::cat(parts);
+    g->params = bucket;
+    g->cols = cols;
     if (world_ == 1) {
-      gathered = local.view({1, cols});
+      g->gathered = g->local;
     } else {
-      gathered = at::empty({world_ * cols}, local.options());
-      comm_.all_gather(gathered, local);
-      gathered = gathered.view({world_, cols});
+      g->gathered = at::empty({world_ * cols}, g->local.options());
+      g->work = comm_.all_gather(g->gathered, g->local, /*async_op=*/defer);
     }
-    int64_t off = 0;
-    for (size_t i : bucket) {
-      at::Tensor& p = params_[i].param;
-      const int64_t s = shard_numel(i);
-      at::Tensor full = gathered.narrow(1, off, s).reshape({-1}).narrow(0, 0, p.numel());
-      p.detach().copy_(full.view(p.sizes()));
-      off += s;
+    if (!defer) {
+      finish_gather(*g);
+      continue;
     }
+    for (size_t i : bucket) gather_of_[i] = g.get();
+    gathers_.push_back(std::move(g));
   }
 }
 
-void LowLevelZeroOptimizer::zero_grad() {
+void LowLevelZeroOptimizer::zero_grad() {  // touches no weight: in-flight gathers continue
   for (auto& p : params_) {
     if (p.has_grad) p.grad.zero_();
     p.has_grad = false;
@@ -260,6 +336,7 @@ bool is_half(const at::Tensor& t) {
 }  // namespace
 
 optim::StateDict LowLevelZeroOptimizer::state_dict() const {
+  const_cast<LowLevelZeroOptimizer*>(this)->wait_all();  // masters are current; weights too
   // Scalars in the format of optim::Optimizer::state_dict(): the inner optimizer has no state,
   // so its dict carries the groups; the steps are ours.
   optim::StateDict out = inner_->state_dict();
@@ -279,6 +356,7 @@ optim::StateDict LowLevelZeroOptimizer::state_dict() const {
 }
 
 void LowLevelZeroOptimizer::load_state_dict(const optim::StateDict& sd) {
+  wait_all();  // a late gather must not overwrite the restored weights
   c10::NoGradGuard no_grad;
   const json::Value& s = sd.scalars;
   COLOSSAL_CHECK_INPUT(s.is_object(), "optimizer state: scalars must be an object");
@@ -345,6 +423,7 @@ void LowLevelZeroOptimizer::load_state_dict(const optim::StateDict& sd) {
 }
 
 void LowLevelZeroOptimizer::sync_masters_from_params() {
+  wait_all();
   c10::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i)
     params_[i].master.copy_(slice_of(params_[i].param, i));

@@ -14,6 +14,8 @@
 #include "colossal/booster/booster.h"
 #include "colossal/booster/ddp_plugin.h"
 #include "colossal/booster/zero_plugin.h"
+#include "colossal/checkpoint/hf.h"
+#include "colossal/nn/layers.h"
 #include "colossal/optim/adamw.h"
 #include "colossal/zero/low_level_optim.h"
 #include "dist/dist_test_env.h"
@@ -364,8 +366,143 @@ TEST(ZeroOptions, BadInputIsRejected) {
   o.stage = 3;
   EXPECT_THROW(booster::LowLevelZeroPlugin{o}, InputError);
   o.stage = 2;
-  o.overlap_allgather = true;
+  o.reduce_bucket_size_in_m = 0;
   EXPECT_THROW(booster::LowLevelZeroPlugin{o}, InputError);
+}
+
+// ---- overlap_allgather -------------------------------------------------------------------------
+
+// The same MLP built from colossal::nn layers (forward pre hooks), with a plain torch::nn::Linear
+// inside a colossal layer (covered by that layer's hook) and one directly under the root
+// (covered by the root's hook). The plain MLP above has no hook at all.
+struct Wrapped : nn::Module {
+  Wrapped() : inner(register_module("inner", torch::nn::Linear(13, 13))) {}
+  at::Tensor forward(const at::Tensor& x) {
+    ForwardScope scope(*this);
+    return inner->forward(x);
+  }
+  torch::nn::Linear inner;
+};
+
+struct HookedMLP : nn::Module {
+  HookedMLP() {
+    fc1 = register_module("fc1", std::make_shared<nn::Linear>(7, 13, true, at::kFloat));
+    mid = register_module("mid", std::make_shared<Wrapped>());
+    fc2 = register_module("fc2", std::make_shared<nn::Linear>(13, 5, true, at::kFloat));
+    tail = register_module("tail", torch::nn::Linear(5, 5));
+    at::manual_seed(1);
+    c10::NoGradGuard g;
+    for (auto& p : parameters()) p.copy_(at::randn(p.sizes()) * 0.3);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    ForwardScope scope(*this);
+    return tail->forward(fc2->forward(at::tanh(mid->forward(at::tanh(fc1->forward(x))))));
+  }
+  std::shared_ptr<nn::Linear> fc1, fc2;
+  std::shared_ptr<Wrapped> mid;
+  torch::nn::Linear tail{nullptr};
+};
+
+struct OverlapRun {
+  std::shared_ptr<torch::nn::Module> model;
+  std::function<at::Tensor(const at::Tensor&)> forward;
+  std::unique_ptr<booster::Booster> booster;
+  booster::Boosted boosted;
+  zero::LowLevelZeroOptimizer& zero() {
+    return dynamic_cast<booster::ZeroOptimizerWrapper&>(*boosted.optimizer).zero();
+  }
+};
+
+OverlapRun overlap_run(bool hooked, int stage, bool overlap, double bucket_m) {
+  OverlapRun r;
+  if (hooked) {
+    auto m = std::make_shared<HookedMLP>();
+    r.model = m;
+    r.forward = [m](const at::Tensor& x) { return m->forward(x); };
+  } else {
+    auto m = make_mlp();
+    r.model = m;
+    r.forward = [m](const at::Tensor& x) { return m->forward(x); };
+  }
+  booster::ZeroOptions o;
+  o.stage = stage;
+  o.precision = "fp32";
+  o.reduce_bucket_size_in_m = bucket_m;
+  o.overlap_allgather = overlap;
+  r.booster = std::make_unique<booster::Booster>(std::make_shared<booster::LowLevelZeroPlugin>(o));
+  r.boosted = r.booster->boost(r.model, make_adamw(*r.model));
+  return r;
+}
+
+void expect_same_params(torch::nn::Module& a, torch::nn::Module& b, const std::string& when) {
+  auto pb = b.named_parameters(true);
+  for (auto& item : a.named_parameters(true))
+    EXPECT_TRUE(item.value().equal(pb[item.key()])) << item.key() << " " << when;
+}
+
+// Overlapped and synchronous all-gathers do the same arithmetic: losses and weights must be
+// bitwise equal. The overlapped run is checked at every point a stale weight could be read: the
+// next forward (hooks), right after step() through wait_weights(), a model checkpoint written
+// right after step(), and the optimizer state.
+TEST_P(Zero, OverlapAllgatherEqualsSynchronousBitwise) {
+  const int stage = GetParam();
+  const int R = dist::world_size(), rk = dist::rank();
+  const int64_t B = 3;
+  for (bool hooked : {true, false}) {
+    for (double bucket_m : {12.0, 1e-5}) {
+      SCOPED_TRACE(std::string(hooked ? "hooked" : "plain") + " bucket " +
+                   std::to_string(bucket_m));
+      OverlapRun sync = overlap_run(hooked, stage, false, bucket_m);
+      OverlapRun ovl = overlap_run(hooked, stage, true, bucket_m);
+      for (int step = 0; step < 6; ++step) {
+        at::Tensor x = global_rows(step, 0, B * R).narrow(0, rk * B, B);
+        at::Tensor y = target(x);
+        at::Tensor loss_sync = at::mse_loss(sync.forward(x), y);
+        at::Tensor loss_ovl = at::mse_loss(ovl.forward(x), y);
+        // What forward read: the synchronous run's weights (each hook waited for its bucket).
+        EXPECT_EQ(ovl.zero().gathers_in_flight(), 0u);
+        expect_same_params(*ovl.model, *sync.model, "after forward " + std::to_string(step));
+        std::vector<double> losses{loss_sync.item<double>(), loss_ovl.item<double>()};
+        for (auto [r, loss] : {std::pair{&sync, loss_sync}, std::pair{&ovl, loss_ovl}}) {
+          r->booster->backward(loss, *r->boosted.optimizer);
+          r->booster->clip_grad_by_norm(*r->boosted.optimizer, 0.5);
+          EXPECT_TRUE(r->boosted.optimizer->step());
+        }
+        EXPECT_EQ(losses[0], losses[1]) << "step " << step;
+        if (R > 1 && hooked) {  // every hooked parameter's bucket is still in flight
+          EXPECT_GT(ovl.zero().gathers_in_flight(), 0u) << "step " << step;
+        } else {
+          EXPECT_EQ(ovl.zero().gathers_in_flight(), 0u) << "step " << step;
+        }
+        if (step == 2) {  // a checkpoint right after step() waits for the gathers
+          const std::string dir = ::testing::TempDir() + "zero_ovl_" + std::to_string(stage) +
+                                  (hooked ? "h" : "p") + std::to_string(R);
+          ovl.booster->save_model(*ovl.boosted.model, dir + "/model", false);
+          if (dist::rank() == 0) {
+            auto saved = checkpoint::load_state_dict(dir + "/model");
+            auto mine = sync.model->named_parameters(true);
+            for (auto& [name, t] : saved) EXPECT_TRUE(t.equal(mine[name])) << name;
+          }
+          dist::world().barrier();
+        }
+        if (step == 4) {  // optimizer export waits too, and equals the synchronous one
+          auto a = sync.boosted.optimizer->full_state_dict();
+          auto b = ovl.boosted.optimizer->full_state_dict();
+          ASSERT_EQ(a.tensors.size(), b.tensors.size());
+          for (size_t k = 0; k < a.tensors.size(); ++k)
+            EXPECT_TRUE(a.tensors[k].second.equal(b.tensors[k].second)) << a.tensors[k].first;
+          EXPECT_EQ(ovl.zero().gathers_in_flight(), 0u);
+        }
+        if (step % 2 == 1) {  // read right after step(), after the documented wait
+          ovl.boosted.model->wait_weights();
+          EXPECT_EQ(ovl.zero().gathers_in_flight(), 0u);
+          expect_same_params(*ovl.model, *sync.model, "after step " + std::to_string(step));
+        }
+        sync.boosted.optimizer->zero_grad();  // does not touch weights: need not wait
+        ovl.boosted.optimizer->zero_grad();
+      }
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Stages, Zero, ::testing::Values(1, 2),

@@ -44,6 +44,9 @@ class ModelWrapper {
   virtual void set_require_grad_sync(bool sync) { (void)sync; }
   virtual bool require_grad_sync() const { return true; }
   virtual void finish_backward() {}
+  // Blocks until every in-flight update of the module's weights has landed (ZeRO's
+  // overlap_allgather); Booster calls it before reading or writing weights outside forward.
+  virtual void wait_weights() {}
 
  private:
   std::shared_ptr<torch::nn::Module> module_;

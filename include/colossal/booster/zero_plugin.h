@@ -12,8 +12,16 @@
 //   stays at one slice during accumulation.
 // - Optimizer checkpoints are full-shape (gathered), in the format of optim::Optimizer, so they
 //   load under another group size, ddp or one process.
-// - The updated working weights are all-gathered synchronously at the end of step();
-//   overlap_allgather = true is refused (not implemented).
+// - overlap_allgather (default off, as in ColossalAI): step() launches the bucketed all-gathers
+//   of the updated weights asynchronously and returns. A parameter whose layer (or the nearest
+//   enclosing layer) is a colossal::nn::Module is waited for by that layer's forward pre hook, so
+//   later layers' gathers overlap earlier layers' compute. Parameters with no colossal::nn::Module
+//   at or above them (a plain torch::nn::Module model) cannot be hooked, so their gathers are
+//   finished before step() returns: a stale weight is never read. Everything still in flight is
+//   finished before the next step, gradient intake, norm, optimizer state export or
+//   load, master re-sync, and Booster::save_model/load_model (ModelWrapper::wait_weights).
+//   Reading a hooked parameter's tensor directly between step() and the next forward needs
+//   ModelWrapper::wait_weights() first.
 // - Only AdamW (or CPUAdam: same state) is supported as the inner optimizer (its update runs on
 //   flat shards). Under stage 2 a trainable parameter the optimizer does not hold loses its
 //   gradient after backward (only optimizer parameters have slices to keep it in).
@@ -48,7 +56,7 @@ struct ZeroOptions {
   double reduce_bucket_size_in_m = 12;  // gradient bucket, millions of elements
   std::string communication_dtype;      // "" (the gradients' own), "fp32", "bf16", "fp16"
   bool overlap_communication = true;    // launch buckets from backward's hooks as they fill
-  bool overlap_allgather = false;       // refused when true (not implemented)
+  bool overlap_allgather = false;       // background weight all-gather, waited per layer
   bool cpu_offload = false;             // masters, grad shards and moments in CPU memory
   bool master_weights = true;           // false is refused for bf16/fp16 (fp32 masters always)
 

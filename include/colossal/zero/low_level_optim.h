@@ -13,7 +13,9 @@
 // reduce-scatter: add_grad_shard() accumulates into the fp32 shard, which is how no_sync
 // accumulation stays exact). step() runs optim::adamw_update on the shards (hyper-parameters read
 // from the wrapped optimizer's groups, so LR schedulers keep working) and all-gathers the updated
-// masters, cast to the working dtype, into the working parameters in buckets.
+// masters, cast to the working dtype, into the working parameters in buckets — synchronously,
+// or (overlap_allgather) launched asynchronously and finished by wait_params()/wait_all(), which
+// the low_level_zero plugin calls from forward pre hooks and before any other access.
 //
 // Checkpoints are full-shape and named exactly as optim::Optimizer::state_dict() writes them
 // ("<param>.exp_avg", "<param>.exp_avg_sq", "<param>.master" for half working params), gathered
@@ -40,6 +42,11 @@ struct ZeroOptimizerOptions {
   bool cpu_offload = false;
   // All-gather bucket size of the updated working weights, in elements.
   int64_t allgather_bucket_numel = 12 * 1024 * 1024;
+  // step() launches the all-gathers of the updated weights asynchronously and returns; a
+  // parameter's new value lands when wait_params()/wait_all() finishes the bucket holding it.
+  // Only parameters marked deferrable (set_gather_plan) stay in flight after step(): the others'
+  // buckets are still waited for before step() returns.
+  bool overlap_allgather = false;
 };
 
 class LowLevelZeroOptimizer {
@@ -76,6 +83,21 @@ class LowLevelZeroOptimizer {
   // Clears gradient shards (and any .grad left on the working parameters).
   void zero_grad();
 
+  // Overlapped all-gather (options.overlap_allgather). `position[i]`: order in which parameter i
+  // is first used by forward (buckets are launched in that order); `deferrable[i]`: something
+  // (a forward pre hook) calls wait_params() before parameter i is read, so its gather may stay
+  // in flight after step(). Both sized num_params(); default: declaration order, none deferrable.
+  void set_gather_plan(std::vector<int64_t> position, std::vector<bool> deferrable);
+  // Finishes the in-flight all-gather buckets holding these parameters (writes their new
+  // values); a no-op for parameters with none in flight.
+  void wait_params(const std::vector<size_t>& which);
+  // Finishes every in-flight all-gather. step(), the gradient intake, grad_norm(), state_dict(),
+  // load_state_dict(), sync_masters_from_params() and the destructor call it first (zero_grad()
+  // touches no weight and leaves the gathers running).
+  void wait_all();
+  // Number of all-gather buckets still in flight (for tests).
+  size_t gathers_in_flight() const;
+
   // Full-shape state (collective: every rank calls it; every rank gets the whole dict).
   optim::StateDict state_dict() const;
   // Loads a full-shape state written by state_dict() or by optim::Optimizer::state_dict() of
@@ -106,7 +128,9 @@ class LowLevelZeroOptimizer {
   at::Tensor slice_of(const at::Tensor& full, size_t i) const;    // this rank's fp32 slice
   at::Tensor local_part(const at::Tensor& flat, size_t i) const;  // its unpadded elements
   at::Tensor gather_full(const at::Tensor& shard, size_t i) const;
-  void all_gather_params(const std::vector<size_t>& which);
+  void all_gather_params(std::vector<size_t> which);
+  struct Gather;  // one all-gather bucket: its Work, buffers and parameters
+  void finish_gather(Gather& g);
   at::Tensor new_shard(size_t i) const;
 
   std::shared_ptr<optim::Optimizer> inner_;
@@ -117,6 +141,10 @@ class LowLevelZeroOptimizer {
   bool pin_ = false;
   std::vector<Param> params_;
   bool grads_taken_ = false;
+  std::vector<int64_t> position_;
+  std::vector<bool> deferrable_;
+  std::vector<std::unique_ptr<Gather>> gathers_;  // in flight, launch order
+  std::vector<Gather*> gather_of_;                // per parameter: its in-flight bucket or null
 };
 
 }  // namespace colossal::zero
