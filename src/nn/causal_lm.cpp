@@ -39,6 +39,12 @@ const at::Tensor& CausalLM::head_weight() const {
   return model->embed_tokens->weight();
 }
 
+void CausalLM::set_activation_checkpointing(CheckpointMode mode) {
+  for (auto& layer : model->layers->layers)
+    if (layer) layer->checkpointing = mode;
+  checkpointing_ = mode;
+}
+
 std::vector<Block> CausalLM::blocks() const {
   std::vector<Block> out;
   const int64_t L = config_.num_hidden_layers;

@@ -315,7 +315,34 @@ DecoderLayer::DecoderLayer(const ModelConfig& cfg, int64_t layer_idx, const at::
 at::Tensor DecoderLayer::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                  const AttentionMask& mask, KVCache* cache) {
   ForwardScope scope(*this);
-  at::Tensor h = x + self_attn->forward(input_layernorm->forward(x), cos, sin, mask, cache);
+  const CheckpointMode mode = cache ? CheckpointMode::None : checkpointing;
+  auto attention = [&](const at::Tensor& in) {
+    return self_attn->forward(input_layernorm->forward(in), cos, sin, mask, cache);
+  };
+  auto whole = [&](const at::Tensor& in) {
+    at::Tensor h = in + attention(in);
+    return h + mlp->forward(post_attention_layernorm->forward(h));
+  };
+  if (mode == CheckpointMode::None) return whole(x);
+  // The recompute runs in backward, after this frame is gone: capture by value.
+  auto self = std::static_pointer_cast<DecoderLayer>(shared_from_this());
+  if (mode == CheckpointMode::Full) {
+    return checkpoint(
+        [self, cos, sin, mask](const at::Tensor& in) {
+          at::Tensor h = in + self->self_attn->forward(self->input_layernorm->forward(in), cos, sin,
+                                                       mask, nullptr);
+          return h + self->mlp->forward(self->post_attention_layernorm->forward(h));
+        },
+        x, parameters());
+  }
+  std::vector<at::Tensor> attn_params = input_layernorm->parameters();
+  for (auto& p : self_attn->parameters()) attn_params.push_back(p);
+  at::Tensor h = x + checkpoint(
+                         [self, cos, sin, mask](const at::Tensor& in) {
+                           return self->self_attn->forward(self->input_layernorm->forward(in), cos,
+                                                           sin, mask, nullptr);
+                         },
+                         x, attn_params);
   return h + mlp->forward(post_attention_layernorm->forward(h));
 }
 

@@ -63,6 +63,10 @@ class CausalLM : public Module {
   int64_t first_block() const { return first_; }
   int64_t end_block() const { return end_; }
 
+  // Recompute decoder layers in backward (checkpointing.h): every owned layer gets `mode`.
+  void set_activation_checkpointing(CheckpointMode mode);
+  CheckpointMode activation_checkpointing() const { return checkpointing_; }
+
   const ModelConfig& config() const { return config_; }
   bool tied() const { return config_.tie_word_embeddings; }
   // The output projection's weight ([vocab, hidden]): lm_head's, or the embedding's when tied.
@@ -74,6 +78,7 @@ class CausalLM : public Module {
  private:
   ModelConfig config_;
   int64_t first_ = 0, end_;
+  CheckpointMode checkpointing_ = CheckpointMode::None;
 };
 
 // Mean token cross-entropy of logits [B, S, V] against labels [B, S] shifted by one (HF's

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "colossal/nn/checkpointing.h"
 #include "colossal/nn/config.h"
 #include "colossal/nn/module.h"
 
@@ -140,6 +141,8 @@ class DecoderLayer : public Module {
   std::shared_ptr<MLP> mlp;
   std::shared_ptr<RMSNorm> input_layernorm, post_attention_layernorm;
   bool sliding() const { return sliding_; }
+  // Recompute in backward (checkpointing.h); applies only when grad is on and no KV cache is used.
+  CheckpointMode checkpointing = CheckpointMode::None;
 
  private:
   bool sliding_;
