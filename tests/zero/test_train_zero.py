@@ -86,9 +86,21 @@ def zero2_4(work):
     return run_train(work, "zero2_4", 4, ["--plugin", "zero2", "--micro_batch", "2", "--save_every", "5"])
 
 
+_runs = {}
+
+
+def zero_run(work, plugin, nproc, mb, overlap=False):
+    """One run per configuration per module (shared by the tests that compare against it)."""
+    name = f"{plugin}_{nproc}" + ("_overlap" if overlap else "")
+    if name not in _runs:
+        extra = ["--plugin", plugin, "--micro_batch", str(mb)]
+        _runs[name] = run_train(work, name, nproc, extra + (["--overlap_allgather", "true"] if overlap else []))
+    return _runs[name]
+
+
 @pytest.mark.parametrize("plugin,nproc,mb", [("zero1", 2, 4), ("zero1", 4, 2), ("zero2", 2, 4)])
 def test_zero_matches_single_process(work, single, plugin, nproc, mb):
-    out = run_train(work, f"{plugin}_{nproc}", nproc, ["--plugin", plugin, "--micro_batch", str(mb)])
+    out = zero_run(work, plugin, nproc, mb)
     assert_runs_close(out, single)
     assert metrics(single)[-1]["loss"] < metrics(single)[0]["loss"] - 0.3  # it learns
 
@@ -135,3 +147,31 @@ def test_resume_zero2_under_ddp_and_back(work, zero2_4):
     ddp_full = run_train(work, "ddp_2_full", 2, ["--plugin", "ddp", "--micro_batch", "4", "--save_every", "5"])
     back = resume_from(work, ddp_full, "resume_z1_4", 4, ["--plugin", "zero1", "--micro_batch", "2"])
     assert_runs_close(back, ddp_full, first=5)
+
+
+def assert_runs_identical(a_out, b_out, steps=(10,)):
+    a, b = metrics(a_out), metrics(b_out)
+    assert len(a) == len(b) == 10
+    for x, y in zip(a, b):
+        assert (x["loss"], x["grad_norm"]) == (y["loss"], y["grad_norm"]), (x, y)
+    for step in steps:
+        wa, wb = final_weights(a_out, step), final_weights(b_out, step)
+        assert wa.keys() == wb.keys()
+        for k in wa:
+            assert (wa[k] == wb[k]).all(), (step, k)
+
+
+@pytest.mark.parametrize("plugin,nproc,mb", [("zero1", 2, 4), ("zero1", 4, 2), ("zero2", 2, 4)])
+def test_overlap_allgather_is_bitwise_synchronous(work, plugin, nproc, mb):
+    """--overlap_allgather true only moves the weight all-gather off step()'s critical path (the
+    decoder layers' forward pre hooks wait for their buckets): same fp32 arithmetic, so losses,
+    norms and the saved weights are bitwise those of the synchronous run."""
+    assert_runs_identical(zero_run(work, plugin, nproc, mb, overlap=True), zero_run(work, plugin, nproc, mb))
+
+
+def test_overlap_allgather_zero2_4_ranks_checkpoint_after_step(work, zero2_4):
+    # --save_every 5: the step-5 checkpoint is written right after step(), before any forward
+    # could have waited for the gathers: save_model must wait for them itself.
+    out = run_train(work, "zero2_4_overlap", 4, ["--plugin", "zero2", "--micro_batch", "2", "--save_every", "5",
+                                                  "--overlap_allgather", "true"])
+    assert_runs_identical(out, zero2_4, steps=(5, 10))
