@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include "colossal/core/error.h"
+#include "colossal/nn/fused_ce.h"
 
 namespace colossal::nn {
 
@@ -118,6 +119,22 @@ at::Tensor build_mask(int64_t past, int64_t s, std::optional<int64_t> window,
 }  // namespace
 
 at::Tensor CausalLM::forward(const at::Tensor& input, const ForwardOptions& opts) {
+  return forward_blocks(input, opts, end_);
+}
+
+at::Tensor CausalLM::forward_loss(const at::Tensor& input, const at::Tensor& targets,
+                                  int64_t chunk_tokens, const ForwardOptions& opts) {
+  COLOSSAL_CHECK(end_ == num_blocks(), "CausalLM::forward_loss needs the stage holding lm_head");
+  at::Tensor h = forward_blocks(input, opts, end_ - 1);
+  std::optional<ForwardScope> head_scope;
+  if (lm_head) head_scope.emplace(*lm_head);  // lm_head's hooks fire as in forward()
+  FusedCEOptions fo;
+  fo.chunk_tokens = chunk_tokens;
+  return fused_linear_cross_entropy(h, head_weight(), targets.to(h.device()), fo);
+}
+
+at::Tensor CausalLM::forward_blocks(const at::Tensor& input, const ForwardOptions& opts,
+                                    int64_t stop) {
   ForwardScope scope(*this);
   const int64_t L = config_.num_hidden_layers;
   COLOSSAL_CHECK(input.dim() == (first_ == 0 ? 2 : 3), "CausalLM::forward: expected ",
@@ -140,7 +157,7 @@ at::Tensor CausalLM::forward(const at::Tensor& input, const ForwardOptions& opts
   at::Tensor cos, sin;
   AttentionMask full, sliding;
   bool masks_ready = false;
-  for (int64_t i = first_; i < end_; ++i) {
+  for (int64_t i = first_; i < stop; ++i) {
     if (i == 0) {
       x = model->embed_tokens->forward(x);
     } else if (i <= L) {

@@ -71,11 +71,19 @@ class CausalLM : public Module {
   bool tied() const { return config_.tie_word_embeddings; }
   // The output projection's weight ([vocab, hidden]): lm_head's, or the embedding's when tied.
   const at::Tensor& head_weight() const;
+  // Mean cross-entropy of `targets` [B, S] (the next token of each position; ignore_index
+  // -100) computed straight from the final hidden states by fused_linear_cross_entropy over
+  // head_weight(), chunk_tokens tokens at a time: the [B, S, vocab] logits never exist. Equals
+  // cross_entropy(forward(input), targets) within fp32 rounding. Needs the blocks through lm_head.
+  at::Tensor forward_loss(const at::Tensor& input, const at::Tensor& targets,
+                          int64_t chunk_tokens = 4096, const ForwardOptions& opts = {});
 
   std::shared_ptr<DecoderModel> model;
   std::shared_ptr<Linear> lm_head;  // null when tied
 
  private:
+  // forward over the owned blocks [first_, stop).
+  at::Tensor forward_blocks(const at::Tensor& input, const ForwardOptions& opts, int64_t stop);
   ModelConfig config_;
   int64_t first_ = 0, end_;
   CheckpointMode checkpointing_ = CheckpointMode::None;

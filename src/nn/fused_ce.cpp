@@ -1,0 +1,101 @@
+// Chunked linear + cross-entropy (see fused_ce.h). The forward chunk loop also produces the
+// gradients, so backward only scales them by the incoming gradient and never sees logits.
+#include "colossal/nn/fused_ce.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <algorithm>
+
+#include "colossal/core/error.h"
+
+namespace colossal::nn {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct FusedLinearCE : public torch::autograd::Function<FusedLinearCE> {
+  // h [N, H], w [V, H], t [N] int64. Returns the fp32 scalar mean loss; saves dL/dh and dL/dw
+  // (already divided by the number of counted tokens) for backward.
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& w,
+                            const at::Tensor& t, int64_t chunk, int64_t ignore_index) {
+    const bool need_h = h.requires_grad(), need_w = w.requires_grad();
+    const int64_t n_tok = h.size(0);
+    const at::ScalarType dtype = h.scalar_type();
+    const bool fp32 = dtype == at::kFloat;
+    at::Tensor valid = t != ignore_index;
+    // 1 / number of counted tokens, as a device scalar (no host sync); inf when none counts.
+    at::Tensor inv = valid.sum().to(at::kFloat).reciprocal();
+    at::Tensor loss_sum = at::zeros({}, h.options().dtype(at::kFloat));
+    at::Tensor grad_h = need_h ? at::empty_like(h, at::MemoryFormat::Contiguous) : at::Tensor();
+    at::Tensor grad_w32 =
+        need_w ? at::zeros(w.sizes(), w.options().dtype(at::kFloat)) : at::Tensor();
+    for (int64_t s = 0; s < n_tok; s += chunk) {
+      const int64_t n = std::min(chunk, n_tok - s);
+      at::Tensor hc = h.narrow(0, s, n);
+      at::Tensor vc = valid.narrow(0, s, n);
+      at::Tensor tc = at::where(vc, t.narrow(0, s, n), 0).unsqueeze(1);  // ignored rows -> 0
+      at::Tensor logits = at::mm(hc, w.t());                             // [n, V] working dtype
+      if (!fp32) logits = logits.to(at::kFloat);
+      at::Tensor lse = at::logsumexp(logits, {1});
+      at::Tensor picked = logits.gather(1, tc).squeeze(1);
+      loss_sum.add_(((lse - picked) * vc).sum());
+      if (!need_h && !need_w) continue;
+      // dloss/dlogits of the mean: (softmax - onehot) / count on counted rows, 0 elsewhere.
+      at::Tensor vf = vc.to(at::kFloat).unsqueeze(1);
+      logits.sub_(lse.unsqueeze(1)).exp_();
+      logits.scatter_add_(1, tc, -vf);
+      logits.mul_(vf * inv);
+      at::Tensor dl = fp32 ? logits : logits.to(dtype);
+      logits = at::Tensor();  // the fp32 chunk is not needed past this point
+      if (need_h) {
+        at::Tensor out = grad_h.narrow(0, s, n);
+        at::mm_out(out, dl, w);
+      }
+      if (need_w) {
+        if (fp32)
+          grad_w32.addmm_(dl.t(), hc);
+        else
+          grad_w32.add_(at::mm(dl.t(), hc));  // per-chunk product, fp32 accumulation
+      }
+    }
+    at::Tensor grad_w = need_w && !fp32 ? grad_w32.to(w.scalar_type()) : grad_w32;
+    ctx->save_for_backward({grad_h, grad_w});
+    return loss_sum * inv;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor& g = grad_outputs[0];
+    at::Tensor gh = saved[0].defined() ? saved[0] * g : at::Tensor();
+    at::Tensor gw = saved[1].defined() ? saved[1] * g : at::Tensor();
+    return {gh, gw, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor fused_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
+                                      const at::Tensor& targets, const FusedCEOptions& opts) {
+  COLOSSAL_CHECK(hidden.dim() >= 1 && weight.dim() == 2 && hidden.size(-1) == weight.size(1),
+                 "fused_linear_cross_entropy: hidden [..., H] and weight [V, H] expected, got ",
+                 hidden.sizes(), " and ", weight.sizes());
+  COLOSSAL_CHECK(hidden.scalar_type() == weight.scalar_type(),
+                 "fused_linear_cross_entropy: hidden is ", hidden.scalar_type(), " but weight is ",
+                 weight.scalar_type(), "; cast one of them");
+  COLOSSAL_CHECK(
+      targets.scalar_type() == at::kLong && targets.numel() * hidden.size(-1) == hidden.numel(),
+      "fused_linear_cross_entropy: targets must be int64 with hidden's leading shape ",
+      hidden.sizes(), ", got ", targets.scalar_type(), " ", targets.sizes());
+  COLOSSAL_CHECK(opts.chunk_tokens >= 0,
+                 "fused_linear_cross_entropy: chunk_tokens must be >= 0, got ", opts.chunk_tokens);
+  at::Tensor h = hidden.reshape({-1, hidden.size(-1)});
+  at::Tensor t = targets.reshape({-1}).to(h.device());
+  const int64_t chunk =
+      opts.chunk_tokens == 0 ? std::max<int64_t>(h.size(0), 1) : opts.chunk_tokens;
+  return FusedLinearCE::apply(h, weight, t, chunk, opts.ignore_index);
+}
+
+}  // namespace colossal::nn
