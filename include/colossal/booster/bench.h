@@ -1,0 +1,65 @@
+// `colossal bench`: ColossalAI's Llama training benchmark (examples/language/llama/benchmark.py)
+// on our stack. Random tokens (seeded per data-parallel rank), the real training step through the
+// Booster (forward, loss, backward, optimizer step), device-synchronised step times and their
+// median; throughput, model FLOPs by two rules, and peak memory. See docs/design.md.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "colossal/core/json.h"
+
+namespace colossal::booster {
+
+struct BenchConfig {
+  std::string model = "tiny";          // preset or path to an HF config.json
+  std::string plugin = "ddp";          // none | ddp | low_level_zero | zero1 | zero2
+  std::string precision;               // fp32 | bf16 | fp16; "" = bf16 on cuda, fp32 on cpu
+  std::string device = "cpu";          // cpu | cuda
+  std::string checkpointing = "none";  // none | full | attention (activation recompute)
+  bool flash_attention = false;        // -x: recorded; SDPA picks its flash kernel on GPU by itself
+  bool overlap_allgather = false;      // low_level_zero's background weight all-gather
+  int64_t batch = 2;                   // per data-parallel rank
+  int64_t seq_len = 4096;
+  int64_t steps = 5;   // timed + ignored
+  int64_t warmup = 2;  // first steps not timed
+  int64_t seed = 42;
+  double lr = 1e-4;
+  void validate() const;  // InputError naming the flag
+};
+
+// Floating-point operations of one training step of the whole global batch.
+struct FlopCounts {
+  double model_flops_per_token = 0;           // torchtitan: 6·N + 12·L·h·S (no recompute)
+  double colossalai_flops_per_rank_step = 0;  // ColossalAI: 2·N·B·S·(3+g), B per dp rank
+  double megatron_flops_per_rank_step = 0;    // 24(3+g)·B·S·L·h²·(1 + S/6h + V/16Lh)
+};
+FlopCounts bench_flops(int64_t n_params, int64_t layers, int64_t hidden, int64_t vocab,
+                       int64_t batch, int64_t seq_len, int recompute);
+
+// The report (every figure also in to_json()).
+struct BenchReport {
+  BenchConfig config;
+  std::string precision;
+  int64_t n_params = 0, layers = 0, hidden = 0, vocab = 0;
+  int world_size = 1, dp_size = 1;
+  std::vector<double> step_seconds;  // timed steps, slowest rank's time per step
+  double median_step_s = 0, mean_step_s = 0;
+  double tokens_per_s = 0, tokens_per_s_per_gpu = 0, samples_per_s = 0;
+  FlopCounts flops;
+  double model_tflops_per_gpu = 0, mfu_989 = 0;
+  double colossalai_tflops_per_gpu = 0, megatron_tflops_per_gpu = 0;
+  double peak_memory_mib = 0;    // max over ranks
+  std::string peak_memory_kind;  // "cuda max_memory_allocated" | "cpu peak RSS (process)"
+  double final_loss = 0;
+
+  json::Value to_json() const;
+  std::string to_text() const;  // the human-readable report
+};
+
+// Runs the benchmark on this rank (dist::init() done by the caller, or a single process).
+// Every rank returns the same report.
+BenchReport run_bench(const BenchConfig& config);
+
+}  // namespace colossal::booster

@@ -1,0 +1,146 @@
+"""`colossal bench` on CPU: the report is complete, its JSON has every field, the FLOP figures
+equal an independent computation (N counted by HF transformers from the same config.json),
+recompute (-g) leaves the loss unchanged and is counted by ColossalAI's formula, two ranks divide
+per-GPU figures by the world size, and bad flags are errors."""
+import json
+import os
+import subprocess
+
+import pytest
+
+BIN = os.environ["COLOSSAL_BIN"]
+
+FIELDS = ["config", "step_seconds", "median_step_s", "mean_step_s", "tokens_per_s", "tokens_per_s_per_gpu",
+          "samples_per_s", "model_flops_per_token", "model_tflops_per_gpu", "mfu_989",
+          "colossalai_flops_per_rank_step", "colossalai_tflops_per_gpu", "megatron_flops_per_rank_step",
+          "megatron_tflops_per_gpu", "peak_memory_mib", "peak_memory_kind", "final_loss"]
+CONFIG_FIELDS = ["model", "plugin", "precision", "device", "grad_checkpoint", "flash_attention",
+                 "batch_per_dp_rank", "seq_len", "steps", "ignored_steps", "seed", "world_size", "dp_size",
+                 "n_params", "num_layers", "hidden_size", "vocab_size"]
+
+HF_CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=257, hidden_size=48,
+                 intermediate_size=80, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+                 hidden_act="silu", initializer_range=0.02, bos_token_id=1, eos_token_id=2)
+
+
+def bench(args, tmp_path, name="out.json", launcher=None, expect_ok=True):
+    out = tmp_path / name
+    cmd = (launcher or []) + [BIN, "bench", "--device", "cpu", "--json", str(out)] + args
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if not expect_ok:
+        return p
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p, json.loads(out.read_text())
+
+
+def close(a, b, rel=1e-9):
+    return abs(a - b) <= rel * max(abs(a), abs(b))
+
+
+def check_flops(r, n, layers, hidden, vocab, b, s, g):
+    c = r["config"]
+    world, dp = c["world_size"], c["dp_size"]
+    med = r["median_step_s"]
+    steps = sorted(r["step_seconds"])
+    k = len(steps)
+    assert close(med, steps[k // 2] if k % 2 else 0.5 * (steps[k // 2 - 1] + steps[k // 2]))
+    assert k == c["steps"] - c["ignored_steps"]
+    per_token = 6 * n + 12 * layers * hidden * s
+    assert close(r["model_flops_per_token"], per_token)
+    tok = b * dp * s / med
+    assert close(r["tokens_per_s"], tok)
+    assert close(r["tokens_per_s_per_gpu"], tok / world)
+    assert close(r["samples_per_s"], b * dp / med)
+    assert close(r["model_tflops_per_gpu"], tok / world * per_token / 1e12)
+    assert close(r["mfu_989"], tok / world * per_token / 1e12 / 989)
+    colossal = 2 * n * b * s * (3 + g)
+    assert close(r["colossalai_flops_per_rank_step"], colossal)
+    assert close(r["colossalai_tflops_per_gpu"], colossal / 1e12 / med / (world / dp))
+    megatron = 24 * (3 + g) * b * s * layers * hidden ** 2 * (1 + s / (6 * hidden) + vocab / (16 * layers * hidden))
+    assert close(r["megatron_flops_per_rank_step"], megatron)
+
+
+def test_tiny_report_complete(tmp_path):
+    p, r = bench(["-c", "tiny", "-s", "3", "-i", "1", "-b", "2", "-l", "64"], tmp_path)
+    for f in FIELDS:
+        assert f in r, f
+    for f in CONFIG_FIELDS:
+        assert f in r["config"], f
+    c = r["config"]
+    assert (c["model"], c["plugin"], c["precision"], c["device"], c["grad_checkpoint"]) == \
+        ("tiny", "ddp", "fp32", "cpu", "none")
+    assert (c["batch_per_dp_rank"], c["seq_len"], c["steps"], c["ignored_steps"]) == (2, 64, 3, 1)
+    assert r["peak_memory_kind"] == "cpu peak RSS (process)" and r["peak_memory_mib"] > 0
+    assert all(t > 0 for t in r["step_seconds"])
+    for line in ["tokens/s/GPU", "samples/s", "model TFLOPS/GPU", "MFU vs 989 TFLOPS", "ColossalAI TFLOPS/GPU",
+                 "peak memory", "median step"]:
+        assert line in p.stdout, line
+    result = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+    assert len(result) == 1 and json.loads(result[0][7:]) == r
+    check_flops(r, c["n_params"], c["num_layers"], c["hidden_size"], c["vocab_size"], 2, 64, 0)
+
+
+def hf_param_count(path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig.from_pretrained(str(path))
+    model = transformers.LlamaForCausalLM(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.fixture
+def hf_config(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(HF_CONFIG))
+    return d
+
+
+def test_flops_match_independent_count_and_recompute_is_exact(tmp_path, hf_config):
+    n = hf_param_count(hf_config)
+    args = ["-c", str(hf_config / "config.json"), "-s", "3", "-i", "1", "-b", "2", "-l", "32", "--seed", "5"]
+    _, plain = bench(args, tmp_path, "plain.json")
+    assert plain["config"]["n_params"] == n
+    check_flops(plain, n, 3, 48, 257, 2, 32, 0)
+    _, full = bench(args + ["-g"], tmp_path, "full.json")
+    assert full["config"]["grad_checkpoint"] == "full"
+    check_flops(full, n, 3, 48, 257, 2, 32, 1)
+    _, attn = bench(args + ["--ckpt_mode", "attention"], tmp_path, "attn.json")
+    assert attn["config"]["grad_checkpoint"] == "attention"
+    check_flops(attn, n, 3, 48, 257, 2, 32, 0)
+    # Recompute changes memory and time, not the training: after 3 optimizer steps the loss is
+    # the same (gradients agree to ~1e-7 relative; the loss of step 3 sees them through AdamW).
+    for r in (full, attn):
+        assert abs(r["final_loss"] - plain["final_loss"]) <= 1e-5 * abs(plain["final_loss"])
+
+
+def test_two_ranks_per_gpu_figures(tmp_path, hf_config):
+    launcher = [BIN, "run", "--nproc_per_node", "2", "--master_port", "0"]
+    _, r = bench(["-c", str(hf_config / "config.json"), "-s", "3", "-i", "1", "-b", "2", "-l", "32"], tmp_path,
+                 launcher=launcher)
+    c = r["config"]
+    assert (c["world_size"], c["dp_size"]) == (2, 2)
+    check_flops(r, hf_param_count(hf_config), 3, 48, 257, 2, 32, 0)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-p", "gemini"], "not available"),
+    (["-p", "3d"], "not available"),
+    (["-p", "bogus"], "not a plugin"),
+    (["--tp", "2"], "--tp 2"),
+    (["--pp", "2"], "--pp 2"),
+    (["--zero", "1"], "--zero 1"),
+    (["--pp_style", "zbv"], "pipeline schedules"),
+    (["--shard_param_frac", "0.5"], "shard_param_frac"),
+    (["--use_fp8"], "use_fp8"),
+    (["-s", "2", "-i", "2"], "at least one step is timed"),
+    (["-b", "0"], "batch_size"),
+    (["--precision", "fp8"], "fp8"),
+    (["--ckpt_mode", "selective"], "selective"),
+    (["-l", "100000"], "max_position_embeddings"),
+    (["--no_such_flag"], "unknown option"),
+])
+def test_bad_flags(tmp_path, args, message):
+    p = bench(["-c", "tiny", "-s", "2", "-i", "1", "-b", "1", "-l", "16"] + args, tmp_path, expect_ok=False)
+    assert p.returncode != 0
+    assert message in p.stderr, p.stderr
