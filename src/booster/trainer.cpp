@@ -42,6 +42,8 @@ void TrainConfig::register_options(OptionSet& s) {
       .add("train", "seed", &seed, "seed of initialization and data order")
       .add("train", "device", &device, "device", {"cpu", "cuda"})
       .add("train", "log_every", &log_every, "log a line every N steps (when no progress bar is drawn)")
+      .add("train", "fused_ce", &fused_ce, "loss by chunked fused linear + cross-entropy (no full logits)")
+      .add("train", "ce_chunk_tokens", &ce_chunk_tokens, "tokens per chunk of the fused cross-entropy")
       .add("optim", "lr", &lr, "peak learning rate")
       .add("optim", "schedule", &schedule, "learning-rate schedule", {"constant", "linear", "cosine"})
       .add("optim", "warmup", &warmup, "warmup steps")
@@ -62,7 +64,7 @@ void TrainConfig::register_options(OptionSet& s) {
   s.min("seq_len", 1).min("micro_batch", 1).min("accumulation", 1).min("steps", 1).min("seed", 0).min("log_every", 1);
   s.min("lr", 0).min("warmup", 0).min("min_lr_ratio", 0).max("min_lr_ratio", 1).min("weight_decay", 0);
   s.min("beta1", 0).max("beta1", 0.999999).min("beta2", 0).max("beta2", 0.99999999).min("eps", 0);
-  s.min("max_grad_norm", 0).min("save_every", 0);
+  s.min("max_grad_norm", 0).min("save_every", 0).min("ce_chunk_tokens", 1);
 }
 
 void TrainConfig::validate() const {
@@ -321,10 +323,14 @@ TrainResult train(const TrainConfig& c, const json::Value& config_json) {
       targets = targets.to(device);
       std::unique_ptr<NoSyncGuard> guard;
       if (a + 1 < A) guard = booster.no_sync(mw, &opt);
-      at::Tensor logits = model->forward(inputs);
-      at::Tensor loss =
-          at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat), targets.reshape({-1})) /
-          static_cast<double>(A);
+      at::Tensor loss;
+      if (c.fused_ce) {
+        loss = model->forward_loss(inputs, targets, c.ce_chunk_tokens) / static_cast<double>(A);
+      } else {
+        at::Tensor logits = model->forward(inputs);
+        loss = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat), targets.reshape({-1})) /
+               static_cast<double>(A);
+      }
       booster.backward(loss, opt);
       local_loss += loss.detach().item<double>();
     }

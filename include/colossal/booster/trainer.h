@@ -33,6 +33,12 @@ struct TrainConfig {
   int64_t seed = 1024;
   std::string device = "cpu";
   int64_t log_every = 10;
+  // Loss straight from the hidden states (nn::fused_linear_cross_entropy): the [B, S, vocab]
+  // logits are never materialised, only ce_chunk_tokens rows of them at a time. 1024 rows keep
+  // the extra memory at ~1024 * vocab * 8 bytes (0.26 GB at a 32k vocab, 1 GB at 128k) while each
+  // chunk's GEMM (1024 x hidden x vocab) is still large enough to run at full speed.
+  bool fused_ce = true;
+  int64_t ce_chunk_tokens = 1024;
   // [optim]
   double lr = 3e-4;
   std::string schedule = "cosine";
