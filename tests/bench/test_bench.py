@@ -121,6 +121,12 @@ def test_two_ranks_per_gpu_figures(tmp_path, hf_config):
     c = r["config"]
     assert (c["world_size"], c["dp_size"]) == (2, 2)
     check_flops(r, hf_param_count(hf_config), 3, 48, 257, 2, 32, 0)
+    # Recompute under ZeRO-2 (gradient hooks fire from the recomputed graph): same training.
+    _, z = bench(["-c", str(hf_config / "config.json"), "-s", "3", "-i", "1", "-b", "2", "-l", "32", "-p", "zero2",
+                  "-g"], tmp_path, "zero2.json", launcher=launcher)
+    assert z["config"]["plugin"] == "zero2" and z["config"]["grad_checkpoint"] == "full"
+    check_flops(z, hf_param_count(hf_config), 3, 48, 257, 2, 32, 1)
+    assert abs(z["final_loss"] - r["final_loss"]) <= 1e-5 * abs(r["final_loss"])
 
 
 @pytest.mark.parametrize("args,message", [
