@@ -88,6 +88,8 @@ int run_bench(int argc, char** argv) {
       .option("seed", "seed of the random tokens and the initial weights", "42")
       .option("json", "also write the report as JSON to this file (rank 0)", "")
       .flag("overlap_allgather", "low_level_zero: background weight all-gather")
+      .option("fused_ce", "loss by chunked fused linear + cross-entropy (true|false)", "true")
+      .option("ce_chunk_tokens", "tokens per chunk of the fused cross-entropy", "1024")
       .option("tp", "tensor parallel size (only 1)", "1")
       .option("sp", "sequence parallel size (only 1)", "1")
       .option("sp_mode", "sequence parallel mode", "all_to_all")
@@ -132,6 +134,11 @@ int run_bench(int argc, char** argv) {
     throw InputError("--ckpt_mode must be full or attention (leave out -g for none)");
   c.flash_attention = a.on("xformers");
   c.overlap_allgather = a.on("overlap_allgather");
+  const std::string fused = a.str("fused_ce");
+  if (fused != "true" && fused != "false")
+    throw InputError("--fused_ce takes true or false, got '" + fused + "'");
+  c.fused_ce = fused == "true";
+  c.ce_chunk_tokens = a.i64("ce_chunk_tokens");
   c.precision = a.has("precision") ? a.str("precision") : "";
   c.device = a.has("device") ? a.str("device") : "";
   if (c.device.empty()) c.device = colossal::Accelerator::cuda().available() ? "cuda" : "cpu";

@@ -14,7 +14,7 @@ FIELDS = ["config", "step_seconds", "median_step_s", "mean_step_s", "tokens_per_
           "samples_per_s", "model_flops_per_token", "model_tflops_per_gpu", "mfu_989",
           "colossalai_flops_per_rank_step", "colossalai_tflops_per_gpu", "megatron_flops_per_rank_step",
           "megatron_tflops_per_gpu", "peak_memory_mib", "peak_memory_kind", "final_loss"]
-CONFIG_FIELDS = ["model", "plugin", "precision", "device", "grad_checkpoint", "flash_attention",
+CONFIG_FIELDS = ["model", "plugin", "precision", "device", "grad_checkpoint", "flash_attention", "fused_ce",
                  "batch_per_dp_rank", "seq_len", "steps", "ignored_steps", "seed", "world_size", "dp_size",
                  "n_params", "num_layers", "hidden_size", "vocab_size"]
 
@@ -110,7 +110,10 @@ def test_flops_match_independent_count_and_recompute_is_exact(tmp_path, hf_confi
     check_flops(attn, n, 3, 48, 257, 2, 32, 0)
     # Recompute changes memory and time, not the training: after 3 optimizer steps the loss is
     # the same (gradients agree to ~1e-7 relative; the loss of step 3 sees them through AdamW).
-    for r in (full, attn):
+    # The full-logits loss (--fused_ce false) trains the same as the default chunked fused one.
+    _, logits = bench(args + ["--fused_ce", "false"], tmp_path, "logits.json")
+    assert plain["config"]["fused_ce"] is True and logits["config"]["fused_ce"] is False
+    for r in (full, attn, logits):
         assert abs(r["final_loss"] - plain["final_loss"]) <= 1e-5 * abs(plain["final_loss"])
 
 
@@ -145,6 +148,8 @@ def test_two_ranks_per_gpu_figures(tmp_path, hf_config):
     (["--ckpt_mode", "selective"], "selective"),
     (["-l", "100000"], "max_position_embeddings"),
     (["--no_such_flag"], "unknown option"),
+    (["--fused_ce", "maybe"], "--fused_ce"),
+    (["--ce_chunk_tokens", "0"], "ce_chunk_tokens"),
 ])
 def test_bad_flags(tmp_path, args, message):
     p = bench(["-c", "tiny", "-s", "2", "-i", "1", "-b", "1", "-l", "16"] + args, tmp_path, expect_ok=False)

@@ -20,7 +20,9 @@ struct BenchConfig {
   std::string checkpointing = "none";  // none | full | attention (activation recompute)
   bool flash_attention = false;        // -x: recorded; SDPA picks its flash kernel on GPU by itself
   bool overlap_allgather = false;      // low_level_zero's background weight all-gather
-  int64_t batch = 2;                   // per data-parallel rank
+  bool fused_ce = true;  // loss by CausalLM::forward_loss (no full logits), as colossal train
+  int64_t ce_chunk_tokens = 1024;
+  int64_t batch = 2;  // per data-parallel rank
   int64_t seq_len = 4096;
   int64_t steps = 5;   // timed + ignored
   int64_t warmup = 2;  // first steps not timed
