@@ -11,7 +11,10 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <string>
+#include <unordered_map>
+#include <utility>
 
 #include "colossal/nn/fused_ce.h"
 
@@ -20,16 +23,11 @@ namespace {
 struct Counting final : c10::Allocator {
   c10::Allocator* base = nullptr;
   std::atomic<int64_t> live{0}, peak{0};
-  struct Ctx {
-    c10::DataPtr inner;
-    int64_t n;
-    Counting* self;
-  };
-  static void release(void* p) {
-    auto* c = static_cast<Ctx*>(p);
-    c->self->live -= c->n;
-    delete c;
-  }
+  // The context is the data pointer itself (raw_allocate, used by oneDNN, requires it); the
+  // wrapped allocation is found again in a table.
+  std::mutex mu;
+  std::unordered_map<void*, std::pair<c10::DataPtr, int64_t>> table;
+  static void release(void* p);
   c10::DataPtr allocate(size_t n) override {
     c10::DataPtr inner = base->allocate(n);
     void* data = inner.get();
@@ -38,14 +36,31 @@ struct Counting final : c10::Allocator {
     int64_t p = peak.load();
     while (now > p && !peak.compare_exchange_weak(p, now)) {
     }
-    return {data, new Ctx{std::move(inner), static_cast<int64_t>(n), this}, &release, dev};
+    {
+      std::lock_guard<std::mutex> g(mu);
+      table.emplace(data, std::make_pair(std::move(inner), static_cast<int64_t>(n)));
+    }
+    return {data, data, &release, dev};
   }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
   }
 };
 
 Counting counter;
+
+void Counting::release(void* p) {
+  Counting& a = counter;
+  std::pair<c10::DataPtr, int64_t> entry;
+  {
+    std::lock_guard<std::mutex> g(a.mu);
+    auto it = a.table.find(p);
+    entry = std::move(it->second);
+    a.table.erase(it);
+  }
+  a.live -= entry.second;
+}  // entry.first frees the memory
 
 }  // namespace
 

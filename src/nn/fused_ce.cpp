@@ -39,17 +39,18 @@ struct FusedLinearCE : public torch::autograd::Function<FusedLinearCE> {
       at::Tensor tc = at::where(vc, t.narrow(0, s, n), 0).unsqueeze(1);  // ignored rows -> 0
       at::Tensor logits = at::mm(hc, w.t());                             // [n, V] working dtype
       if (!fp32) logits = logits.to(at::kFloat);
-      at::Tensor lse = at::logsumexp(logits, {1});
-      at::Tensor picked = logits.gather(1, tc).squeeze(1);
-      loss_sum.add_(((lse - picked) * vc).sum());
+      // log-softmax in one pass (fp32), reused in place for the gradient.
+      at::Tensor logp = at::log_softmax(logits, 1);
+      logits = at::Tensor();
+      loss_sum.sub_((logp.gather(1, tc).squeeze(1) * vc).sum());
       if (!need_h && !need_w) continue;
       // dloss/dlogits of the mean: (softmax - onehot) / count on counted rows, 0 elsewhere.
       at::Tensor vf = vc.to(at::kFloat).unsqueeze(1);
-      logits.sub_(lse.unsqueeze(1)).exp_();
-      logits.scatter_add_(1, tc, -vf);
-      logits.mul_(vf * inv);
-      at::Tensor dl = fp32 ? logits : logits.to(dtype);
-      logits = at::Tensor();  // the fp32 chunk is not needed past this point
+      logp.exp_();
+      logp.scatter_add_(1, tc, -vf);
+      logp.mul_(vf * inv);
+      at::Tensor dl = fp32 ? logp : logp.to(dtype);
+      logp = at::Tensor();  // the fp32 chunk is not needed past this point
       if (need_h) {
         at::Tensor out = grad_h.narrow(0, s, n);
         at::mm_out(out, dl, w);

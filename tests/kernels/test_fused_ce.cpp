@@ -8,6 +8,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
 
 #include "colossal/nn/causal_lm.h"
 #include "colossal/nn/fused_ce.h"
@@ -122,16 +125,11 @@ namespace {
 struct CountingAllocator final : c10::Allocator {
   c10::Allocator* base = nullptr;
   std::atomic<int64_t> live{0}, peak{0}, largest{0};
-  struct Ctx {
-    c10::DataPtr inner;
-    int64_t n;
-    CountingAllocator* self;
-  };
-  static void release(void* p) {
-    auto* c = static_cast<Ctx*>(p);
-    c->self->live -= c->n;
-    delete c;
-  }
+  // The context is the data pointer itself (raw_allocate, used by oneDNN, requires it); the
+  // wrapped allocation is found again in a table.
+  std::mutex mu;
+  std::unordered_map<void*, std::pair<c10::DataPtr, int64_t>> table;
+  static void release(void* p);
   c10::DataPtr allocate(size_t n) override {
     c10::DataPtr inner = base->allocate(n);
     void* data = inner.get();
@@ -143,8 +141,13 @@ struct CountingAllocator final : c10::Allocator {
     int64_t l = largest.load();
     while (static_cast<int64_t>(n) > l && !largest.compare_exchange_weak(l, n)) {
     }
-    return {data, new Ctx{std::move(inner), static_cast<int64_t>(n), this}, &release, dev};
+    {
+      std::lock_guard<std::mutex> g(mu);
+      table.emplace(data, std::make_pair(std::move(inner), static_cast<int64_t>(n)));
+    }
+    return {data, data, &release, dev};
   }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
   }
@@ -154,6 +157,18 @@ CountingAllocator& counter() {
   static CountingAllocator a;  // outlives every tensor it allocated
   return a;
 }
+
+void CountingAllocator::release(void* p) {
+  CountingAllocator& a = counter();
+  std::pair<c10::DataPtr, int64_t> entry;
+  {
+    std::lock_guard<std::mutex> g(a.mu);
+    auto it = a.table.find(p);
+    entry = std::move(it->second);
+    a.table.erase(it);
+  }
+  a.live -= entry.second;
+}  // entry.first frees the memory
 
 // Runs fn with the counting allocator installed; returns {peak live bytes, largest allocation}.
 template <class F>
