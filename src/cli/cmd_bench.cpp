@@ -142,6 +142,13 @@ int run_bench(int argc, char** argv) {
   c.precision = a.has("precision") ? a.str("precision") : "";
   c.device = a.has("device") ? a.str("device") : "";
   if (c.device.empty()) c.device = colossal::Accelerator::cuda().available() ? "cuda" : "cpu";
+  // ColossalAI's default model (-c 7b) is a GPU benchmark; on a CPU it would need ~100 GB.
+  // Without an explicit -c, a CPU run benchmarks the tiny preset and says so.
+  if (!a.given("config") && c.device == "cpu") {
+    c.model = "tiny";
+    colossal::log_warn("colossal bench: no -c given and running on the CPU: using -c tiny (ColossalAI's default 7b "
+                       "needs a GPU)");
+  }
   c.validate();
   for (const char* f : {"disable_async_reduce", "no_cache", "overlap_p2p"})
     if (a.on(f))
