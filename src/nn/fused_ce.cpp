@@ -25,6 +25,10 @@ struct FusedLinearCE : public torch::autograd::Function<FusedLinearCE> {
     const int64_t n_tok = h.size(0);
     const at::ScalarType dtype = h.scalar_type();
     const bool fp32 = dtype == at::kFloat;
+    // fp16: dlogits / count would underflow fp16 for long batches (the unfused path casts them
+    // after the loss scale has made them large). Keep dlogits unscaled in fp16 and dW in fp32,
+    // and apply 1/count together with the incoming gradient in backward.
+    const bool defer = dtype == at::kHalf;
     at::Tensor valid = t != ignore_index;
     // 1 / number of counted tokens, as a device scalar (no host sync); inf when none counts.
     at::Tensor inv = valid.sum().to(at::kFloat).reciprocal();
@@ -48,7 +52,7 @@ struct FusedLinearCE : public torch::autograd::Function<FusedLinearCE> {
       at::Tensor vf = vc.to(at::kFloat).unsqueeze(1);
       logp.exp_();
       logp.scatter_add_(1, tc, -vf);
-      logp.mul_(vf * inv);
+      logp.mul_(defer ? vf : vf * inv);
       at::Tensor dl = fp32 ? logp : logp.to(dtype);
       logp = at::Tensor();  // the fp32 chunk is not needed past this point
       if (need_h) {
@@ -62,16 +66,20 @@ struct FusedLinearCE : public torch::autograd::Function<FusedLinearCE> {
           grad_w32.add_(at::mm(dl.t(), hc));  // per-chunk product, fp32 accumulation
       }
     }
-    at::Tensor grad_w = need_w && !fp32 ? grad_w32.to(w.scalar_type()) : grad_w32;
-    ctx->save_for_backward({grad_h, grad_w});
+    at::Tensor grad_w = need_w && !fp32 && !defer ? grad_w32.to(w.scalar_type()) : grad_w32;
+    ctx->save_for_backward({grad_h, grad_w, inv});
+    ctx->saved_data["defer"] = defer;
+    ctx->saved_data["wdtype"] = static_cast<int64_t>(w.scalar_type());
     return loss_sum * inv;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     auto saved = ctx->get_saved_variables();
-    const at::Tensor& g = grad_outputs[0];
+    const bool defer = ctx->saved_data["defer"].toBool();
+    const auto wdtype = static_cast<at::ScalarType>(ctx->saved_data["wdtype"].toInt());
+    at::Tensor g = defer ? grad_outputs[0].to(at::kFloat) * saved[2] : grad_outputs[0];
     at::Tensor gh = saved[0].defined() ? saved[0] * g : at::Tensor();
-    at::Tensor gw = saved[1].defined() ? saved[1] * g : at::Tensor();
+    at::Tensor gw = saved[1].defined() ? (saved[1] * g).to(wdtype) : at::Tensor();
     return {gh, gw, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
