@@ -89,4 +89,8 @@ Value parse(std::string_view text, std::string_view source = "JSON", int max_dep
 // Reads and parses a file; errors name the path.
 Value parse_file(const std::string& path);
 
+// Appends code point `cp` (<= 0x10FFFF, not a surrogate: the caller checks) as UTF-8. Shared by
+// the JSON and TOML parsers' \u escapes.
+void append_utf8(std::string& out, uint32_t cp);
+
 }  // namespace colossal::json
