@@ -1,0 +1,73 @@
+// Fused kernels of the Llama training step (kernels/ layer). Each op has a CUDA kernel for sm_90
+// (src/kernels/*.cu, built when nvcc is found) and a CPU path (fused loops in C++), chosen by
+// the input's device; on a device with neither (e.g. MPS) the op runs the ATen composite that
+// defines it (the *_reference functions below), never silently something else.
+//
+// Numerics contract: each op equals its reference (the exact ATen composite the model used
+// before, which is also what Hugging Face transformers computes) to within the rounding of the
+// working dtype: fp32 to ~1e-6 relative, bf16/fp16 outputs to one unit in the last place,
+// because the fused versions keep intermediates in fp32 where the composite rounds them.
+// Forward ops are differentiable through autograd (custom autograd functions whose backward
+// is fused too).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace colossal::kernels {
+
+// ---- RMSNorm (HF LlamaRMSNorm) -------------------------------------------------------------
+// x [..., H] fp32/bf16/fp16, weight [H] of x's dtype:
+//   y = weight * to_dtype(x_f32 * rsqrt(mean(x_f32^2, -1) + eps))
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// ---- Rotary position embedding (HF apply_rotary_pos_emb, rotate_half convention) ------------
+// x [B, heads, S, D] (any strides with a unit last stride, e.g. the transposed projection
+// output), cos/sin [B, S, D] of x's dtype:  y = x * cos + rotate_half(x) * sin,
+// rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2]). The result has x's shape; it is stored
+// [B, S, heads, D]-contiguous (a transposed view), the layout SDPA's flash kernel reads.
+at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor apply_rotary_reference(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// ---- SwiGLU --------------------------------------------------------------------------------
+// gate, up [..., F] of one dtype: y = silu(gate) * up (HF LlamaMLP's act_fn(gate) * up).
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
+at::Tensor swiglu_reference(const at::Tensor& gate, const at::Tensor& up);
+
+// ---- Multi-tensor AdamW on fp32 masters ------------------------------------------------------
+// torch.optim.AdamW semantics (decoupled weight decay, bias-corrected), one step for every
+// tensor of the lists, in as few launches as the sizes allow (one per ~chunk of tensors):
+//   g    = grad / grad_divisor                      (grad fp32, bf16 or fp16; read, not changed)
+//   p    = p * (1 - lr * weight_decay)
+//   m    = beta1 * m + (1 - beta1) * g
+//   v    = beta2 * v + (1 - beta2) * g^2
+//   p    = p - lr / (1 - beta1^step) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
+//   out  = to_dtype(p)                                 (only when `working` is not empty)
+// params, exp_avgs, exp_avg_sqs: fp32, contiguous; grads: same shapes; working: empty, or one
+// bf16/fp16 tensor per param (the model's working weights, written with the updated master).
+// All tensors on one device. Errors (InputError/Error) name the offending list index.
+struct AdamWStep {
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
+  int64_t step = 1;           // counted after the increment: 1 on the first update
+  double grad_divisor = 1.0;  // gradients are divided by this (unscale and clip folded in)
+};
+void fused_adamw(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                 const std::vector<at::Tensor>& exp_avgs,
+                 const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& working,
+                 const AdamWStep& hyper);
+// The same update by ATen ops (grad upcast, at::_foreach_* math, working.copy_(p)).
+void fused_adamw_reference(const std::vector<at::Tensor>& params,
+                           const std::vector<at::Tensor>& grads,
+                           const std::vector<at::Tensor>& exp_avgs,
+                           const std::vector<at::Tensor>& exp_avg_sqs,
+                           const std::vector<at::Tensor>& working, const AdamWStep& hyper);
+
+// Whether `t`'s device has our fused kernel for the ops above (CPU always; CUDA when this
+// build compiled the .cu files).
+bool has_fused_kernels(const at::Tensor& t);
+
+}  // namespace colossal::kernels
