@@ -54,9 +54,10 @@ void TrainConfig::register_options(OptionSet& s) {
       .add("optim", "eps", &eps, "AdamW epsilon")
       .add("optim", "max_grad_norm", &max_grad_norm, "clip the global gradient norm (0: off)")
       .add("plugin", "plugin", &plugin, "parallel strategy (zero1/zero2: low_level_zero at that stage)",
-           {"none", "ddp", "low_level_zero", "zero1", "zero2"});
+           {"none", "ddp", "low_level_zero", "zero1", "zero2", "gemini"});
   ddp.register_options(s);
   zero.register_options(s);
+  gemini.register_options(s);
   s.add("checkpoint", "save_dir", &save_dir, "folder for training checkpoints (step-N/ and latest)")
       .add("checkpoint", "save_every", &save_every, "save every N optimizer steps (0: at the end only)")
       .add("checkpoint", "resume", &resume, "continue from a checkpoint folder (a step-N/ or a save_dir)")
@@ -175,6 +176,13 @@ TrainResult train(const TrainConfig& c, const json::Value& config_json) {
     zero.device = c.device;
     zero.loss_scale = ddp.loss_scale;
     plugin = std::make_shared<LowLevelZeroPlugin>(zero);
+  } else if (c.plugin == "gemini") {
+    GeminiPluginOptions gemini = c.gemini;
+    gemini.precision = ddp.precision;
+    gemini.device = c.device;
+    gemini.loss_scale = ddp.loss_scale;
+    gemini.communication_dtype = c.zero.communication_dtype;
+    plugin = std::make_shared<GeminiPlugin>(gemini);
   } else {
     plugin = std::make_shared<NonePlugin>(ddp.precision, c.device, ddp.loss_scale);
   }

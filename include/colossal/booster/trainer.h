@@ -8,6 +8,7 @@
 #include <string>
 
 #include "colossal/booster/ddp_plugin.h"
+#include "colossal/booster/gemini_plugin.h"
 #include "colossal/booster/zero_plugin.h"
 #include "colossal/core/json.h"
 
@@ -51,6 +52,7 @@ struct TrainConfig {
   std::string plugin = "ddp";
   DDPOptions ddp;
   ZeroOptions zero;  // low_level_zero / zero1 / zero2 (precision and loss scale: ddp's fields)
+  GeminiPluginOptions gemini;  // gemini (precision, loss scale: ddp's; communication_dtype: zero's)
   // [checkpoint]
   std::string save_dir;
   int64_t save_every = 0;  // optimizer steps; 0: only at the end

@@ -1,0 +1,108 @@
+// The `gemini` plugin: ZeRO-3 with chunk-based memory management (ColossalAI's GeminiPlugin).
+// Parameters live in chunks (zero/gemini/chunk.h) sharded across the data-parallel group; the
+// forward hooks of every colossal::nn::Module gather the chunks a layer needs and prefetch the
+// next ones; gradients are reduce-scattered per chunk as soon as backward completes it; fp32
+// master chunks pair the working fp32/bf16/fp16 chunks; placement `static` (shard_param_frac,
+// offload_optim_frac, offload_param_frac) or `auto` (device budget from a warm-up step); the
+// update is HybridAdam (CPU Adam on host chunks, fused AdamW on device chunks), with global
+// grad-norm clipping and fp16 dynamic loss scaling.
+//
+// Departures from ColossalAI, on purpose:
+// - no_sync / gradient accumulation works (every micro-step is reduced into the fp32 gradient
+//   shard; exact, memory stays at the shard). ColossalAI's Gemini has none by default.
+// - fp32 is a supported precision (tests compare against ddp in fp32).
+// - Optimizer checkpoints are full-shape by parameter name (optim::Optimizer's format), so a
+//   gemini run resumes under ddp/zero and the reverse; the model is saved gathered as HF.
+// - Frozen parameters (requires_grad false, e.g. LoRA's base weights) are chunked too (their own
+//   chunks, no gradient or optimizer data), not refused.
+// - The memory report is a method returning JSON (and logged by rank 0 after warm-up).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "colossal/booster/plugin.h"
+#include "colossal/booster/wrappers.h"
+#include "colossal/core/json.h"
+
+namespace colossal {
+class OptionSet;
+}
+namespace colossal::zero::gemini {
+class ChunkManager;
+}
+
+namespace colossal::booster {
+
+struct GeminiPluginOptions {
+  std::string precision = "fp16";  // ColossalAI's default
+  std::string device = "cpu";
+  std::string placement_policy = "static";  // static | auto
+  double shard_param_frac = 1.0;
+  double offload_optim_frac = 0.0;
+  double offload_param_frac = 0.0;
+  double warmup_non_model_data_ratio = 0.8;
+  double steady_cuda_cap_ratio = 0.9;
+  double device_capacity_mb = 0;  // auto: 0 = the GPU's total memory (CPU: the RAM)
+  int64_t max_prefetch = 0;
+  double search_range_m = 32;
+  double min_chunk_size_m = 32;
+  int64_t hidden_dim = 0;
+  std::string communication_dtype;  // "" (the chunks' dtype), fp32, bf16, fp16
+  double max_norm = 0.0;
+  LossScaleOptions loss_scale;  // ColossalAI's Gemini: initial_scale 2**16
+
+  // Registers the Gemini fields under section "plugin" (placement_policy, shard_param_frac,
+  // offload_optim_frac, offload_param_frac, warmup_non_model_data_ratio, steady_cuda_cap_ratio,
+  // device_capacity_mb, max_prefetch, search_range_m, min_chunk_size_m, hidden_dim). Precision,
+  // loss scale and communication_dtype are shared with the ddp/zero options.
+  void register_options(OptionSet& set);
+};
+
+class GeminiPlugin : public Plugin {
+ public:
+  explicit GeminiPlugin(GeminiPluginOptions options = {}, dist::Communicator comm = {});
+  std::string name() const override { return "gemini"; }
+  std::vector<Precision> supported_precisions() const override;
+  std::vector<std::string> supported_devices() const override { return {"cpu", "cuda"}; }
+  bool support_no_sync() const override { return true; }
+  Precision precision() const override { return precision_; }
+  std::string device() const override { return options_.device; }
+  int dp_rank() const override { return comm_.rank(); }
+  int dp_size() const override { return comm_.size(); }
+  std::shared_ptr<ModelWrapper> configure_model(std::shared_ptr<torch::nn::Module> model) override;
+  std::shared_ptr<OptimizerWrapper> configure_optimizer(std::shared_ptr<optim::Optimizer> optimizer,
+                                                        ModelWrapper& model) override;
+  const GeminiPluginOptions& options() const { return options_; }
+
+ private:
+  GeminiPluginOptions options_;
+  Precision precision_;
+  dist::Communicator comm_;
+};
+
+// What configure_optimizer returns: norm, clipping, loss scaling and the update run on chunks.
+class GeminiOptimizerWrapper : public OptimizerWrapper {
+ public:
+  GeminiOptimizerWrapper(std::shared_ptr<optim::Optimizer> optimizer,
+                         std::shared_ptr<zero::gemini::ChunkManager> manager, Precision precision,
+                         const LossScaleOptions& loss_scale, double max_norm);
+  void backward(const at::Tensor& loss) override;
+  double clip_grad_by_norm(double max_norm, double norm_type = 2.0) override;
+  bool step() override;
+  void zero_grad(bool set_to_none = true) override;
+  optim::StateDict full_state_dict() override;
+  void load_full_state_dict(const optim::StateDict& state) override;
+  void sync_masters_from_params() override;
+  zero::gemini::ChunkManager& manager() { return *manager_; }
+  // Bytes of parameters, gradients, masters and optimizer states on device and host, chunk
+  // utilisation and the peak device memory seen (logged by rank 0 after the first step).
+  json::Value memory_report() const;
+
+ private:
+  std::shared_ptr<zero::gemini::ChunkManager> manager_;
+  double default_max_norm_;
+  int64_t steps_ = 0;
+};
+
+}  // namespace colossal::booster

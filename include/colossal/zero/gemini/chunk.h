@@ -1,0 +1,146 @@
+// Gemini chunks: flat buffers of one dtype holding many parameters, each data-parallel rank
+// owning 1/dp of every sharded chunk (ColossalAI's zero/gemini/chunk, rebuilt on LibTorch).
+//
+// A chunk of `size` elements (a multiple of the group size W; the tail is zero padding) holds
+// parameters end to end. A *sharded* chunk keeps only this rank's `size / W` elements between
+// uses (its shard); accessing it all-gathers the full buffer and re-points every parameter's
+// data at its slice of that buffer (param.set_data(view): the parameter keeps its identity for
+// optimizers and hooks); releasing it drops the full buffer and points the parameters at a
+// one-element placeholder expanded to their shape (numel() and sizes() stay right, memory is
+// one element, any value read is NaN). A *replicated* chunk (shard_param_frac < 1) keeps the
+// full buffer on every rank and is never released.
+//
+// Every parameter of a chunk has a TensorState; only these transitions are legal (anything
+// else throws an Error naming the chunk, the parameter and both states):
+//   FREE -> HOLD                (chunk gathered)       FREE -> COMPUTE            (accessed)
+//   HOLD -> COMPUTE             (module runs)          HOLD -> FREE               (released)
+//   COMPUTE -> HOLD             (module done)          COMPUTE -> HOLD_AFTER_BWD  (grad arrived)
+//   HOLD -> HOLD_AFTER_BWD      (grad arrived)         HOLD_AFTER_BWD -> COMPUTE  (recompute)
+//   HOLD_AFTER_BWD -> READY_FOR_REDUCE (chunk complete)  READY_FOR_REDUCE -> HOLD (reduced)
+// A gradient arriving for a FREE parameter (its chunk never gathered) or a READY_FOR_REDUCE one
+// (reduced twice) is therefore an error, not silent corruption.
+//
+// Placement is bookkeeping plus real moves: the shard of the working parameters and the
+// optimizer's chunk data (fp32 master, fp32 gradient shard, moments) each live on the compute
+// device or on the host (pinned CPU memory when the device is a GPU). On a CPU-only run device
+// and host are the same memory; the places and the bytes per place are still tracked.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "colossal/dist/communicator.h"
+
+namespace colossal::zero::gemini {
+
+enum class TensorState { Free, Compute, Hold, HoldAfterBwd, ReadyForReduce };
+const char* to_string(TensorState s);
+bool legal_transition(TensorState from, TensorState to);
+
+enum class Place { Device, Host };
+const char* to_string(Place p);
+
+struct ChunkTensor {
+  std::string name;
+  at::Tensor param;    // the model's parameter (re-pointed on access/release)
+  int64_t offset = 0;  // first element in the chunk
+  int64_t numel = 0;
+  TensorState state = TensorState::Free;
+  bool requires_grad = true;
+  bool grad_ready = false;  // its gradient of this backward has been copied into the chunk
+};
+
+class Chunk {
+ public:
+  // `size`: elements (multiple of `world` when sharded). `device`: where computation happens.
+  Chunk(int id, int64_t size, at::ScalarType dtype, at::Device device, bool sharded,
+        dist::Communicator comm);
+
+  int id() const { return id_; }
+  int64_t size() const { return size_; }
+  int64_t shard_size() const { return size_ / shards_; }
+  int shards() const { return shards_; }  // W when sharded, else 1
+  int shard_index() const { return shard_index_; }
+  int64_t shard_begin() const { return shard_size() * shard_index_; }
+  bool sharded() const { return sharded_; }
+  at::ScalarType dtype() const { return dtype_; }
+  at::Device device() const { return device_; }
+  int64_t used() const { return used_; }  // elements holding parameters
+  bool gathered() const { return full_.defined(); }
+  bool gather_in_flight() const { return pending_; }
+  std::vector<ChunkTensor>& tensors() { return tensors_; }
+  const std::vector<ChunkTensor>& tensors() const { return tensors_; }
+  int num_grad_tensors() const;
+
+  // Builds the chunk from the parameters' current values (all ranks hold the same values).
+  // After it the chunk is gathered; call release() to keep only the shard.
+  bool fits(int64_t numel) const { return used_ + numel <= size_; }
+  void append(const std::string& name, const at::Tensor& param);
+  void finalize();  // copies the parameters into the full buffer and takes the shard
+
+  // Starts the all-gather (async) into a fresh full buffer; wait_gather() finishes it and
+  // re-points the parameters. access() = both, synchronously. No-ops when already gathered.
+  void start_gather();
+  void wait_gather();
+  void access() {
+    start_gather();
+    wait_gather();
+  }
+  // Drops the full buffer (sharded chunks only; every tensor must be HOLD or FREE). With
+  // `write_back` the own slice of the full buffer is first copied into the shard (after the
+  // parameters were written from outside, e.g. a checkpoint load).
+  void release(bool write_back = false);
+
+  void set_state(size_t tensor, TensorState to);
+  void set_all(TensorState from, TensorState to);  // every tensor in `from`
+
+  // This rank's shard of the working parameters (size shard_size()): for a replicated chunk it
+  // is the full buffer itself.
+  at::Tensor& shard() { return shard_; }
+  const at::Tensor& full() const { return full_; }
+  Place param_place() const { return param_place_; }
+  void move_param_shard(Place to);  // real copy between device and host
+
+  // Gradient intake: copies `grad` (full shape of tensor k) into the chunk's gradient buffer
+  // (allocated at the first gradient of a backward, zero-filled).
+  void add_grad(size_t k, const at::Tensor& grad);
+  bool grad_complete() const;  // every requires_grad tensor delivered its gradient
+  bool has_grad_buffer() const { return grad_full_.defined(); }
+  // Reduces the gradient buffer over the group (reduce-scatter average when sharded, all-reduce
+  // average when replicated) and returns this rank's averaged part (shard_size elements, chunk
+  // dtype or `comm_dtype`); the full gradient buffer is freed. A rank with no gradient
+  // contributes zeros.
+  at::Tensor reduce_grad(c10::optional<at::ScalarType> comm_dtype = c10::nullopt);
+
+  // Byte counts (for the manager's accounting).
+  int64_t shard_bytes() const;
+  int64_t full_bytes() const;  // held now (0 unless gathered; replicated: == shard)
+
+ private:
+  void point_params_at_full();
+  void point_params_at_placeholder();
+  std::string describe(size_t k) const;
+
+  int id_;
+  int64_t size_;
+  at::ScalarType dtype_;
+  at::Device device_;
+  bool sharded_;
+  dist::Communicator comm_;
+  int shards_ = 1, shard_index_ = 0;
+  int64_t used_ = 0;
+  std::vector<ChunkTensor> tensors_;
+  at::Tensor shard_;  // own slice (device or host)
+  at::Tensor full_;   // gathered buffer (device), undefined when released
+  at::Tensor placeholder_;
+  at::Tensor grad_full_;
+  Place param_place_ = Place::Device;
+  dist::Work gather_work_;
+  at::Tensor gather_src_;
+  bool pending_ = false;
+};
+
+}  // namespace colossal::zero::gemini

@@ -1,0 +1,202 @@
+// Gemini's chunk manager: builds the chunks of a model, drives them from module forward hooks
+// and gradient hooks (ZeRO-3), places them (static or auto policy), and holds the optimizer's
+// chunk data (fp32 master / gradient / AdamW moment shards) with HybridAdam's update: chunks
+// whose optimizer data is on the host run the SIMD CPU Adam, device chunks the fused AdamW.
+//
+// Lifecycle of one training step (sharded chunk):
+//   forward pre hook of a layer   -> access its chunks (all-gather; prefetch the next
+//                                    max_prefetch chunks of the recorded compute order, async)
+//   forward post hook             -> COMPUTE -> HOLD; under no_grad the chunk is released
+//                                    (with grad on, the autograd graph still reads the weights)
+//   each parameter's gradient     -> copied into the chunk's gradient buffer, .grad dropped
+//   chunk complete                -> reduce-scatter (average), the fp32 gradient shard += this
+//                                    rank's part, the chunk is released (own shard only)
+//   end of backward               -> chunks not complete are reduced (ranks agree which, by a
+//                                    MAX all-reduce of one byte per parameter), all released
+//   step                          -> AdamW on the shards, working shard = master cast down
+// With activation checkpointing (layers recomputed in backward) the decoder layers' forwards
+// run under no_grad, so their chunks are released right after forward and gathered again by
+// the recompute: the full weights of a layer then live only while it computes.
+//
+// Gradient accumulation (no_sync): every micro-step is reduced and added to the fp32 gradient
+// shard, so accumulation is exact and memory stays at the shard (ColossalAI's Gemini refuses
+// accumulation with its default settings).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "colossal/core/json.h"
+#include "colossal/dist/communicator.h"
+#include "colossal/nn/module.h"
+#include "colossal/optim/optimizer.h"
+#include "colossal/zero/gemini/chunk.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace colossal::zero::gemini {
+
+// ColossalAI's search: candidate sizes from max(min_chunk_size, largest parameter) rounded up
+// to `interval` (hidden_dim, or 1024) through that + search_range, in steps of `interval`; the
+// one with the fewest wasted elements under greedy packing in parameter order wins (ties: the
+// smaller size). A model smaller than min_chunk_size gets one chunk of its own size. The size
+// is rounded up to a multiple of the dp size. Sizes in elements; *_m options are 2^20 elements.
+struct ChunkSearchOptions {
+  double search_range_m = 32;
+  double min_chunk_size_m = 32;
+  int64_t hidden_dim = 0;  // 0: 1024
+};
+struct ChunkSearchResult {
+  int64_t chunk_size = 0;
+  int64_t num_chunks = 0;
+  int64_t wasted = 0;  // padding elements over all chunks
+  int64_t candidates = 0;
+};
+ChunkSearchResult search_chunk_size(const std::vector<int64_t>& numels, int dp,
+                                    const ChunkSearchOptions& options);
+// Greedy packing in order: how many chunks of `size` and how many elements wasted.
+std::pair<int64_t, int64_t> pack(const std::vector<int64_t>& numels, int64_t size, int dp);
+
+struct GeminiOptions {
+  std::string placement_policy = "static";  // static | auto
+  double shard_param_frac = 1.0;    // static: fraction of chunk memory sharded (last chunks)
+  double offload_optim_frac = 0.0;  // static: fraction whose optimizer data is on the host (first)
+  double offload_param_frac = 0.0;  // static: fraction whose parameter shard is on the host (last)
+  double warmup_non_model_data_ratio =
+      0.8;                             // auto: share of the device for non-model data in warm-up
+  double steady_cuda_cap_ratio = 0.9;  // auto: device budget after warm-up
+  double device_capacity_mb = 0;       // auto: device memory (0: the GPU's total; CPU: the RAM)
+  int64_t max_prefetch = 0;            // chunks gathered ahead in the recorded compute order
+  ChunkSearchOptions search;
+  // Gradients are reduced in this dtype (unset: the chunk's dtype).
+  c10::optional<at::ScalarType> communication_dtype;
+};
+
+struct MemoryReport {
+  int64_t param_device = 0, param_host = 0;    // working parameter shards (+ gathered buffers)
+  int64_t grad_device = 0, grad_host = 0;      // fp32 gradient shards (+ live gradient buffers)
+  int64_t master_device = 0, master_host = 0;  // fp32 master shards
+  int64_t optim_device = 0, optim_host = 0;    // AdamW moments
+  int64_t chunk_elements = 0, used_elements = 0;
+  int64_t num_chunks = 0, sharded_chunks = 0, gathered_chunks = 0;
+  int64_t peak_device = 0;  // highest device bytes of model data seen (CUDA: max allocated)
+  json::Value to_json() const;
+};
+
+class ChunkManager {
+ public:
+  // `masters`: (name, fp32 value) of parameters cast to half before (others use their values).
+  // Parameters are grouped by (dtype, requires_grad, hooked); `hooked(name)` says whether a
+  // forward pre hook will access it (unhooked chunks stay replicated: nothing would gather them).
+  ChunkManager(torch::nn::Module& model, dist::Communicator comm, GeminiOptions options,
+               const std::vector<std::pair<std::string, at::Tensor>>& masters);
+  ~ChunkManager();
+  ChunkManager(const ChunkManager&) = delete;
+  ChunkManager& operator=(const ChunkManager&) = delete;
+
+  const GeminiOptions& options() const { return options_; }
+  size_t num_chunks() const { return chunks_.size(); }
+  Chunk& chunk(size_t i) { return *chunks_[i]; }
+  const Chunk& chunk(size_t i) const { return *chunks_[i]; }
+  int64_t chunk_size() const { return chunk_size_; }
+  int world() const { return world_; }
+  Place optim_place(size_t chunk) const { return optim_[chunk].place; }
+  const std::vector<int>& compute_order() const { return order_; }
+
+  // Hooks (installed on every colossal::nn::Module of the model).
+  void pre_forward(const std::vector<std::pair<int, size_t>>& tensors);
+  void post_forward(const std::vector<std::pair<int, size_t>>& tensors);
+  void on_grad(int chunk, size_t tensor);
+  void finish_backward();
+  void set_in_backward(bool b) { in_backward_ = b; }
+
+  // Gathers every chunk (collective) so the parameters can be read or written from outside
+  // (checkpoint save/load); such chunks write their slice back to the shard on release.
+  void gather_all();
+  // Releases every sharded chunk that is not in use.
+  void release_all(bool write_back);
+
+  // Optimizer side.
+  void bind_optimizer(std::shared_ptr<optim::Optimizer> inner);
+  double grad_norm(double scale);  // global, fp64, inf/nan when any rank overflowed
+  void step(double divisor);
+  void zero_grad();
+  optim::StateDict state_dict();
+  void load_state_dict(const optim::StateDict& state);
+  void sync_masters_from_params();
+
+  // Placement.
+  void move_optim(size_t chunk, Place to);
+  MemoryReport memory_report() const;
+  int64_t device_bytes() const;  // model data on the device now
+  bool warmed_up() const { return warmed_up_; }
+
+ private:
+  struct OptimChunk {
+    Place place = Place::Device;
+    at::Tensor master, grad, exp_avg, exp_avg_sq;  // fp32, shard_size
+    at::Tensor host_working;  // host optim + device params: CPU Adam writes the cast here
+  };
+  struct TensorInfo {    // per (chunk, tensor)
+    int64_t group = -1;  // optimizer group, -1: not in the optimizer
+    int64_t step = 0;
+    bool had_grad = false;    // some rank produced a gradient since the last step
+    bool local_grad = false;  // this rank produced one in this backward
+    bool needed = false;      // read by a forward with grad on; its backward has not run yet
+    int compute_refs = 0;     // modules inside whose forward it is
+  };
+  at::Device host_device() const { return at::Device(at::kCPU); }
+  at::Device place_device(const Chunk& c, Place p) const;
+  at::Tensor new_f32(size_t chunk, Place p) const;
+  void record_access(int chunk);
+  void prefetch_after(int chunk);
+  void reduce_chunk(int chunk);
+  void update_peak();
+  void arm_finish();
+  void auto_place(bool warmup);
+  std::pair<int64_t, int64_t> own_range(const Chunk& c, const ChunkTensor& t) const;
+  at::Tensor gather_f32(size_t chunk, const at::Tensor& shard);
+
+  GeminiOptions options_;
+  dist::Communicator comm_;
+  int world_ = 1, rank_ = 0;
+  at::Device device_{at::kCPU};
+  int64_t chunk_size_ = 0;
+  std::vector<std::unique_ptr<Chunk>> chunks_;
+  std::vector<OptimChunk> optim_;
+  std::vector<std::vector<TensorInfo>> info_;
+  std::map<const void*, std::pair<int, size_t>> where_;  // TensorImpl -> (chunk, tensor)
+  std::shared_ptr<optim::Optimizer> inner_;
+  std::vector<int> order_;  // chunk ids in first-access order (warm-up)
+  std::vector<int> order_pos_;
+  bool order_frozen_ = false;
+  bool in_backward_ = false;
+  std::vector<char> external_;  // gathered by gather_all(): write back on release
+  std::vector<char> reduced_;   // this backward
+  size_t next_reduce_ = 0;      // into reduce_order_
+  std::vector<int> reduce_order_;
+  bool armed_ = false;
+  bool warmed_up_ = false;
+  bool pin_ = false;
+  int64_t peak_device_ = 0;
+  int64_t transient_peak_ = 0;  // gathered + gradient buffers, highest seen
+  std::shared_ptr<bool> alive_;
+};
+
+// Installs the forward hooks (pre: access, post: hold/release) on every colossal::nn::Module
+// of `model` and the gradient hooks on every chunked parameter; returns the hook handles.
+// Parameters whose nearest colossal::nn::Module ancestor is none are reported by
+// `unhooked_names` before the manager is built (they go to replicated chunks).
+std::vector<std::string> unhooked_parameters(torch::nn::Module& model);
+std::vector<nn::HookHandle> install_hooks(torch::nn::Module& model,
+                                          const std::shared_ptr<ChunkManager>& manager);
+
+}  // namespace colossal::zero::gemini

@@ -1,0 +1,226 @@
+#include "colossal/booster/gemini_plugin.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <cmath>
+
+#include "colossal/amp/grad_scaler.h"
+#include "colossal/booster/ddp_plugin.h"
+#include "colossal/core/logging.h"
+#include "colossal/core/options.h"
+#include "colossal/dist/runtime.h"
+#include "colossal/nn/module.h"
+#include "colossal/optim/optimizer.h"
+#include "colossal/zero/gemini/chunk_manager.h"
+
+namespace colossal::booster {
+
+void GeminiPluginOptions::register_options(OptionSet& set) {
+  set.add("plugin", "placement_policy", &placement_policy, "gemini: chunk placement",
+          {"static", "auto"})
+      .add(
+          "plugin", "shard_param_frac", &shard_param_frac,
+          "gemini static: fraction of chunk memory sharded over the dp group (the rest replicated)")
+      .add(
+          "plugin", "offload_optim_frac", &offload_optim_frac,
+          "gemini static: fraction of chunks whose masters, gradients and moments live on the host")
+      .add("plugin", "offload_param_frac", &offload_param_frac,
+           "gemini static: fraction of sharded chunks whose parameter shard lives on the host")
+      .add("plugin", "warmup_non_model_data_ratio", &warmup_non_model_data_ratio,
+           "gemini auto: share of device memory kept for non-model data during warm-up")
+      .add("plugin", "steady_cuda_cap_ratio", &steady_cuda_cap_ratio,
+           "gemini auto: share of device memory model + non-model data may use after warm-up")
+      .add("plugin", "device_capacity_mb", &device_capacity_mb,
+           "gemini auto: device memory to plan for, MB (0: the GPU's total)")
+      .add("plugin", "max_prefetch", &max_prefetch,
+           "gemini: chunks gathered ahead in compute order")
+      .add("plugin", "search_range_m", &search_range_m,
+           "gemini: chunk size search range, millions (2^20) of elements")
+      .add("plugin", "min_chunk_size_m", &min_chunk_size_m,
+           "gemini: smallest chunk size, millions (2^20) of elements")
+      .add("plugin", "hidden_dim", &hidden_dim, "gemini: chunk size search step (0: 1024)");
+  set.min("shard_param_frac", 0)
+      .max("shard_param_frac", 1)
+      .min("offload_optim_frac", 0)
+      .max("offload_optim_frac", 1);
+  set.min("offload_param_frac", 0).max("offload_param_frac", 1).min("steady_cuda_cap_ratio", 0);
+  set.max("steady_cuda_cap_ratio", 1)
+      .min("warmup_non_model_data_ratio", 0)
+      .max("warmup_non_model_data_ratio", 1);
+  set.min("device_capacity_mb", 0)
+      .min("max_prefetch", 0)
+      .min("search_range_m", 0)
+      .min("min_chunk_size_m", 1e-9);
+  set.min("hidden_dim", 0);
+}
+
+namespace {
+
+class GeminiModel : public ModelWrapper {
+ public:
+  using ModelWrapper::ModelWrapper;
+  ~GeminiModel() override {
+    for (auto& h : hooks) h.remove();
+  }
+  // Every micro-step is reduced into the fp32 gradient shards; no_sync only records the flag.
+  void set_require_grad_sync(bool s) override { sync_ = s; }
+  bool require_grad_sync() const override { return sync_; }
+  // Checkpoint save/load read and write the parameters: gather every chunk (collective).
+  void wait_weights() override { manager->gather_all(); }
+
+  std::shared_ptr<zero::gemini::ChunkManager> manager;
+  std::vector<nn::HookHandle> hooks;
+  bool sync_ = true;
+};
+
+}  // namespace
+
+GeminiPlugin::GeminiPlugin(GeminiPluginOptions options, dist::Communicator comm)
+    : options_(std::move(options)),
+      precision_(precision_from_string(options_.precision)),
+      comm_(std::move(comm)) {
+  if (!comm_.valid()) {
+    COLOSSAL_CHECK_INPUT(dist::is_initialized(),
+                         "the gemini plugin needs the distributed runtime: call "
+                         "colossal::dist::init() first (or start the program with `colossal run`)");
+    comm_ = dist::world();
+  }
+  COLOSSAL_CHECK_INPUT(options_.max_norm >= 0, "gemini: max_norm must be >= 0, got ",
+                       options_.max_norm);
+  validate();
+}
+
+std::vector<Precision> GeminiPlugin::supported_precisions() const {
+  return {Precision::FP32, Precision::BF16, Precision::FP16};
+}
+
+std::shared_ptr<ModelWrapper> GeminiPlugin::configure_model(
+    std::shared_ptr<torch::nn::Module> model) {
+  COLOSSAL_CHECK(model, "boost(): model is null");
+  auto masters = cast_module_in_place(*model, working_dtype(precision_), options_.device);
+  if (comm_.size() > 1) {  // every rank starts from rank 0's weights
+    for (auto& item : model->named_parameters(true)) {
+      at::Tensor d = item.value().detach();
+      comm_.broadcast(d, 0);
+    }
+    for (auto& [name, m] : masters) comm_.broadcast(m, 0);
+    for (auto& item : model->named_buffers(true)) {
+      at::Tensor d = item.value().detach();
+      comm_.broadcast(d, 0);
+    }
+  }
+  zero::gemini::GeminiOptions go;
+  go.placement_policy = options_.placement_policy;
+  go.shard_param_frac = options_.shard_param_frac;
+  go.offload_optim_frac = options_.offload_optim_frac;
+  go.offload_param_frac = options_.offload_param_frac;
+  go.warmup_non_model_data_ratio = options_.warmup_non_model_data_ratio;
+  go.steady_cuda_cap_ratio = options_.steady_cuda_cap_ratio;
+  go.device_capacity_mb = options_.device_capacity_mb;
+  go.max_prefetch = options_.max_prefetch;
+  go.search.search_range_m = options_.search_range_m;
+  go.search.min_chunk_size_m = options_.min_chunk_size_m;
+  go.search.hidden_dim = options_.hidden_dim;
+  if (!options_.communication_dtype.empty())
+    go.communication_dtype = working_dtype(precision_from_string(options_.communication_dtype));
+  auto unhooked = zero::gemini::unhooked_parameters(*model);
+  if (!unhooked.empty())
+    log_warn("gemini: ", unhooked.size(), " parameter(s) (first: '", unhooked.front(),
+             "') have no colossal::nn::Module around them to gather them: kept replicated");
+  auto wrapper = std::make_shared<GeminiModel>(model);
+  wrapper->manager = std::make_shared<zero::gemini::ChunkManager>(*model, comm_, go, masters);
+  wrapper->hooks = zero::gemini::install_hooks(*model, wrapper->manager);
+  return wrapper;
+}
+
+std::shared_ptr<OptimizerWrapper> GeminiPlugin::configure_optimizer(
+    std::shared_ptr<optim::Optimizer> optimizer, ModelWrapper& model) {
+  auto* gm = dynamic_cast<GeminiModel*>(&model);
+  COLOSSAL_CHECK(gm, "gemini plugin: the model was not configured by this plugin");
+  if (!optimizer) return nullptr;
+  gm->manager->bind_optimizer(optimizer);
+  return std::make_shared<GeminiOptimizerWrapper>(std::move(optimizer), gm->manager, precision_,
+                                                  options_.loss_scale, options_.max_norm);
+}
+
+GeminiOptimizerWrapper::GeminiOptimizerWrapper(std::shared_ptr<optim::Optimizer> optimizer,
+                                               std::shared_ptr<zero::gemini::ChunkManager> manager,
+                                               Precision precision,
+                                               const LossScaleOptions& loss_scale, double max_norm)
+    : OptimizerWrapper(std::move(optimizer), precision, loss_scale),
+      manager_(std::move(manager)),
+      default_max_norm_(max_norm) {}
+
+void GeminiOptimizerWrapper::backward(const at::Tensor& loss) {
+  manager_->set_in_backward(true);
+  try {
+    OptimizerWrapper::backward(loss);
+  } catch (...) {
+    manager_->set_in_backward(false);
+    throw;
+  }
+  manager_->set_in_backward(false);
+}
+
+double GeminiOptimizerWrapper::clip_grad_by_norm(double max_norm, double norm_type) {
+  COLOSSAL_CHECK_INPUT(norm_type == 2.0, "clip_grad_by_norm: only norm_type 2 is supported, got ",
+                       norm_type);
+  COLOSSAL_CHECK_INPUT(max_norm > 0, "clip_grad_by_norm: max_norm must be > 0, got ", max_norm);
+  max_norm_ = max_norm;
+  last_norm_ = manager_->grad_norm(loss_scale());
+  norm_valid_ = true;
+  return last_norm_;
+}
+
+bool GeminiOptimizerWrapper::step() {
+  if (!norm_valid_) last_norm_ = manager_->grad_norm(loss_scale());
+  norm_valid_ = false;
+  const double max_norm = max_norm_ > 0 ? max_norm_ : default_max_norm_;
+  max_norm_ = 0.0;
+  if (!std::isfinite(last_norm_)) {
+    last_skipped_ = true;
+    if (scaler_) {
+      double old = scaler_->scale();
+      scaler_->update(true);
+      log_warn("fp16 gradient overflow: step skipped on every rank, loss scale ", old, " -> ",
+               scaler_->scale());
+    } else {
+      log_warn("non-finite gradient norm (", last_norm_, ") in ", to_string(precision_),
+               ": step skipped");
+    }
+    manager_->zero_grad();
+    return false;
+  }
+  double divisor = loss_scale();
+  if (max_norm > 0) {
+    double coef = max_norm / (last_norm_ + 1e-6);
+    if (coef < 1.0) divisor /= coef;
+  }
+  manager_->step(divisor);
+  if (scaler_) scaler_->update(false);
+  last_skipped_ = false;
+  if (++steps_ == 1 && (!dist::is_initialized() || dist::rank() == 0))
+    log_info("gemini memory after warm-up: ", memory_report().dump());
+  return true;
+}
+
+void GeminiOptimizerWrapper::zero_grad(bool set_to_none) {
+  (void)set_to_none;  // shards are zeroed in place; .grad never outlives backward
+  manager_->zero_grad();
+}
+
+optim::StateDict GeminiOptimizerWrapper::full_state_dict() {
+  return manager_->state_dict();
+}
+void GeminiOptimizerWrapper::load_full_state_dict(const optim::StateDict& state) {
+  manager_->load_state_dict(state);
+}
+void GeminiOptimizerWrapper::sync_masters_from_params() {
+  manager_->sync_masters_from_params();
+}
+json::Value GeminiOptimizerWrapper::memory_report() const {
+  return manager_->memory_report().to_json();
+}
+
+}  // namespace colossal::booster

@@ -1,0 +1,223 @@
+// Gemini chunk: flat storage, shard, gather/release with parameter re-pointing, legal tensor
+// state transitions, gradient buffer and its reduction.
+#include "colossal/zero/gemini/chunk.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <limits>
+
+#include "colossal/core/error.h"
+
+namespace colossal::zero::gemini {
+
+const char* to_string(TensorState s) {
+  switch (s) {
+    case TensorState::Free:
+      return "FREE";
+    case TensorState::Compute:
+      return "COMPUTE";
+    case TensorState::Hold:
+      return "HOLD";
+    case TensorState::HoldAfterBwd:
+      return "HOLD_AFTER_BWD";
+    case TensorState::ReadyForReduce:
+      return "READY_FOR_REDUCE";
+  }
+  return "?";
+}
+
+const char* to_string(Place p) {
+  return p == Place::Device ? "device" : "host";
+}
+
+bool legal_transition(TensorState from, TensorState to) {
+  using S = TensorState;
+  switch (from) {
+    case S::Free:
+      return to == S::Hold || to == S::Compute;
+    case S::Hold:
+      return to == S::Compute || to == S::Free || to == S::HoldAfterBwd;
+    case S::Compute:
+      return to == S::Hold || to == S::HoldAfterBwd;
+    case S::HoldAfterBwd:
+      return to == S::Compute || to == S::ReadyForReduce;
+    case S::ReadyForReduce:
+      return to == S::Hold;
+  }
+  return false;
+}
+
+Chunk::Chunk(int id, int64_t size, at::ScalarType dtype, at::Device device, bool sharded,
+             dist::Communicator comm)
+    : id_(id),
+      size_(size),
+      dtype_(dtype),
+      device_(device),
+      sharded_(sharded),
+      comm_(std::move(comm)) {
+  if (sharded_ && comm_.valid() && comm_.size() > 1) {
+    shards_ = comm_.size();
+    shard_index_ = comm_.rank();
+  }
+  COLOSSAL_CHECK(size_ > 0 && size_ % shards_ == 0, "gemini chunk ", id_, ": size ", size_,
+                 " is not a positive multiple of the ", shards_, " shards");
+  placeholder_ = at::full({1}, std::numeric_limits<double>::quiet_NaN(),
+                          at::TensorOptions().dtype(dtype_).device(device_));
+}
+
+int Chunk::num_grad_tensors() const {
+  int n = 0;
+  for (const auto& t : tensors_) n += t.requires_grad ? 1 : 0;
+  return n;
+}
+
+std::string Chunk::describe(size_t k) const {
+  return str("gemini chunk ", id_, " parameter '", tensors_[k].name, "'");
+}
+
+void Chunk::append(const std::string& name, const at::Tensor& param) {
+  COLOSSAL_CHECK(!shard_.defined(), "gemini chunk ", id_, " is finalized; cannot append '", name,
+                 "'");
+  COLOSSAL_CHECK(param.scalar_type() == dtype_, "gemini chunk ", id_, " holds ", dtype_,
+                 ", parameter '", name, "' is ", param.scalar_type());
+  COLOSSAL_CHECK(fits(param.numel()), "gemini chunk ", id_, " (", size_, " elements, ", used_,
+                 " used) cannot hold '", name, "' (", param.numel(), ")");
+  ChunkTensor t;
+  t.name = name;
+  t.param = param;
+  t.offset = used_;
+  t.numel = param.numel();
+  t.requires_grad = param.requires_grad();
+  t.state = TensorState::Hold;
+  used_ += t.numel;
+  tensors_.push_back(std::move(t));
+}
+
+void Chunk::finalize() {
+  c10::NoGradGuard no_grad;
+  full_ = at::zeros({size_}, at::TensorOptions().dtype(dtype_).device(device_));
+  for (auto& t : tensors_) full_.narrow(0, t.offset, t.numel).copy_(t.param.detach().reshape({-1}));
+  shard_ = sharded_ && shards_ > 1 ? full_.narrow(0, shard_begin(), shard_size()).clone() : full_;
+  point_params_at_full();
+}
+
+void Chunk::point_params_at_full() {
+  for (auto& t : tensors_)
+    t.param.set_data(full_.narrow(0, t.offset, t.numel).view(t.param.sizes()));
+}
+
+void Chunk::point_params_at_placeholder() {
+  for (auto& t : tensors_) t.param.set_data(placeholder_.expand(t.param.sizes()));
+}
+
+void Chunk::set_state(size_t k, TensorState to) {
+  ChunkTensor& t = tensors_.at(k);
+  if (t.state == to) return;
+  COLOSSAL_CHECK(legal_transition(t.state, to), describe(k), ": illegal state transition ",
+                 to_string(t.state), " -> ", to_string(to));
+  t.state = to;
+}
+
+void Chunk::set_all(TensorState from, TensorState to) {
+  for (size_t k = 0; k < tensors_.size(); ++k)
+    if (tensors_[k].state == from) set_state(k, to);
+}
+
+void Chunk::start_gather() {
+  if (full_.defined() || pending_) return;
+  c10::NoGradGuard no_grad;
+  full_ = at::empty({size_}, at::TensorOptions().dtype(dtype_).device(device_));
+  gather_src_ = shard_.device() == device_ ? shard_ : shard_.to(device_, /*non_blocking=*/true);
+  gather_work_ = comm_.all_gather(full_, gather_src_, /*async_op=*/true);
+  pending_ = true;
+}
+
+void Chunk::wait_gather() {
+  if (!pending_) return;
+  pending_ = false;
+  gather_work_.wait();
+  gather_work_ = dist::Work();
+  gather_src_ = at::Tensor();
+  point_params_at_full();
+  set_all(TensorState::Free, TensorState::Hold);
+}
+
+void Chunk::release(bool write_back) {
+  if (!sharded_ || shards_ == 1) return;  // replicated: the full buffer is the shard
+  wait_gather();
+  if (!full_.defined()) return;
+  for (size_t k = 0; k < tensors_.size(); ++k)
+    COLOSSAL_CHECK(tensors_[k].state == TensorState::Hold || tensors_[k].state == TensorState::Free,
+                   describe(k), ": cannot release the chunk while the parameter is ",
+                   to_string(tensors_[k].state));
+  if (write_back) {
+    c10::NoGradGuard no_grad;
+    shard_.copy_(full_.narrow(0, shard_begin(), shard_size()));
+  }
+  set_all(TensorState::Hold, TensorState::Free);
+  point_params_at_placeholder();
+  full_ = at::Tensor();
+}
+
+void Chunk::move_param_shard(Place to) {
+  if (to == param_place_) return;
+  param_place_ = to;
+  if (!sharded_ || shards_ == 1) return;  // a replicated chunk's shard is its compute buffer
+  at::Device d = to == Place::Device ? device_ : at::Device(at::kCPU);
+  at::Tensor moved = shard_.to(d);
+  if (to == Place::Host && device_.is_cuda()) moved = moved.pin_memory();
+  shard_ = moved;
+}
+
+void Chunk::add_grad(size_t k, const at::Tensor& grad) {
+  ChunkTensor& t = tensors_.at(k);
+  COLOSSAL_CHECK(grad.numel() == t.numel, describe(k), ": gradient has ", grad.numel(),
+                 " elements, expected ", t.numel);
+  c10::NoGradGuard no_grad;
+  if (!grad_full_.defined())
+    grad_full_ = at::zeros({size_}, at::TensorOptions().dtype(dtype_).device(device_));
+  at::Tensor dst = grad_full_.narrow(0, t.offset, t.numel);
+  if (t.grad_ready)
+    dst.add_(grad.reshape({-1}));
+  else
+    dst.copy_(grad.reshape({-1}));
+  t.grad_ready = true;
+}
+
+bool Chunk::grad_complete() const {
+  for (const auto& t : tensors_)
+    if (t.requires_grad && !t.grad_ready) return false;
+  return num_grad_tensors() > 0;
+}
+
+at::Tensor Chunk::reduce_grad(c10::optional<at::ScalarType> comm_dtype) {
+  c10::NoGradGuard no_grad;
+  at::ScalarType dt = comm_dtype ? *comm_dtype : dtype_;
+  at::Tensor full = grad_full_.defined()
+                        ? grad_full_
+                        : at::zeros({size_}, at::TensorOptions().dtype(dtype_).device(device_));
+  if (full.scalar_type() != dt) full = full.to(dt);
+  grad_full_ = at::Tensor();
+  for (auto& t : tensors_) t.grad_ready = false;
+  const int W = comm_.valid() ? comm_.size() : 1;
+  if (W == 1) return full;
+  if (shards_ > 1) {
+    at::Tensor out = at::empty({shard_size()}, full.options());
+    comm_.reduce_scatter(out, full, dist::ReduceOp::Avg);
+    return out;
+  }
+  comm_.all_reduce(full, dist::ReduceOp::Avg);
+  return full;
+}
+
+int64_t Chunk::shard_bytes() const {
+  return shard_size() * static_cast<int64_t>(c10::elementSize(dtype_));
+}
+
+int64_t Chunk::full_bytes() const {
+  if (!full_.defined() || full_.is_same(shard_)) return 0;
+  return size_ * static_cast<int64_t>(c10::elementSize(dtype_));
+}
+
+}  // namespace colossal::zero::gemini

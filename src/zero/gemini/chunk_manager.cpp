@@ -1,0 +1,1002 @@
+// Gemini chunk manager: chunk search and construction, placement (static / auto), forward and
+// gradient hooks, per-chunk gradient reduction, HybridAdam on the shards, full-shape optimizer
+// state, memory accounting.
+#include "colossal/zero/gemini/chunk_manager.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <numeric>
+#include <set>
+#include <tuple>
+
+#include "colossal/amp/grad_scaler.h"
+#include "colossal/core/accelerator.h"
+#include "colossal/core/error.h"
+#include "colossal/core/logging.h"
+#include "colossal/nn/causal_lm.h"
+#include "colossal/optim/adamw.h"
+#include "colossal/optim/cpu_adam.h"
+
+namespace colossal::zero::gemini {
+
+namespace {
+
+constexpr double kM = 1024.0 * 1024.0;
+
+int64_t round_up(int64_t x, int64_t m) {
+  return (x + m - 1) / m * m;
+}
+
+bool is_half(at::ScalarType t) {
+  return t == at::kBFloat16 || t == at::kHalf;
+}
+
+int64_t bytes_of(const at::Tensor& t) {
+  return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+}
+
+}  // namespace
+
+// ---- chunk size search ----------------------------------------------------------------------
+
+std::pair<int64_t, int64_t> pack(const std::vector<int64_t>& numels, int64_t size, int dp) {
+  int64_t chunks = 0, wasted = 0, used = 0;
+  bool open = false;
+  for (int64_t n : numels) {
+    if (n > size) {  // an oversize tensor gets a chunk of its own, rounded up to dp
+      chunks += 1;
+      wasted += round_up(n, dp) - n;
+      continue;
+    }
+    if (!open || used + n > size) {
+      if (open) wasted += size - used;
+      chunks += 1;
+      used = 0;
+      open = true;
+    }
+    used += n;
+  }
+  if (open) wasted += size - used;
+  return {chunks, wasted};
+}
+
+ChunkSearchResult search_chunk_size(const std::vector<int64_t>& numels, int dp,
+                                    const ChunkSearchOptions& o) {
+  COLOSSAL_CHECK_INPUT(o.search_range_m >= 0, "gemini: search_range_m must be >= 0, got ",
+                       o.search_range_m);
+  COLOSSAL_CHECK_INPUT(o.min_chunk_size_m > 0, "gemini: min_chunk_size_m must be > 0, got ",
+                       o.min_chunk_size_m);
+  COLOSSAL_CHECK_INPUT(o.hidden_dim >= 0, "gemini: hidden_dim must be >= 0, got ", o.hidden_dim);
+  COLOSSAL_CHECK_INPUT(dp >= 1, "gemini: dp size must be >= 1, got ", dp);
+  ChunkSearchResult r;
+  const int64_t total = std::accumulate(numels.begin(), numels.end(), int64_t{0});
+  const int64_t min_size = std::max<int64_t>(1, static_cast<int64_t>(o.min_chunk_size_m * kM));
+  if (numels.empty()) {
+    r.chunk_size = round_up(1, dp);
+    return r;
+  }
+  if (total <= min_size) {  // the whole model is one chunk
+    r.chunk_size = round_up(total, dp);
+    r.num_chunks = 1;
+    r.wasted = r.chunk_size - total;
+    r.candidates = 1;
+    return r;
+  }
+  const int64_t interval = o.hidden_dim > 0 ? o.hidden_dim : 1024;
+  const int64_t largest = *std::max_element(numels.begin(), numels.end());
+  const int64_t start = round_up(std::max(min_size, largest), interval);
+  const int64_t end = start + static_cast<int64_t>(o.search_range_m * kM);
+  int64_t best_waste = -1;
+  for (int64_t size = start; size <= end; size += interval) {
+    const int64_t s = round_up(size, dp);
+    auto [chunks, wasted] = pack(numels, s, dp);
+    ++r.candidates;
+    if (best_waste < 0 || wasted < best_waste) {
+      best_waste = wasted;
+      r.chunk_size = s;
+      r.num_chunks = chunks;
+      r.wasted = wasted;
+    }
+  }
+  return r;
+}
+
+json::Value MemoryReport::to_json() const {
+  json::Value j = json::Value::object();
+  auto place = [&](const char* key, int64_t d, int64_t h) {
+    json::Value v = json::Value::object();
+    v.set("device", d);
+    v.set("host", h);
+    j.set(key, std::move(v));
+  };
+  place("params", param_device, param_host);
+  place("grads", grad_device, grad_host);
+  place("masters", master_device, master_host);
+  place("optimizer_states", optim_device, optim_host);
+  j.set("chunk_elements", chunk_elements);
+  j.set("used_elements", used_elements);
+  j.set("chunk_utilisation", chunk_elements > 0 ? static_cast<double>(used_elements) /
+                                                      static_cast<double>(chunk_elements)
+                                                : 0.0);
+  j.set("num_chunks", num_chunks);
+  j.set("sharded_chunks", sharded_chunks);
+  j.set("gathered_chunks", gathered_chunks);
+  j.set("peak_device", peak_device);
+  return j;
+}
+
+// ---- construction -----------------------------------------------------------------------------
+
+namespace {
+
+// Calls the nearest colossal::nn::Module at or above each parameter (the one whose forward
+// hooks will access it); `fn(module or null, name, param)`.
+void walk_params(
+    torch::nn::Module& root,
+    const std::function<void(nn::Module*, const std::string&, const at::Tensor&)>& fn) {
+  std::function<void(torch::nn::Module&, nn::Module*, const std::string&)> walk =
+      [&](torch::nn::Module& m, nn::Module* nearest, const std::string& prefix) {
+        if (auto* cm = dynamic_cast<nn::Module*>(&m)) nearest = cm;
+        for (auto& item : m.named_parameters(false)) fn(nearest, prefix + item.key(), item.value());
+        for (auto& child : m.named_children())
+          walk(*child.value(), nearest, prefix + child.key() + ".");
+      };
+  walk(root, nullptr, "");
+}
+
+}  // namespace
+
+std::vector<std::string> unhooked_parameters(torch::nn::Module& model) {
+  std::vector<std::string> out;
+  walk_params(model, [&](nn::Module* m, const std::string& name, const at::Tensor&) {
+    if (!m) out.push_back(name);
+  });
+  return out;
+}
+
+ChunkManager::ChunkManager(torch::nn::Module& model, dist::Communicator comm, GeminiOptions options,
+                           const std::vector<std::pair<std::string, at::Tensor>>& masters)
+    : options_(std::move(options)), comm_(std::move(comm)), alive_(std::make_shared<bool>(true)) {
+  const auto& o = options_;
+  COLOSSAL_CHECK_INPUT(o.placement_policy == "static" || o.placement_policy == "auto",
+                       "gemini: placement_policy must be static or auto, got '", o.placement_policy,
+                       "'");
+  for (auto [name, v] : {std::pair<const char*, double>{"shard_param_frac", o.shard_param_frac},
+                         {"offload_optim_frac", o.offload_optim_frac},
+                         {"offload_param_frac", o.offload_param_frac},
+                         {"steady_cuda_cap_ratio", o.steady_cuda_cap_ratio},
+                         {"warmup_non_model_data_ratio", o.warmup_non_model_data_ratio}})
+    COLOSSAL_CHECK_INPUT(v >= 0.0 && v <= 1.0, "gemini: ", name, " must be in [0, 1], got ", v);
+  COLOSSAL_CHECK_INPUT(o.max_prefetch >= 0, "gemini: max_prefetch must be >= 0, got ",
+                       o.max_prefetch);
+  COLOSSAL_CHECK_INPUT(o.device_capacity_mb >= 0, "gemini: device_capacity_mb must be >= 0, got ",
+                       o.device_capacity_mb);
+  if (comm_.valid()) {
+    world_ = comm_.size();
+    rank_ = comm_.rank();
+  }
+
+  // Parameters in registration order (deduplicated), grouped by (dtype, requires_grad, hooked).
+  std::set<std::string> unhooked;
+  for (auto& n : unhooked_parameters(model)) unhooked.insert(n);
+  std::set<const void*> seen;
+  struct Group {
+    at::ScalarType dtype;
+    bool grad, hooked;
+    std::vector<std::pair<std::string, at::Tensor>> params;
+  };
+  std::vector<Group> groups;
+  std::vector<int64_t> numels;
+  for (auto& item : model.named_parameters(true)) {
+    const at::Tensor& p = item.value();
+    if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    COLOSSAL_CHECK_INPUT(p.is_floating_point(), "gemini: parameter '", item.key(),
+                         "' is not floating point");
+    const bool hooked = !unhooked.count(item.key());
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& g) {
+      return g.dtype == p.scalar_type() && g.grad == p.requires_grad() && g.hooked == hooked;
+    });
+    if (it == groups.end()) {
+      groups.push_back({p.scalar_type(), p.requires_grad(), hooked, {}});
+      it = groups.end() - 1;
+    }
+    it->params.emplace_back(item.key(), p);
+    numels.push_back(p.numel());
+  }
+  COLOSSAL_CHECK_INPUT(!numels.empty(), "gemini: the model has no parameters");
+  device_ = groups.front().params.front().second.device();
+  pin_ = device_.is_cuda();
+
+  ChunkSearchResult sr = search_chunk_size(numels, world_, o.search);
+  chunk_size_ = sr.chunk_size;
+
+  // Packing plan: greedy in order within each group; an oversize parameter gets its own chunk.
+  struct Plan {
+    size_t group;
+    int64_t size;
+    std::vector<size_t> members;
+    int64_t used = 0;
+  };
+  std::vector<Plan> plan;
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    int open = -1;
+    for (size_t k = 0; k < groups[gi].params.size(); ++k) {
+      const int64_t n = groups[gi].params[k].second.numel();
+      if (n > chunk_size_) {
+        plan.push_back({gi, round_up(n, world_), {k}, n});
+        continue;
+      }
+      if (open < 0 || plan[static_cast<size_t>(open)].used + n > chunk_size_) {
+        plan.push_back({gi, chunk_size_, {}, 0});
+        open = static_cast<int>(plan.size()) - 1;
+      }
+      plan[static_cast<size_t>(open)].members.push_back(k);
+      plan[static_cast<size_t>(open)].used += n;
+    }
+  }
+
+  // Static placement by position in chunk memory (ColossalAI's rule): the last shard_param_frac
+  // is sharded, the first offload_optim_frac keeps its optimizer data on the host, the last
+  // offload_param_frac of the sharded chunks keeps its parameter shard on the host. auto shards
+  // every chunk and decides places from a memory budget.
+  int64_t total_bytes = 0;
+  for (auto& pl : plan)
+    total_bytes += pl.size * static_cast<int64_t>(c10::elementSize(groups[pl.group].dtype));
+  const bool is_auto = o.placement_policy == "auto";
+  std::map<std::string, const at::Tensor*> fp32;
+  for (const auto& [n, t] : masters) fp32[n] = &t;
+  int64_t start_bytes = 0;
+  std::vector<Place> param_place;
+  for (size_t ci = 0; ci < plan.size(); ++ci) {
+    const Plan& pl = plan[ci];
+    const Group& g = groups[pl.group];
+    const double s = static_cast<double>(start_bytes), T = static_cast<double>(total_bytes);
+    start_bytes += pl.size * static_cast<int64_t>(c10::elementSize(g.dtype));
+    const bool sharded = g.hooked && (is_auto || s >= T * (1.0 - o.shard_param_frac) - 0.5);
+    // Every chunk is rounded to a multiple of dp (the search does it; oversize ones above).
+    auto chunk =
+        std::make_unique<Chunk>(static_cast<int>(ci), pl.size, g.dtype, device_, sharded, comm_);
+    for (size_t k : pl.members) chunk->append(g.params[k].first, g.params[k].second);
+    OptimChunk oc;
+    oc.place = (!is_auto && s < T * o.offload_optim_frac - 0.5) ? Place::Host : Place::Device;
+    param_place.push_back((!is_auto && sharded && s >= T * (1.0 - o.offload_param_frac) - 0.5 &&
+                           o.offload_param_frac > 0)
+                              ? Place::Host
+                              : Place::Device);
+    if (g.grad) {
+      // fp32 masters from the values before the cast (or the parameters themselves).
+      oc.master =
+          at::zeros({chunk->shard_size()}, at::TensorOptions().dtype(at::kFloat).device(device_));
+      for (auto& t : chunk->tensors()) {
+        auto [a, b] = own_range(*chunk, t);
+        if (a >= b) continue;
+        auto it = fp32.find(t.name);
+        at::Tensor full = (it != fp32.end() ? *it->second : t.param).detach().reshape({-1});
+        oc.master.narrow(0, a - chunk->shard_begin(), b - a)
+            .copy_(full.narrow(0, a - t.offset, b - a));
+      }
+      oc.grad = at::zeros_like(oc.master);
+    }
+    chunks_.push_back(std::move(chunk));
+    optim_.push_back(std::move(oc));
+  }
+  info_.resize(chunks_.size());
+  external_.assign(chunks_.size(), 0);
+  for (size_t ci = 0; ci < chunks_.size(); ++ci) {
+    Chunk& c = *chunks_[ci];
+    c.finalize();
+    info_[ci].resize(c.tensors().size());
+    for (size_t k = 0; k < c.tensors().size(); ++k)
+      where_[c.tensors()[k].param.unsafeGetTensorImpl()] = {static_cast<int>(ci), k};
+    c.release();
+    c.move_param_shard(param_place[ci]);
+    if (optim_[ci].master.defined() && optim_[ci].place == Place::Host) {
+      optim_[ci].place = Place::Device;
+      move_optim(ci, Place::Host);
+    }
+    if (c.num_grad_tensors() > 0) reduce_order_.push_back(static_cast<int>(ci));
+  }
+  std::reverse(reduce_order_.begin(), reduce_order_.end());  // backward meets the last chunks first
+  reduced_.assign(chunks_.size(), 0);
+  order_pos_.assign(chunks_.size(), -1);
+  if (is_auto) auto_place(/*warmup=*/true);
+  update_peak();
+
+  int64_t sharded = 0, used = 0, all = 0;
+  for (auto& c : chunks_) {
+    sharded += c->sharded() && c->shards() > 1 ? 1 : 0;
+    used += c->used();
+    all += c->size();
+  }
+  log_info("gemini: chunk size ", chunk_size_, " elements (", sr.candidates,
+           " candidates searched, ", sr.wasted, " elements wasted = ",
+           all > 0 ? 100.0 * static_cast<double>(all - used) / static_cast<double>(all) : 0.0,
+           "%); ", chunks_.size(), " chunks, ", sharded, " sharded over ", world_,
+           " rank(s), placement ", o.placement_policy);
+}
+
+ChunkManager::~ChunkManager() {
+  alive_.reset();
+  for (auto& c : chunks_) {
+    try {
+      c->wait_gather();
+    } catch (const std::exception& e) {
+      log_error("gemini: in-flight chunk gather failed at shutdown: ", e.what());
+    }
+  }
+}
+
+std::pair<int64_t, int64_t> ChunkManager::own_range(const Chunk& c, const ChunkTensor& t) const {
+  const int64_t a = std::max(t.offset, c.shard_begin());
+  const int64_t b = std::min(t.offset + t.numel, c.shard_begin() + c.shard_size());
+  return {a, std::max(a, b)};
+}
+
+at::Device ChunkManager::place_device(const Chunk& c, Place p) const {
+  return p == Place::Device ? c.device() : at::Device(at::kCPU);
+}
+
+void ChunkManager::move_optim(size_t ci, Place to) {
+  OptimChunk& oc = optim_[ci];
+  if (oc.place == to) return;
+  oc.place = to;
+  const at::Device d = place_device(*chunks_[ci], to);
+  for (at::Tensor* t : {&oc.master, &oc.grad, &oc.exp_avg, &oc.exp_avg_sq}) {
+    if (!t->defined()) continue;
+    at::Tensor moved = t->to(d);
+    if (to == Place::Host && pin_) moved = moved.pin_memory();
+    *t = moved;
+  }
+  oc.host_working = at::Tensor();
+}
+
+// ---- forward / backward -----------------------------------------------------------------------
+
+void ChunkManager::record_access(int c) {
+  if (order_frozen_ || order_pos_[static_cast<size_t>(c)] >= 0) return;
+  order_pos_[static_cast<size_t>(c)] = static_cast<int>(order_.size());
+  order_.push_back(c);
+}
+
+void ChunkManager::prefetch_after(int c) {
+  if (options_.max_prefetch <= 0 || !order_frozen_) return;
+  const int pos = order_pos_[static_cast<size_t>(c)];
+  if (pos < 0) return;
+  const int dir = in_backward_ ? -1 : 1;
+  for (int64_t i = 1; i <= options_.max_prefetch; ++i) {
+    const int64_t q = pos + dir * i;
+    if (q < 0 || q >= static_cast<int64_t>(order_.size())) break;
+    chunks_[static_cast<size_t>(order_[static_cast<size_t>(q)])]->start_gather();
+  }
+}
+
+void ChunkManager::pre_forward(const std::vector<std::pair<int, size_t>>& tensors) {
+  int last = -1;
+  for (auto [c, k] : tensors) {
+    Chunk& ch = *chunks_[static_cast<size_t>(c)];
+    if (c != last) {
+      record_access(c);
+      ch.access();
+      last = c;
+    }
+    TensorInfo& ti = info_[static_cast<size_t>(c)][k];
+    ti.compute_refs += 1;
+    ch.set_state(k, TensorState::Compute);
+    if (c10::GradMode::is_enabled()) ti.needed = true;  // the autograd graph reads it
+  }
+  if (last >= 0) prefetch_after(last);
+  update_peak();
+}
+
+void ChunkManager::post_forward(const std::vector<std::pair<int, size_t>>& tensors) {
+  for (auto [c, k] : tensors) {
+    TensorInfo& ti = info_[static_cast<size_t>(c)][k];
+    ti.compute_refs = std::max(0, ti.compute_refs - 1);
+    Chunk& ch = *chunks_[static_cast<size_t>(c)];
+    if (ti.compute_refs == 0 && ch.tensors()[k].state == TensorState::Compute)
+      ch.set_state(k, TensorState::Hold);
+  }
+  if (c10::GradMode::is_enabled()) return;
+  // Under no_grad nothing keeps the weights for later: release what no one needs.
+  int last = -1;
+  for (auto [c, k] : tensors) {
+    if (c == last) continue;
+    last = c;
+    Chunk& ch = *chunks_[static_cast<size_t>(c)];
+    bool busy = false;
+    for (size_t j = 0; j < ch.tensors().size(); ++j) {
+      const auto s = ch.tensors()[j].state;
+      busy = busy || info_[static_cast<size_t>(c)][j].needed ||
+             (s != TensorState::Hold && s != TensorState::Free);
+    }
+    if (!busy) {
+      ch.release(external_[static_cast<size_t>(c)] != 0);
+      external_[static_cast<size_t>(c)] = 0;
+    }
+  }
+}
+
+void ChunkManager::arm_finish() {
+  if (armed_) return;
+  armed_ = true;
+  std::weak_ptr<bool> alive = alive_;
+  torch::autograd::Engine::get_default_engine().queue_callback([this, alive] {
+    if (!alive.expired()) finish_backward();
+  });
+}
+
+void ChunkManager::on_grad(int c, size_t k) {
+  Chunk& ch = *chunks_[static_cast<size_t>(c)];
+  ChunkTensor& t = ch.tensors()[k];
+  arm_finish();
+  COLOSSAL_CHECK(!reduced_[static_cast<size_t>(c)], "gemini chunk ", c, " parameter '", t.name,
+                 "': a gradient arrived after the chunk was reduced in this backward");
+  at::Tensor g = t.param.grad();
+  if (!g.defined()) return;
+  ch.set_state(k, TensorState::HoldAfterBwd);
+  ch.add_grad(k, g);
+  t.param.mutable_grad() = at::Tensor();
+  TensorInfo& ti = info_[static_cast<size_t>(c)][k];
+  ti.local_grad = true;
+  ti.needed = false;
+  update_peak();
+  // Reduce complete chunks strictly in the fixed order, so every rank issues the same sequence.
+  while (next_reduce_ < reduce_order_.size()) {
+    const int r = reduce_order_[next_reduce_];
+    if (!chunks_[static_cast<size_t>(r)]->grad_complete()) break;
+    for (auto& ti2 : info_[static_cast<size_t>(r)]) ti2.had_grad = true;
+    reduce_chunk(r);
+    ++next_reduce_;
+  }
+}
+
+void ChunkManager::reduce_chunk(int c) {
+  Chunk& ch = *chunks_[static_cast<size_t>(c)];
+  for (size_t k = 0; k < ch.tensors().size(); ++k) {
+    if (ch.tensors()[k].state == TensorState::Free) ch.set_state(k, TensorState::Hold);
+    ch.set_state(k, TensorState::HoldAfterBwd);
+    ch.set_state(k, TensorState::ReadyForReduce);
+  }
+  at::Tensor part = ch.reduce_grad(options_.communication_dtype);
+  OptimChunk& oc = optim_[static_cast<size_t>(c)];
+  if (oc.grad.defined()) {
+    c10::NoGradGuard no_grad;
+    oc.grad.add_(part.to(oc.grad.device(), at::kFloat));
+  }
+  ch.set_all(TensorState::ReadyForReduce, TensorState::Hold);
+  for (auto& ti : info_[static_cast<size_t>(c)]) ti.needed = false;
+  bool busy = false;
+  for (size_t k = 0; k < ch.tensors().size(); ++k)
+    busy = busy || info_[static_cast<size_t>(c)][k].compute_refs > 0;
+  if (!busy) {
+    ch.release(external_[static_cast<size_t>(c)] != 0);
+    external_[static_cast<size_t>(c)] = 0;
+  }
+  reduced_[static_cast<size_t>(c)] = 1;
+}
+
+void ChunkManager::finish_backward() {
+  armed_ = false;
+  // Chunks still waiting (a parameter without a gradient on this rank): every rank learns which
+  // parameters got a gradient anywhere, then reduces the same chunks in the same order.
+  std::vector<std::pair<int, size_t>> pending;
+  for (size_t i = next_reduce_; i < reduce_order_.size(); ++i) {
+    const int c = reduce_order_[i];
+    for (size_t k = 0; k < chunks_[static_cast<size_t>(c)]->tensors().size(); ++k)
+      pending.emplace_back(c, k);
+  }
+  if (!pending.empty()) {
+    at::Tensor flags = at::zeros({static_cast<int64_t>(pending.size())}, at::kByte);
+    auto* f = flags.data_ptr<uint8_t>();
+    for (size_t i = 0; i < pending.size(); ++i)
+      f[i] = info_[static_cast<size_t>(pending[i].first)][pending[i].second].local_grad ? 1 : 0;
+    if (world_ > 1) {
+      at::Tensor d = flags.to(device_);
+      comm_.all_reduce(d, dist::ReduceOp::Max);
+      flags = d.to(at::kCPU);
+      f = flags.data_ptr<uint8_t>();
+    }
+    size_t i = 0;
+    for (size_t r = next_reduce_; r < reduce_order_.size(); ++r) {
+      const int c = reduce_order_[r];
+      bool any = false;
+      for (size_t k = 0; k < chunks_[static_cast<size_t>(c)]->tensors().size(); ++k, ++i) {
+        TensorInfo& ti = info_[static_cast<size_t>(c)][k];
+        if (f[i]) ti.had_grad = true;
+        any = any || f[i];
+      }
+      if (any) reduce_chunk(c);
+    }
+  }
+  next_reduce_ = 0;
+  std::fill(reduced_.begin(), reduced_.end(), 0);
+  for (auto& v : info_)
+    for (auto& ti : v) {
+      ti.local_grad = false;
+      ti.needed = false;
+    }
+  in_backward_ = false;
+  release_all(true);
+}
+
+void ChunkManager::gather_all() {
+  for (auto& c : chunks_) c->start_gather();
+  for (size_t i = 0; i < chunks_.size(); ++i) {
+    if (chunks_[i]->sharded() && chunks_[i]->shards() > 1 && !chunks_[i]->gathered())
+      external_[i] = 1;
+    if (chunks_[i]->gather_in_flight()) external_[i] = 1;
+    chunks_[i]->wait_gather();
+  }
+  update_peak();
+}
+
+void ChunkManager::release_all(bool write_back) {
+  for (size_t i = 0; i < chunks_.size(); ++i) {
+    Chunk& ch = *chunks_[i];
+    bool busy = false;
+    for (size_t k = 0; k < ch.tensors().size(); ++k) {
+      const auto s = ch.tensors()[k].state;
+      busy = busy || info_[i][k].compute_refs > 0 || info_[i][k].needed ||
+             (s != TensorState::Hold && s != TensorState::Free);
+    }
+    if (busy) continue;
+    ch.release(write_back && external_[i] != 0);
+    external_[i] = 0;
+  }
+}
+
+// ---- accounting -------------------------------------------------------------------------------
+
+int64_t ChunkManager::device_bytes() const {
+  MemoryReport r = memory_report();
+  return r.param_device + r.grad_device + r.master_device + r.optim_device;
+}
+
+void ChunkManager::update_peak() {
+  int64_t transient = 0;
+  for (auto& c : chunks_)
+    transient +=
+        c->full_bytes() +
+        (c->has_grad_buffer() ? c->size() * static_cast<int64_t>(c10::elementSize(c->dtype())) : 0);
+  transient_peak_ = std::max(transient_peak_, transient);
+  peak_device_ = std::max(peak_device_, device_bytes());
+}
+
+MemoryReport ChunkManager::memory_report() const {
+  MemoryReport r;
+  for (size_t i = 0; i < chunks_.size(); ++i) {
+    const Chunk& c = *chunks_[i];
+    const OptimChunk& oc = optim_[i];
+    const bool replicated = !(c.sharded() && c.shards() > 1);
+    const bool pdev = replicated || c.param_place() == Place::Device;
+    (pdev ? r.param_device : r.param_host) += c.shard_bytes();
+    r.param_device += c.full_bytes();
+    if (c.has_grad_buffer())
+      r.grad_device += c.size() * static_cast<int64_t>(c10::elementSize(c.dtype()));
+    const bool odev = oc.place == Place::Device;
+    (odev ? r.grad_device : r.grad_host) += bytes_of(oc.grad);
+    (odev ? r.master_device : r.master_host) += bytes_of(oc.master);
+    (odev ? r.optim_device : r.optim_host) += bytes_of(oc.exp_avg) + bytes_of(oc.exp_avg_sq);
+    if (oc.host_working.defined()) r.param_host += bytes_of(oc.host_working);
+    r.chunk_elements += c.size();
+    r.used_elements += c.used();
+    r.num_chunks += 1;
+    r.sharded_chunks += replicated ? 0 : 1;
+    r.gathered_chunks += (!replicated && c.gathered()) ? 1 : 0;
+  }
+  r.peak_device = peak_device_;
+  if (device_.is_cuda())
+    r.peak_device = std::max(r.peak_device, Accelerator::cuda().memory_stats().peak_allocated);
+  return r;
+}
+
+// auto: the device budget is capacity * ratio minus the non-model memory seen in warm-up (CUDA:
+// peak allocated minus the model data's own peak; CPU: none measurable). Chunks are placed on
+// the device in compute order while they fit; the rest (furthest from their next use, which
+// after a step is the next forward in compute order) keep their parameter shard and optimizer
+// data on the host. In warm-up (no order, no measurement yet) the budget is
+// capacity * (1 - warmup_non_model_data_ratio) in chunk order.
+void ChunkManager::auto_place(bool warmup) {
+  double capacity = options_.device_capacity_mb * kM;
+  if (capacity <= 0) {
+    if (device_.is_cuda()) {
+      for (auto& d : cuda_devices())
+        if (d.index == device_.index() || (device_.index() < 0 && d.index == 0))
+          capacity = static_cast<double>(d.total_memory);
+    } else {
+      capacity = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) *
+                 static_cast<double>(::sysconf(_SC_PAGESIZE));
+    }
+  }
+  int64_t non_model = 0;
+  if (!warmup && device_.is_cuda())
+    non_model =
+        std::max<int64_t>(0, Accelerator::cuda().memory_stats().peak_allocated - peak_device_);
+  const double budget =
+      warmup ? capacity * (1.0 - options_.warmup_non_model_data_ratio)
+             : capacity * options_.steady_cuda_cap_ratio - static_cast<double>(non_model);
+  std::vector<int> order = order_;
+  for (size_t i = 0; i < chunks_.size(); ++i)
+    if (order_pos_[i] < 0) order.push_back(static_cast<int>(i));  // never accessed: last
+  auto need = [&](size_t i) {
+    const Chunk& c = *chunks_[i];
+    int64_t b = c.shard_bytes();
+    if (optim_[i].master.defined()) b += 16 * c.shard_size();  // master, grad, two moments
+    return b;
+  };
+  double used = static_cast<double>(transient_peak_);
+  if (warmup)
+    used = static_cast<double>(chunk_size_) * 4.0 * 2.0;  // one gathered chunk + its grads, roughly
+  int64_t on_device = 0, on_host = 0;
+  for (int c : order) {
+    const size_t i = static_cast<size_t>(c);
+    const double b = static_cast<double>(need(i));
+    const Place p = used + b <= budget ? Place::Device : Place::Host;
+    if (p == Place::Device) used += b;
+    chunks_[i]->move_param_shard(p);
+    if (optim_[i].master.defined()) move_optim(i, p);
+    (p == Place::Device ? on_device : on_host) += 1;
+  }
+  if (!warmup) {
+    COLOSSAL_CHECK_INPUT(static_cast<double>(transient_peak_) <= budget,
+                         "gemini auto placement: the gathered chunks "
+                         "alone need ",
+                         transient_peak_, " bytes of device memory, more than the budget ",
+                         static_cast<int64_t>(budget), " (capacity ",
+                         static_cast<int64_t>(capacity), " x steady_cuda_cap_ratio ",
+                         options_.steady_cuda_cap_ratio, " - non-model ", non_model,
+                         "); use smaller chunks or more ranks");
+    warmed_up_ = true;
+  }
+  log_info("gemini auto placement (", warmup ? "warm-up" : "after warm-up", "): budget ",
+           static_cast<int64_t>(budget), " bytes, non-model ", non_model, ", transient ",
+           transient_peak_, "; ", on_device, " chunks on the device, ", on_host, " on the host");
+}
+
+// ---- optimizer ----------------------------------------------------------------------------------
+
+void ChunkManager::bind_optimizer(std::shared_ptr<optim::Optimizer> inner) {
+  COLOSSAL_CHECK(inner, "gemini: optimizer is null");
+  COLOSSAL_CHECK_INPUT(std::string(inner->type()) == "adamw",
+                       "the gemini plugin updates chunks with AdamW "
+                       "(HybridAdam) only; got a '",
+                       inner->type(), "' optimizer");
+  auto& groups = inner->param_groups();
+  for (size_t gi = 0; gi < groups.size(); ++gi)
+    for (size_t k = 0; k < groups[gi].params.size(); ++k) {
+      auto it = where_.find(groups[gi].params[k].unsafeGetTensorImpl());
+      COLOSSAL_CHECK_INPUT(it != where_.end(), "optimizer parameter '", groups[gi].names[k],
+                           "' is not a parameter of the boosted model");
+      auto [c, t] = it->second;
+      COLOSSAL_CHECK_INPUT(chunks_[static_cast<size_t>(c)]->tensors()[t].requires_grad,
+                           "optimizer parameter '", groups[gi].names[k], "' does not require grad");
+      COLOSSAL_CHECK_INPUT(
+          chunks_[static_cast<size_t>(c)]->tensors()[t].name == groups[gi].names[k],
+          "optimizer parameter '", groups[gi].names[k], "' is the model's '",
+          chunks_[static_cast<size_t>(c)]->tensors()[t].name,
+          "': name the optimizer's parameters as the model does (checkpoints are by name)");
+      info_[static_cast<size_t>(c)][t].group = static_cast<int64_t>(gi);
+    }
+  inner_ = std::move(inner);
+}
+
+double ChunkManager::grad_norm(double scale) {
+  std::vector<at::Tensor> grads;
+  for (size_t i = 0; i < chunks_.size(); ++i) {
+    const Chunk& c = *chunks_[i];
+    if (!optim_[i].grad.defined()) continue;
+    // A replicated chunk's gradient is the same on every rank: rank 0 counts it.
+    if ((c.sharded() && c.shards() > 1) || rank_ == 0) grads.push_back(optim_[i].grad);
+  }
+  amp::GradReducer reducer;
+  if (world_ > 1) {
+    dist::Communicator c = comm_;
+    at::Device dev = device_;
+    reducer.all_reduce_sum = [c, dev](at::Tensor& t) mutable {
+      at::Tensor d = t.to(dev);
+      c.all_reduce(d, dist::ReduceOp::Sum);
+      t.copy_(d);
+    };
+    reducer.all_reduce_max = [c, dev](at::Tensor& t) mutable {
+      at::Tensor d = t.to(dev);
+      c.all_reduce(d, dist::ReduceOp::Max);
+      t.copy_(d);
+    };
+  }
+  return amp::global_grad_norm(grads, scale, reducer);
+}
+
+void ChunkManager::step(double divisor) {
+  COLOSSAL_CHECK(inner_, "gemini: step() without an optimizer");
+  release_all(true);  // gathered copies would be stale after the update
+  if (options_.placement_policy == "auto" && !warmed_up_) {
+    order_frozen_ = true;
+    auto_place(/*warmup=*/false);
+  }
+  order_frozen_ = true;
+  c10::NoGradGuard no_grad;
+  auto& groups = inner_->param_groups();
+  struct Key {
+    size_t group;
+    int64_t step;
+    bool host;
+    bool operator<(const Key& o) const {
+      return std::tie(group, step, host) < std::tie(o.group, o.step, o.host);
+    }
+  };
+  struct Lists {
+    std::vector<at::Tensor> P, G, M, V, W;
+  };
+  std::map<Key, Lists> work;
+  std::vector<std::pair<at::Tensor, at::Tensor>>
+      copies;  // (dst working shard, src) after the update
+  for (size_t i = 0; i < chunks_.size(); ++i) {
+    Chunk& c = *chunks_[i];
+    OptimChunk& oc = optim_[i];
+    if (!oc.master.defined()) continue;
+    bool any = false;
+    for (auto& ti : info_[i]) any = any || (ti.group >= 0 && ti.had_grad);
+    if (!any) continue;
+    if (!oc.exp_avg.defined()) {
+      oc.exp_avg = at::zeros_like(oc.master);
+      oc.exp_avg_sq = at::zeros_like(oc.master);
+    }
+    const bool host = oc.place == Place::Host;
+    // Where the CPU Adam writes the cast weights: straight into a host parameter shard, else a
+    // host staging buffer copied to the device shard afterwards.
+    at::Tensor out;
+    if (host) {
+      if (c.shard().device().is_cpu()) {
+        out = c.shard();
+      } else {
+        if (!oc.host_working.defined()) {
+          oc.host_working = at::empty({c.shard_size()}, at::TensorOptions().dtype(c.dtype()));
+          if (pin_) oc.host_working = oc.host_working.pin_memory();
+        }
+        out = oc.host_working;
+        copies.emplace_back(c.shard(), out);
+      }
+    }
+    for (size_t k = 0; k < c.tensors().size(); ++k) {
+      TensorInfo& ti = info_[i][k];
+      if (ti.group < 0 || !ti.had_grad) continue;
+      ti.step += 1;
+      auto [a, b] = own_range(c, c.tensors()[k]);
+      if (a >= b) continue;
+      const int64_t s = a - c.shard_begin(), n = b - a;
+      Lists& l = work[{static_cast<size_t>(ti.group), ti.step, host}];
+      l.P.push_back(oc.master.narrow(0, s, n));
+      l.G.push_back(oc.grad.narrow(0, s, n));
+      l.M.push_back(oc.exp_avg.narrow(0, s, n));
+      l.V.push_back(oc.exp_avg_sq.narrow(0, s, n));
+      l.W.push_back(host ? out.narrow(0, s, n) : c.shard().narrow(0, s, n));
+    }
+  }
+  for (auto& [key, l] : work) {
+    const optim::GroupOptions& g = groups[key.group].options;
+    optim::AdamWHyper h{g.lr, g.beta1, g.beta2, g.eps, g.weight_decay};
+    if (key.host) {
+      optim::cpu_adam_update(l.P, l.G, l.M, l.V, key.step, h, divisor, l.W);
+    } else {
+      optim::adamw_update(l.P, l.G, l.M, l.V, key.step, h, optim::AdamWImpl::Auto, divisor);
+      for (size_t j = 0; j < l.P.size(); ++j) l.W[j].copy_(l.P[j]);
+    }
+  }
+  for (auto& [dst, src] : copies) dst.copy_(src, /*non_blocking=*/pin_);
+  zero_grad();
+  update_peak();
+}
+
+void ChunkManager::zero_grad() {
+  for (size_t i = 0; i < chunks_.size(); ++i) {
+    if (optim_[i].grad.defined()) optim_[i].grad.zero_();
+    for (auto& ti : info_[i]) ti.had_grad = false;
+    for (auto& t : chunks_[i]->tensors())
+      if (t.param.grad().defined()) t.param.mutable_grad() = at::Tensor();
+  }
+}
+
+at::Tensor ChunkManager::gather_f32(size_t i, const at::Tensor& shard) {
+  const Chunk& c = *chunks_[i];
+  at::Tensor local = shard.to(device_, at::kFloat).contiguous();
+  if (c.shards() == 1) return local;
+  at::Tensor out = at::empty({c.size()}, local.options());
+  comm_.all_gather(out, local);
+  return out;
+}
+
+optim::StateDict ChunkManager::state_dict() {
+  COLOSSAL_CHECK(inner_, "gemini: state_dict() without an optimizer");
+  optim::StateDict out = inner_->state_dict();  // groups and hyper-parameters; no state of its own
+  out.tensors.clear();
+  json::Value steps = json::Value::object();
+  for (size_t i = 0; i < chunks_.size(); ++i) {
+    Chunk& c = *chunks_[i];
+    OptimChunk& oc = optim_[i];
+    if (!oc.master.defined()) continue;
+    // Collective per chunk, in chunk order, on every rank.
+    at::Tensor master = gather_f32(i, oc.master).to(at::kCPU);
+    at::Tensor ea, eas;
+    if (oc.exp_avg.defined()) {
+      ea = gather_f32(i, oc.exp_avg).to(at::kCPU);
+      eas = gather_f32(i, oc.exp_avg_sq).to(at::kCPU);
+    }
+    for (size_t k = 0; k < c.tensors().size(); ++k) {
+      const ChunkTensor& t = c.tensors()[k];
+      const TensorInfo& ti = info_[i][k];
+      if (ti.group < 0) continue;
+      auto view = [&](const at::Tensor& full) {
+        return full.narrow(0, t.offset, t.numel).view(t.param.sizes()).clone();
+      };
+      if (ti.step > 0) {
+        steps.set(t.name, ti.step);
+        out.tensors.emplace_back(t.name + ".exp_avg", view(ea));
+        out.tensors.emplace_back(t.name + ".exp_avg_sq", view(eas));
+      }
+      if (is_half(c.dtype())) out.tensors.emplace_back(t.name + ".master", view(master));
+    }
+  }
+  out.scalars.set("steps", std::move(steps));
+  return out;
+}
+
+void ChunkManager::load_state_dict(const optim::StateDict& sd) {
+  COLOSSAL_CHECK(inner_, "gemini: load_state_dict() without an optimizer");
+  release_all(true);  // parameters written from outside (a model load) reach the shards first
+  c10::NoGradGuard no_grad;
+  const json::Value& s = sd.scalars;
+  COLOSSAL_CHECK_INPUT(s.is_object(), "optimizer state: scalars must be an object");
+  const std::string& type = s.at("type").as_string("optimizer state 'type'");
+  COLOSSAL_CHECK_INPUT(type == inner_->type(), "optimizer state was saved by '", type,
+                       "' but this optimizer is '", inner_->type(), "'");
+  auto& groups = inner_->param_groups();
+  const auto& jgroups = s.at("param_groups").as_array("optimizer state 'param_groups'");
+  COLOSSAL_CHECK_INPUT(jgroups.size() == groups.size(), "optimizer state has ", jgroups.size(),
+                       " param groups but this optimizer has ", groups.size());
+  std::vector<optim::GroupOptions> opts;
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    const auto& jg = jgroups[gi];
+    const auto& names = jg.at("params").as_array("param_groups.params");
+    COLOSSAL_CHECK_INPUT(names.size() == groups[gi].names.size(), "optimizer state group ", gi,
+                         " has ", names.size(), " params but this optimizer's group has ",
+                         groups[gi].names.size());
+    for (size_t k = 0; k < names.size(); ++k)
+      COLOSSAL_CHECK_INPUT(names[k].as_string("param name") == groups[gi].names[k],
+                           "optimizer state group ", gi, " param ", k, " is '",
+                           names[k].as_string(), "' but this optimizer has '", groups[gi].names[k],
+                           "'");
+    optim::GroupOptions o = groups[gi].options;
+    o.lr = jg.at("lr").as_double("lr");
+    o.weight_decay = jg.at("weight_decay").as_double("weight_decay");
+    o.beta1 = jg.at("beta1").as_double("beta1");
+    o.beta2 = jg.at("beta2").as_double("beta2");
+    o.eps = jg.at("eps").as_double("eps");
+    opts.push_back(o);
+  }
+  std::map<std::string, const at::Tensor*> by_name;
+  for (auto& [n, t] : sd.tensors) by_name[n] = &t;
+  const json::Value& steps = s.at("steps");
+  for (size_t i = 0; i < chunks_.size(); ++i) {
+    Chunk& c = *chunks_[i];
+    OptimChunk& oc = optim_[i];
+    if (!oc.master.defined()) continue;
+    for (size_t k = 0; k < c.tensors().size(); ++k) {
+      const ChunkTensor& t = c.tensors()[k];
+      TensorInfo& ti = info_[i][k];
+      if (ti.group < 0) continue;
+      auto full = [&](const std::string& key) -> const at::Tensor* {
+        auto it = by_name.find(t.name + "." + key);
+        if (it == by_name.end()) return nullptr;
+        COLOSSAL_CHECK_INPUT(it->second->sizes() == t.param.sizes(), "optimizer state tensor '",
+                             t.name, ".", key, "' has shape ", it->second->sizes(),
+                             " but parameter '", t.name, "' needs ", t.param.sizes());
+        return it->second;
+      };
+      auto [a, b] = own_range(c, t);
+      const int64_t s0 = a - c.shard_begin(), n = b - a;
+      auto own = [&](const at::Tensor& f) { return f.reshape({-1}).narrow(0, a - t.offset, n); };
+      const at::Tensor* m = is_half(c.dtype()) ? full("master") : nullptr;
+      if (n > 0) {
+        if (m) {
+          oc.master.narrow(0, s0, n).copy_(own(*m));
+          c.shard().narrow(0, s0, n).copy_(own(*m));  // working weights follow their masters
+        } else {
+          oc.master.narrow(0, s0, n).copy_(c.shard().narrow(0, s0, n));
+        }
+      }
+      const json::Value* st = steps.find(t.name);
+      ti.step = st ? st->as_int("steps." + t.name) : 0;
+      if (!st) continue;
+      const at::Tensor* ea = full("exp_avg");
+      const at::Tensor* eas = full("exp_avg_sq");
+      COLOSSAL_CHECK_INPUT(ea && eas, "optimizer state lacks tensor '", t.name, ".",
+                           ea ? "exp_avg_sq" : "exp_avg", "'");
+      if (!oc.exp_avg.defined()) {
+        oc.exp_avg = at::zeros_like(oc.master);
+        oc.exp_avg_sq = at::zeros_like(oc.master);
+      }
+      if (n > 0) {
+        oc.exp_avg.narrow(0, s0, n).copy_(own(*ea));
+        oc.exp_avg_sq.narrow(0, s0, n).copy_(own(*eas));
+      }
+    }
+  }
+  for (size_t gi = 0; gi < groups.size(); ++gi) groups[gi].options = opts[gi];
+}
+
+void ChunkManager::sync_masters_from_params() {
+  release_all(true);
+  c10::NoGradGuard no_grad;
+  for (size_t i = 0; i < chunks_.size(); ++i)
+    if (optim_[i].master.defined()) optim_[i].master.copy_(chunks_[i]->shard());
+}
+
+// ---- hooks ------------------------------------------------------------------------------------
+
+namespace {
+
+struct GradReady : torch::autograd::PostAccumulateGradHook {
+  GradReady(std::weak_ptr<ChunkManager> m, int c, size_t k) : m_(std::move(m)), c_(c), k_(k) {}
+  void operator()(const torch::autograd::Variable&) override {
+    if (auto m = m_.lock()) m->on_grad(c_, k_);
+  }
+  std::weak_ptr<ChunkManager> m_;
+  int c_;
+  size_t k_;
+};
+
+}  // namespace
+
+std::vector<nn::HookHandle> install_hooks(torch::nn::Module& model,
+                                          const std::shared_ptr<ChunkManager>& manager) {
+  std::map<nn::Module*, std::vector<std::pair<int, size_t>>> covered;
+  std::vector<nn::Module*> order;
+  std::map<const void*, std::pair<int, size_t>> where;
+  for (size_t i = 0; i < manager->num_chunks(); ++i) {
+    auto& ts = manager->chunk(i).tensors();
+    for (size_t k = 0; k < ts.size(); ++k)
+      where[ts[k].param.unsafeGetTensorImpl()] = {static_cast<int>(i), k};
+  }
+  walk_params(model, [&](nn::Module* m, const std::string&, const at::Tensor& p) {
+    auto it = where.find(p.unsafeGetTensorImpl());
+    if (!m || it == where.end()) return;
+    if (!covered.count(m)) order.push_back(m);
+    covered[m].push_back(it->second);
+  });
+  // A tied head reads the embedding's weight inside the CausalLM's own scope.
+  if (auto* lm = dynamic_cast<nn::CausalLM*>(&model)) {
+    if (lm->config().tie_word_embeddings && lm->model && lm->model->embed_tokens) {
+      auto it = where.find(lm->model->embed_tokens->param("weight").unsafeGetTensorImpl());
+      if (it != where.end()) covered[lm].push_back(it->second);
+    }
+  }
+  std::vector<nn::HookHandle> handles;
+  std::weak_ptr<ChunkManager> weak = manager;
+  for (auto& [m, list] : covered) {
+    std::sort(list.begin(), list.end());
+    handles.push_back(m->add_forward_pre_hook([weak, list](nn::Module&) {
+      if (auto mgr = weak.lock()) mgr->pre_forward(list);
+    }));
+    handles.push_back(m->add_forward_post_hook([weak, list](nn::Module&) {
+      if (auto mgr = weak.lock()) mgr->post_forward(list);
+    }));
+  }
+  for (size_t i = 0; i < manager->num_chunks(); ++i) {
+    auto& ts = manager->chunk(i).tensors();
+    for (size_t k = 0; k < ts.size(); ++k)
+      if (ts[k].requires_grad)
+        torch::autograd::impl::set_post_acc_grad_hooks(
+            ts[k].param, std::make_unique<GradReady>(weak, static_cast<int>(i), k));
+  }
+  return handles;
+}
+
+}  // namespace colossal::zero::gemini
