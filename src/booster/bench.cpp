@@ -17,6 +17,7 @@
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
 #include "colossal/dist/runtime.h"
+#include "colossal/kernels/fused.h"
 #include "colossal/nn/causal_lm.h"
 #include "colossal/nn/checkpointing.h"
 #include "colossal/nn/config.h"
@@ -41,6 +42,12 @@ void BenchConfig::validate() const {
                        "zero2");
   if (!precision.empty()) precision_from_string(precision);
   nn::checkpoint_mode_from_string(checkpointing);
+  COLOSSAL_CHECK_INPUT(ckpt_layers >= -1, "--ckpt_layers must be >= 0 (or -1 for every layer), got ",
+                       ckpt_layers);
+  COLOSSAL_CHECK_INPUT(attn_backend == "auto" || attn_backend == "flash" || attn_backend == "cudnn" ||
+                           attn_backend == "efficient" || attn_backend == "math",
+                       "--attn_backend must be auto, flash, cudnn, efficient or math, got '",
+                       attn_backend, "'");
   COLOSSAL_CHECK_INPUT(ce_chunk_tokens >= 1, "--ce_chunk_tokens must be >= 1, got ",
                        ce_chunk_tokens);
   COLOSSAL_CHECK_INPUT(
@@ -48,8 +55,21 @@ void BenchConfig::validate() const {
       "--overlap_allgather needs a low_level_zero plugin, not '", plugin, "'");
 }
 
+namespace {
+// Restricts scaled_dot_product_attention to one backend (process-wide ATen switches); "auto"
+// restores ATen's own choice. A backend that cannot serve the shapes makes SDPA throw.
+void set_sdpa_backend(const std::string& name) {
+  auto& ctx = at::globalContext();
+  const bool all = name == "auto";
+  ctx.setSDPUseFlash(all || name == "flash");
+  ctx.setSDPUseCuDNN(all || name == "cudnn");
+  ctx.setSDPUseMemEfficient(all || name == "efficient");
+  ctx.setSDPUseMath(all || name == "math");
+}
+}  // namespace
+
 FlopCounts bench_flops(int64_t n, int64_t layers, int64_t hidden, int64_t vocab, int64_t batch,
-                       int64_t seq, int g) {
+                       int64_t seq, double g) {
   const double N = static_cast<double>(n), L = static_cast<double>(layers),
                h = static_cast<double>(hidden), V = static_cast<double>(vocab),
                B = static_cast<double>(batch), S = static_cast<double>(seq);
@@ -68,6 +88,9 @@ json::Value BenchReport::to_json() const {
   c.set("precision", precision);
   c.set("device", config.device);
   c.set("grad_checkpoint", config.checkpointing);
+  c.set("ckpt_layers", config.ckpt_layers);
+  c.set("attn_backend", config.attn_backend);
+  c.set("fused_kernels", config.fused_kernels);
   c.set("flash_attention", config.flash_attention);
   c.set("fused_ce", config.fused_ce);
   c.set("batch_per_dp_rank", config.batch);
@@ -110,7 +133,7 @@ std::string BenchReport::to_text() const {
       buf, sizeof buf,
       "colossal bench: %s (%.3fB params, %lld layers, hidden %lld, vocab %lld)\n"
       "  plugin %s, %s on %s, %d rank(s) (dp %d), batch %lld per dp rank, seq %lld, "
-      "grad checkpoint %s, flash attention %s, fused CE %s\n"
+      "grad checkpoint %s (%s layers), attention %s, fused kernels %s, fused CE %s\n"
       "  steps %lld (first %lld ignored), median step %.4f s (mean %.4f s)\n"
       "  throughput: %.1f tokens/s/GPU, %.1f tokens/s total, %.3f samples/s\n"
       "  model TFLOPS/GPU (6N + 12LhS per token, no recompute): %.3f, MFU vs 989 TFLOPS: %.4f\n"
@@ -121,7 +144,9 @@ std::string BenchReport::to_text() const {
       (long long)hidden, (long long)vocab, config.plugin.c_str(), precision.c_str(),
       config.device.c_str(), world_size, dp_size, (long long)config.batch,
       (long long)config.seq_len, config.checkpointing.c_str(),
-      config.flash_attention ? "on" : "off", config.fused_ce ? "on" : "off",
+      config.ckpt_layers < 0 ? "all" : std::to_string(config.ckpt_layers).c_str(),
+      config.attn_backend.c_str(), config.fused_kernels ? "on" : "off",
+      config.fused_ce ? "on" : "off",
       (long long)config.steps, (long long)config.warmup, median_step_s, mean_step_s,
       tokens_per_s_per_gpu, tokens_per_s, samples_per_s, model_tflops_per_gpu, mfu_989,
       colossalai_tflops_per_gpu, megatron_tflops_per_gpu, peak_memory_mib, peak_memory_kind.c_str(),
@@ -192,7 +217,9 @@ BenchReport run_bench(const BenchConfig& c) {
   io.device = device;
   nn::init_parameters(*model, io);
   const nn::CheckpointMode mode = nn::checkpoint_mode_from_string(c.checkpointing);
-  model->set_activation_checkpointing(mode);
+  model->set_activation_checkpointing(mode, c.ckpt_layers);
+  kernels::set_enabled(c.fused_kernels);
+  set_sdpa_backend(c.attn_backend);
   int64_t n_params = 0;
   for (const auto& p : model->parameters()) n_params += p.numel();
 
@@ -277,7 +304,10 @@ BenchReport run_bench(const BenchConfig& c) {
   r.samples_per_s = static_cast<double>(c.batch * dp) / r.median_step_s;
   // ColossalAI counts recompute (g = 1 with -g); its formula has no term for attention-only
   // recompute, which we count as g = 0.
-  const int recompute = mode == nn::CheckpointMode::Full ? 1 : 0;
+  const double recompute =
+      mode != nn::CheckpointMode::Full ? 0.0
+      : c.ckpt_layers < 0              ? 1.0
+                          : static_cast<double>(c.ckpt_layers) / static_cast<double>(r.layers);
   r.flops = bench_flops(n_params, r.layers, r.hidden, r.vocab, c.batch, c.seq_len, recompute);
   r.model_tflops_per_gpu = r.tokens_per_s_per_gpu * r.flops.model_flops_per_token / 1e12;
   r.mfu_989 = r.model_tflops_per_gpu / 989.0;

@@ -89,6 +89,10 @@ int run_bench(int argc, char** argv) {
       .option("json", "also write the report as JSON to this file (rank 0)", "")
       .flag("overlap_allgather", "low_level_zero: background weight all-gather")
       .option("fused_ce", "loss by chunked fused linear + cross-entropy (true|false)", "true")
+      .option("fused_kernels", "fused RMSNorm, rotary, SwiGLU and AdamW kernels (true|false)",
+              "true")
+      .option("ckpt_layers", "recompute only the first N decoder layers (with -g/--ckpt_mode)", "-1")
+      .option("attn_backend", "SDPA backend: auto | flash | cudnn | efficient | math", "auto")
       .option("ce_chunk_tokens", "tokens per chunk of the fused cross-entropy", "1024")
       .option("tp", "tensor parallel size (only 1)", "1")
       .option("sp", "sequence parallel size (only 1)", "1")
@@ -138,6 +142,14 @@ int run_bench(int argc, char** argv) {
   if (fused != "true" && fused != "false")
     throw InputError("--fused_ce takes true or false, got '" + fused + "'");
   c.fused_ce = fused == "true";
+  const std::string fk = a.str("fused_kernels");
+  if (fk != "true" && fk != "false")
+    throw InputError("--fused_kernels takes true or false, got '" + fk + "'");
+  c.fused_kernels = fk == "true";
+  c.ckpt_layers = a.i64("ckpt_layers");
+  if (a.given("ckpt_layers") && c.checkpointing == "none")
+    throw InputError("--ckpt_layers needs -g or --ckpt_mode (it says how many layers recompute)");
+  c.attn_backend = a.str("attn_backend");
   c.ce_chunk_tokens = a.i64("ce_chunk_tokens");
   c.precision = a.has("precision") ? a.str("precision") : "";
   c.device = a.has("device") ? a.str("device") : "";

@@ -40,10 +40,16 @@ const at::Tensor& CausalLM::head_weight() const {
   return model->embed_tokens->weight();
 }
 
-void CausalLM::set_activation_checkpointing(CheckpointMode mode) {
+void CausalLM::set_activation_checkpointing(CheckpointMode mode, int64_t num_layers) {
+  int64_t owned = 0;
   for (auto& layer : model->layers->layers)
-    if (layer) layer->checkpointing = mode;
-  checkpointing_ = mode;
+    if (layer) ++owned;
+  COLOSSAL_CHECK_INPUT(num_layers <= owned, "activation checkpointing of ", num_layers,
+                       " layers: this model owns only ", owned, " decoder layers");
+  int64_t given = 0;
+  for (auto& layer : model->layers->layers)
+    if (layer) layer->checkpointing = (num_layers < 0 || given++ < num_layers) ? mode : CheckpointMode::None;
+  checkpointing_ = num_layers == 0 ? CheckpointMode::None : mode;
 }
 
 std::vector<Block> CausalLM::blocks() const {

@@ -56,9 +56,10 @@ void Optimizer::step(double grad_divisor) {
   grad_divisor_ = grad_divisor;
   c10::NoGradGuard no_grad;
   for (auto& g : groups_) {
-    std::vector<at::Tensor> params, grads;
-    std::vector<ParamState*> states;
-    std::vector<std::pair<at::Tensor, at::Tensor>> writeback;  // (working, master)
+    // Plain parameters (updated in place) and master-backed ones (fp32 master updated, working
+    // weight rewritten from it) go in separate lists.
+    std::vector<at::Tensor> params, grads, masters, master_grads, working;
+    std::vector<ParamState*> states, master_states;
     for (size_t i = 0; i < g.params.size(); ++i) {
       const at::Tensor& p = g.params[i];
       at::Tensor grad = p.grad();
@@ -67,24 +68,36 @@ void Optimizer::step(double grad_divisor) {
       st.step += 1;
       auto m = masters_.find(g.names[i]);
       if (m != masters_.end()) {
-        params.push_back(m->second);
-        grads.push_back(grad.to(at::kFloat));
-        writeback.emplace_back(p, m->second);
+        masters.push_back(m->second);
+        master_grads.push_back(grad);
+        working.push_back(p.detach());
+        master_states.push_back(&st);
       } else {
         params.push_back(p.detach());
         grads.push_back(grad.scalar_type() == p.scalar_type() ? grad : grad.to(p.scalar_type()));
+        states.push_back(&st);
       }
-      states.push_back(&st);
     }
-    if (params.empty()) continue;
     // Create missing state tensors (zeros of the updated tensor's shape and dtype), except
     // those an optimizer creates lazily itself (SGD's momentum buffer is the first gradient).
-    for (size_t i = 0; i < params.size(); ++i)
-      for (const auto& key : state_keys(g.options))
-        if (!states[i]->tensors.count(key) && key != "momentum_buffer")
-          states[i]->tensors[key] = at::zeros_like(params[i], at::MemoryFormat::Preserve);
-    update(g.options, params, grads, states);
-    for (auto& [working, master] : writeback) working.detach().copy_(master);
+    auto init_states = [&](const std::vector<at::Tensor>& ts, std::vector<ParamState*>& sts) {
+      for (size_t i = 0; i < ts.size(); ++i)
+        for (const auto& key : state_keys(g.options))
+          if (!sts[i]->tensors.count(key) && key != "momentum_buffer")
+            sts[i]->tensors[key] = at::zeros_like(ts[i], at::MemoryFormat::Preserve);
+    };
+    if (!params.empty()) {
+      init_states(params, states);
+      update(g.options, params, grads, states);
+    }
+    if (!masters.empty()) {
+      init_states(masters, master_states);
+      if (!update_masters_fused(g.options, masters, master_grads, master_states, working)) {
+        for (auto& gr : master_grads) gr = gr.to(at::kFloat);
+        update(g.options, masters, master_grads, master_states);
+        for (size_t i = 0; i < masters.size(); ++i) working[i].copy_(masters[i]);
+      }
+    }
   }
 }
 

@@ -113,7 +113,17 @@ def test_flops_match_independent_count_and_recompute_is_exact(tmp_path, hf_confi
     # The full-logits loss (--fused_ce false) trains the same as the default chunked fused one.
     _, logits = bench(args + ["--fused_ce", "false"], tmp_path, "logits.json")
     assert plain["config"]["fused_ce"] is True and logits["config"]["fused_ce"] is False
-    for r in (full, attn, logits):
+    # Per-layer selective recompute (first layer of 3): ColossalAI's formula counts 1/3 of a
+    # recompute. The ATen composites instead of the fused kernels (fp32: the fused RMSNorm,
+    # rotary and SwiGLU equal them to ~1e-6 relative) and the math SDPA backend train the same.
+    _, one = bench(args + ["-g", "--ckpt_layers", "1"], tmp_path, "one.json")
+    assert one["config"]["ckpt_layers"] == 1
+    check_flops(one, n, 3, 48, 257, 2, 32, 1.0 / 3.0)
+    _, unfused = bench(args + ["--fused_kernels", "false"], tmp_path, "unfused.json")
+    assert plain["config"]["fused_kernels"] is True and unfused["config"]["fused_kernels"] is False
+    _, math = bench(args + ["--attn_backend", "math"], tmp_path, "math.json")
+    assert plain["config"]["attn_backend"] == "auto" and math["config"]["attn_backend"] == "math"
+    for r in (full, attn, logits, one, unfused, math):
         assert abs(r["final_loss"] - plain["final_loss"]) <= 1e-5 * abs(plain["final_loss"])
 
 
@@ -150,6 +160,11 @@ def test_two_ranks_per_gpu_figures(tmp_path, hf_config):
     (["--no_such_flag"], "unknown option"),
     (["--fused_ce", "maybe"], "--fused_ce"),
     (["--ce_chunk_tokens", "0"], "ce_chunk_tokens"),
+    (["--fused_kernels", "maybe"], "--fused_kernels"),
+    (["--attn_backend", "fa9"], "--attn_backend must be"),
+    (["--ckpt_layers", "1"], "--ckpt_layers needs -g"),
+    (["-g", "--ckpt_layers", "9"], "owns only 4 decoder layers"),
+    (["-g", "--ckpt_layers", "-2"], "--ckpt_layers must be"),
 ])
 def test_bad_flags(tmp_path, args, message):
     p = bench(["-c", "tiny", "-s", "2", "-i", "1", "-b", "1", "-l", "16"] + args, tmp_path, expect_ok=False)

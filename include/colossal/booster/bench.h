@@ -18,6 +18,9 @@ struct BenchConfig {
   std::string precision;               // fp32 | bf16 | fp16; "" = bf16 on cuda, fp32 on cpu
   std::string device = "cpu";          // cpu | cuda
   std::string checkpointing = "none";  // none | full | attention (activation recompute)
+  int64_t ckpt_layers = -1;            // recompute only the first N decoder layers (-1: all)
+  std::string attn_backend = "auto";   // SDPA backend: auto | flash | cudnn | efficient | math
+  bool fused_kernels = true;           // kernels/fused.h (RMSNorm, rotary, SwiGLU, AdamW)
   bool flash_attention = false;        // -x: recorded; SDPA picks its flash kernel on GPU by itself
   bool overlap_allgather = false;      // low_level_zero's background weight all-gather
   bool fused_ce = true;  // loss by CausalLM::forward_loss (no full logits), as colossal train
@@ -37,8 +40,9 @@ struct FlopCounts {
   double colossalai_flops_per_rank_step = 0;  // ColossalAI: 2·N·B·S·(3+g), B per dp rank
   double megatron_flops_per_rank_step = 0;    // 24(3+g)·B·S·L·h²·(1 + S/6h + V/16Lh)
 };
+// recompute: the fraction of decoder layers recomputed in backward (1 = ColossalAI's -g).
 FlopCounts bench_flops(int64_t n_params, int64_t layers, int64_t hidden, int64_t vocab,
-                       int64_t batch, int64_t seq_len, int recompute);
+                       int64_t batch, int64_t seq_len, double recompute);
 
 // The report (every figure also in to_json()).
 struct BenchReport {

@@ -66,6 +66,11 @@ void fused_adamw_reference(const std::vector<at::Tensor>& params,
                            const std::vector<at::Tensor>& exp_avg_sqs,
                            const std::vector<at::Tensor>& working, const AdamWStep& hyper);
 
+// Process-wide switch (default on) read by the model layers and the optimizers: off, they run
+// the ATen composites instead (A/B measurements: `colossal bench --fused_kernels false`).
+void set_enabled(bool on);
+bool enabled();
+
 // Whether `t`'s device has our fused kernel for the ops above (CPU always; CUDA when this
 // build compiled the .cu files).
 bool has_fused_kernels(const at::Tensor& t);

@@ -63,8 +63,11 @@ class CausalLM : public Module {
   int64_t first_block() const { return first_; }
   int64_t end_block() const { return end_; }
 
-  // Recompute decoder layers in backward (checkpointing.h): every owned layer gets `mode`.
-  void set_activation_checkpointing(CheckpointMode mode);
+  // Recompute decoder layers in backward (checkpointing.h): the first `num_layers` owned decoder
+  // layers get `mode` (all of them when num_layers < 0), the others none: per-layer selective
+  // recompute trades memory for the fewest recomputed layers (ColossalAI's
+  // num_ckpt_layers_per_stage). InputError when num_layers exceeds the owned layers.
+  void set_activation_checkpointing(CheckpointMode mode, int64_t num_layers = -1);
   CheckpointMode activation_checkpointing() const { return checkpointing_; }
 
   const ModelConfig& config() const { return config_; }

@@ -106,6 +106,16 @@ class Optimizer {
   // already incremented).
   virtual void update(const GroupOptions& group, std::vector<at::Tensor>& params,
                       std::vector<at::Tensor>& grads, std::vector<ParamState*>& states) = 0;
+  // The master-weight path in one pass where the optimizer has a kernel for it: updates the fp32
+  // `masters` from `grads` in the parameters' own dtype (bf16/fp16/fp32, not upcast) and writes
+  // `working` (the model's parameters) from the new masters. Returns false to take the generic
+  // path instead (grads upcast to fp32, update(), working.copy_(master)).
+  virtual bool update_masters_fused(const GroupOptions& group, const std::vector<at::Tensor>& masters,
+                                    const std::vector<at::Tensor>& grads,
+                                    std::vector<ParamState*>& states,
+                                    const std::vector<at::Tensor>& working) {
+    return false;
+  }
   // State keys this optimizer keeps for every parameter that has stepped.
   virtual std::vector<std::string> state_keys(const GroupOptions& group) const = 0;
   // The divisor of the step in progress (1 = none); update() implementations apply it.

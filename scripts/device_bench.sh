@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Issue-6 measurements on one H200, in one device call: build, the CUDA kernel tests and
+# micro-benchmarks, then `colossal bench` and the PyTorch + HF baseline
+# (bench/baseline/hf_llama_baseline.py, a verbatim copy of shared/bench/hf_llama_baseline.py)
+# side by side. Phases are picked by arguments, in order:
+#   scripts/device_bench.sh build kernels w1 w1base w2 w2base
+# Logs and JSON go to $OUT; the last lines printed are a summary table.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/device_out}
+mkdir -p "$OUT"
+BUILD=${BUILD:-build-gpu}
+C=$BUILD/colossal
+PY=${COLOSSAL_PYTHON:-python3}
+SUMMARY=$OUT/summary.txt
+: > "$SUMMARY"
+t0=$(date +%s)
+step() { echo; echo "=== [$(( $(date +%s) - t0 ))s] $*"; }
+note() { echo "$*" | tee -a "$SUMMARY"; }
+ours() {  # ours NAME colossal-bench-args...
+  local name=$1; shift
+  if $C bench --device cuda --json "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1; then
+    note "ours $name: $(grep -o '"tokens_per_s_per_gpu":[0-9.]*' "$OUT/$name.json" | cut -d: -f2) tok/s/GPU, $(grep -o '"model_tflops_per_gpu":[0-9.]*' "$OUT/$name.json" | cut -d: -f2) TFLOPS, peak $(grep -o '"peak_memory_mib":[0-9.]*' "$OUT/$name.json" | cut -d: -f2) MiB | $*"
+  else
+    note "ours $name: FAILED ($*): $(grep -v '^\s*$' "$OUT/$name.log" | tail -2 | tr '\n' ' ' | cut -c1-300)"
+  fi
+}
+base() {  # base NAME baseline-args...
+  local name=$1; shift
+  if $PY bench/baseline/hf_llama_baseline.py "$@" > "$OUT/$name.log" 2>&1; then
+    note "base $name: $(grep '^RESULT' "$OUT/$name.log" | cut -c8-) | $*"
+  else
+    note "base $name: FAILED ($*): $(grep -v '^\s*$' "$OUT/$name.log" | tail -2 | tr '\n' ' ' | cut -c1-300)"
+  fi
+}
+for phase in "$@"; do
+  case $phase in
+  build)
+    step build
+    if ! TARGETS="colossal_cli test_kernels test_kernels_cuda bench_kernels" BUILD=$BUILD \
+         scripts/device_build.sh -DCOLOSSAL_WERROR=OFF > "$OUT/build.log" 2>&1; then
+      tail -40 "$OUT/build.log"; exit 1
+    fi
+    grep -c "warning" "$OUT/build.log" | xargs echo "build warnings:"
+    $C check 2>&1 | tail -5 ;;
+  kernels)
+    step kernel tests
+    for t in test_kernels test_kernels_cuda; do
+      if timeout 300 "$BUILD/tests/kernels/$t" > "$OUT/$t.log" 2>&1; then note "PASS $t: $(grep -E 'PASSED|SKIPPED' "$OUT/$t.log" | tr '\n' ' ')"
+      else note "FAIL $t"; grep -E "FAILED|Failure|error" "$OUT/$t.log" | head -20; fi
+    done
+    step kernel micro-benchmarks
+    timeout 400 "$BUILD/bench/bench_kernels" --json "$OUT/bench_kernels.json" > "$OUT/bench_kernels.log" 2>&1
+    echo "rc $?"; cat "$OUT/bench_kernels.log" | tail -60 ;;
+  w1)
+    step "W1 ours: 1b seq 2048 batch 8 bf16"
+    ours w1 -c 1b -p ddp -b 8 -l 2048 -s 15 -i 3
+    ours w1_unfused -c 1b -p ddp -b 8 -l 2048 -s 15 -i 3 --fused_kernels false
+    ours w1_cudnn -c 1b -p ddp -b 8 -l 2048 -s 15 -i 3 --attn_backend cudnn ;;
+  w1base)
+    step "W1 baseline: eager amp and torch.compile"
+    base w1_eager --model 1b --bs 8 --seq 2048 --mode amp
+    base w1_compile --model 1b --bs 8 --seq 2048 --mode amp --compile ;;
+  w2)
+    step "W2 ours: 7b seq 4096, fp32 AdamW states"
+    ours w2_b1 -c 7b -p ddp -b 1 -l 4096 -s 12 -i 3
+    ours w2_b2_attn -c 7b -p ddp -b 2 -l 4096 -s 12 -i 3 --ckpt_mode attention
+    ours w2_b4_full -c 7b -p ddp -b 4 -l 4096 -s 10 -i 2 -g ;;
+  w2base)
+    step "W2 baseline: 7b bs1 and bs4 --ckpt"
+    base w2_b1 --model 7b --bs 1 --seq 4096
+    base w2_b4_ckpt --model 7b --bs 4 --seq 4096 --ckpt ;;
+  *) echo "unknown phase $phase"; exit 2 ;;
+  esac
+done
+step summary
+cat "$SUMMARY"
