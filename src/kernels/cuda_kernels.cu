@@ -1,0 +1,622 @@
+// CUDA kernels of kernels/fused.h for sm_90, written against the plain CUDA runtime (raw
+// pointers, no ATen headers), launched through the wrappers of cuda_kernels.h.
+//
+// Rounding: products and sums that the ATen composite rounds to the working dtype are rounded
+// here at the same points (__fmul_rn/__fadd_rn keep nvcc from contracting them into FMAs), so
+// the elementwise ops reproduce the composite; reductions accumulate in fp32.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "kernels/cuda_kernels.h"
+
+namespace colossal::kernels::cuda {
+
+namespace {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string("colossal kernels: ") + what + ": " +
+                             cudaGetErrorString(e));
+}
+void check_launch(const char* what) {
+  check(cudaGetLastError(), what);
+}
+
+int sm_count() {
+  int dev = 0, n = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev), "SM count");
+  return n;
+}
+
+// ---- dtype helpers ----
+template <typename T>
+struct Cvt;
+template <>
+struct Cvt<float> {
+  __device__ static float to(float x) { return x; }
+  __device__ static float from(float x) { return x; }
+};
+template <>
+struct Cvt<__nv_bfloat16> {
+  __device__ static float to(__nv_bfloat16 x) { return __bfloat162float(x); }
+  __device__ static __nv_bfloat16 from(float x) { return __float2bfloat16_rn(x); }
+};
+template <>
+struct Cvt<__half> {
+  __device__ static float to(__half x) { return __half2float(x); }
+  __device__ static __half from(float x) { return __float2half_rn(x); }
+};
+template <typename T>
+__device__ float to_f(T x) {
+  return Cvt<T>::to(x);
+}
+template <typename T>
+__device__ T from_f(float x) {
+  return Cvt<T>::from(x);
+}
+// x rounded to T and back (the value a T-typed ATen op would have produced).
+template <typename T>
+__device__ float rnd(float x) {
+  return Cvt<T>::to(Cvt<T>::from(x));
+}
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+template <typename T, int N>
+__device__ void load(const T* p, float (&out)[N]) {
+  Pack<T, N> k = *reinterpret_cast<const Pack<T, N>*>(p);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_f(k.v[i]);
+}
+template <typename T, int N>
+__device__ void store(T* p, const float (&in)[N]) {
+  Pack<T, N> k;
+#pragma unroll
+  for (int i = 0; i < N; ++i) k.v[i] = from_f<T>(in[i]);
+  *reinterpret_cast<Pack<T, N>*>(p) = k;
+}
+
+bool aligned(const void* p, int bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+// Sum over the block; every thread gets the total. `red` is 32 floats of shared memory.
+template <int BLOCK>
+__device__ float block_sum(float v, float* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();  // red may still be read by a previous call
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  float t = threadIdx.x % 32 < BLOCK / 32 ? red[threadIdx.x % 32] : 0.f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+  return t;
+}
+
+template <typename F>
+void dispatch(DType dt, F&& f) {
+  switch (dt) {
+    case DType::F32:
+      f(float{});
+      break;
+    case DType::BF16:
+      f(__nv_bfloat16{});
+      break;
+    case DType::F16:
+      f(__half{});
+      break;
+  }
+}
+
+// ---- RMSNorm ----
+// One row per block (forward) or a grid-stride over rows (backward); a thread holds CHUNKS
+// packs of VEC elements of the row in registers, so x is read from memory once.
+constexpr int kRmsBlock = 256;
+
+template <typename T, int VEC, int CHUNKS>
+__global__ void __launch_bounds__(kRmsBlock)
+    rms_fwd_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
+                   float* __restrict__ rstd, int h, float eps) {
+  __shared__ float red[32];
+  const int64_t row = blockIdx.x;
+  const T* xr = x + row * h;
+  T* yr = y + row * h;
+  float xv[CHUNKS][VEC];
+  float ss = 0.f;
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c) {
+    const int col = (c * kRmsBlock + threadIdx.x) * VEC;
+    if (col < h) {
+      load<T, VEC>(xr + col, xv[c]);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) ss += __fmul_rn(xv[c][i], xv[c][i]);  // pow(2) in fp32
+    }
+  }
+  const float var = __fdiv_rn(block_sum<kRmsBlock>(ss, red), float(h));
+  const float r = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(var, eps)));
+  if (threadIdx.x == 0) rstd[row] = r;
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c) {
+    const int col = (c * kRmsBlock + threadIdx.x) * VEC;
+    if (col < h) {
+      float wv[VEC], out[VEC];
+      load<T, VEC>(w + col, wv);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) out[i] = __fmul_rn(wv[i], rnd<T>(__fmul_rn(xv[c][i], r)));
+      store<T, VEC>(yr + col, out);
+    }
+  }
+}
+
+template <typename T, int VEC, int CHUNKS>
+__global__ void __launch_bounds__(kRmsBlock)
+    rms_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
+                   const float* __restrict__ rstd, T* __restrict__ dx, float* __restrict__ dwp,
+                   int64_t rows, int h) {
+  __shared__ float red[32];
+  float wv[CHUNKS][VEC], acc[CHUNKS][VEC];
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c) {
+    const int col = (c * kRmsBlock + threadIdx.x) * VEC;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[c][i] = 0.f;
+    if (col < h) load<T, VEC>(w + col, wv[c]);
+  }
+  const float inv_h = 1.f / float(h);
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const float r = rstd[row];
+    float n[CHUNKS][VEC], dn[CHUNKS][VEC];
+    float dot = 0.f;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+      const int col = (c * kRmsBlock + threadIdx.x) * VEC;
+      if (col < h) {
+        float g[VEC];
+        load<T, VEC>(x + row * h + col, n[c]);
+        load<T, VEC>(dy + row * h + col, g);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          n[c][i] *= r;
+          dn[c][i] = g[i] * wv[c][i];
+          dot += dn[c][i] * n[c][i];
+          acc[c][i] += g[i] * rnd<T>(n[c][i]);  // the forward multiplied w by the rounded n
+        }
+      }
+    }
+    const float mean = block_sum<kRmsBlock>(dot, red) * inv_h;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+      const int col = (c * kRmsBlock + threadIdx.x) * VEC;
+      if (col < h) {
+        float out[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) out[i] = r * (dn[c][i] - n[c][i] * mean);
+        store<T, VEC>(dx + row * h + col, out);
+      }
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < CHUNKS; ++c) {
+    const int col = (c * kRmsBlock + threadIdx.x) * VEC;
+    if (col < h) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) dwp[int64_t(blockIdx.x) * h + col + i] = acc[c][i];
+    }
+  }
+}
+
+// Second stage of dweight: one thread per column sums the blocks' partial rows in fp32.
+template <typename T>
+__global__ void rms_dw_kernel(const float* __restrict__ dwp, T* __restrict__ dw, int blocks,
+                              int h) {
+  const int col = blockIdx.x * blockDim.x + threadIdx.x;
+  if (col >= h) return;
+  float s = 0.f;
+  for (int b = 0; b < blocks; ++b) s += dwp[int64_t(b) * h + col];
+  dw[col] = from_f<T>(s);
+}
+
+template <typename T>
+constexpr int vec_of() {
+  return 16 / int(sizeof(T));
+}
+
+// Picks VEC (16-byte packs when h and the pointers allow, else 1) and CHUNKS for a row of h.
+struct RmsPlan {
+  int vec = 0, chunks = 0;
+};
+template <typename T>
+RmsPlan rms_plan(int64_t h, bool ptrs_aligned) {
+  RmsPlan p;
+  p.vec = (ptrs_aligned && h % vec_of<T>() == 0) ? vec_of<T>() : 1;
+  const int64_t per = kRmsBlock * int64_t(p.vec);
+  const int64_t need = (h + per - 1) / per;
+  for (int c : {1, 2, 4, 8})
+    if (need <= c) {
+      p.chunks = c;
+      break;
+    }
+  return p;
+}
+
+template <typename T, typename F>
+void with_rms_kernel(const RmsPlan& p, F&& f) {
+  constexpr int V = vec_of<T>();
+  auto pick = [&](auto vec_tag) {
+    constexpr int VV = decltype(vec_tag)::value;
+    switch (p.chunks) {
+      case 1:
+        f(std::integral_constant<int, VV>{}, std::integral_constant<int, 1>{});
+        break;
+      case 2:
+        f(std::integral_constant<int, VV>{}, std::integral_constant<int, 2>{});
+        break;
+      case 4:
+        f(std::integral_constant<int, VV>{}, std::integral_constant<int, 4>{});
+        break;
+      default:
+        f(std::integral_constant<int, VV>{}, std::integral_constant<int, 8>{});
+        break;
+    }
+  };
+  if (p.vec == V)
+    pick(std::integral_constant<int, V>{});
+  else
+    pick(std::integral_constant<int, 1>{});
+}
+
+// ---- Rotary ----
+template <typename T, int VEC>
+__global__ void rotary_kernel(const T* __restrict__ x, const T* __restrict__ cs,
+                              const T* __restrict__ sn, T* __restrict__ y, RotaryShape sh,
+                              bool backward, int64_t total) {
+  const int half = int(sh.d / 2), per = half / VEC;
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int j = int(idx % per) * VEC;
+    const int64_t row = idx / per;  // (b, s, head) in output order
+    const int64_t head = row % sh.heads, t = row / sh.heads;
+    const int64_t s = t % sh.s, b = t / sh.s;
+    const T* xr = x + b * sh.sb + head * sh.sh + s * sh.ss;
+    const int64_t co = b * sh.cb + s * sh.cs;
+    T* yr = y + row * sh.d;
+    float x1[VEC], x2[VEC], c1[VEC], c2[VEC], s1[VEC], s2[VEC], y1[VEC], y2[VEC];
+    load<T, VEC>(xr + j, x1);
+    load<T, VEC>(xr + j + half, x2);
+    load<T, VEC>(cs + co + j, c1);
+    load<T, VEC>(cs + co + j + half, c2);
+    load<T, VEC>(sn + co + j, s1);
+    load<T, VEC>(sn + co + j + half, s2);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      if (!backward) {
+        // x * cos + rotate_half(x) * sin, rounded where ATen rounds (each product, the sum)
+        y1[i] = __fadd_rn(rnd<T>(__fmul_rn(x1[i], c1[i])), rnd<T>(__fmul_rn(-x2[i], s1[i])));
+        y2[i] = __fadd_rn(rnd<T>(__fmul_rn(x2[i], c2[i])), rnd<T>(__fmul_rn(x1[i], s2[i])));
+      } else {
+        // dx = dy * cos + rotate_half^T(dy * sin), with the composite's autograd roundings
+        y1[i] = __fadd_rn(rnd<T>(__fmul_rn(x1[i], c1[i])), rnd<T>(__fmul_rn(x2[i], s2[i])));
+        y2[i] = __fadd_rn(rnd<T>(__fmul_rn(x2[i], c2[i])), -rnd<T>(__fmul_rn(x1[i], s1[i])));
+      }
+    }
+    store<T, VEC>(yr + j, y1);
+    store<T, VEC>(yr + j + half, y2);
+  }
+}
+
+int grid_for(int64_t total, int block) {
+  const int64_t want = (total + block - 1) / block;
+  return int(std::max<int64_t>(1, std::min<int64_t>(want, int64_t(sm_count()) * 16)));
+}
+
+// ---- SwiGLU ----
+template <typename T, int VEC>
+__global__ void swiglu_fwd_kernel(const T* __restrict__ g, const T* __restrict__ u,
+                                  T* __restrict__ y, int64_t n) {
+  for (int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * VEC; i < n;
+       i += int64_t(gridDim.x) * blockDim.x * VEC) {
+    float gv[VEC], uv[VEC], out[VEC];
+    load<T, VEC>(g + i, gv);
+    load<T, VEC>(u + i, uv);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      const float s = __fdiv_rn(gv[k], __fadd_rn(1.f, expf(-gv[k])));  // silu in fp32
+      out[k] = __fmul_rn(rnd<T>(s), uv[k]);  // silu rounded to T, then the product
+    }
+    store<T, VEC>(y + i, out);
+  }
+}
+
+template <typename T, int VEC>
+__global__ void swiglu_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ g,
+                                  const T* __restrict__ u, T* __restrict__ dg, T* __restrict__ du,
+                                  int64_t n) {
+  for (int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * VEC; i < n;
+       i += int64_t(gridDim.x) * blockDim.x * VEC) {
+    float d[VEC], gv[VEC], uv[VEC], og[VEC], ou[VEC];
+    load<T, VEC>(dy + i, d);
+    load<T, VEC>(g + i, gv);
+    load<T, VEC>(u + i, uv);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      const float sig = __fdiv_rn(1.f, __fadd_rn(1.f, expf(-gv[k])));
+      const float silu = __fdiv_rn(gv[k], __fadd_rn(1.f, expf(-gv[k])));
+      ou[k] = __fmul_rn(d[k], rnd<T>(silu));            // d(up) = dy * silu(gate)
+      const float ds = rnd<T>(__fmul_rn(d[k], uv[k]));  // d(silu) = dy * up
+      og[k] = ds * sig * (1.f + gv[k] * (1.f - sig));   // silu'(gate)
+    }
+    store<T, VEC>(dg + i, og);
+    store<T, VEC>(du + i, ou);
+  }
+}
+
+// ---- AdamW ----
+constexpr int kAdamBlock = 512;
+constexpr int64_t kAdamChunk = 65536;  // elements per block
+
+struct AdamWBatch {
+  AdamWTensor t[kAdamWMaxTensors];
+  int64_t block_start[kAdamWMaxTensors + 1];
+  int count;
+};
+struct AdamWScalars {
+  double lr, beta1, beta2, eps, wd, divisor;
+  float step_size, bc2_sqrt;
+  bool divide;
+};
+
+// One element, in the arithmetic of ATen's CUDA fused AdamW (double scalars, fp32 state).
+__device__ __forceinline__ void adam_elem(float& p, float& m, float& v, float g,
+                                          const AdamWScalars& s) {
+  if (s.divide) g = float(double(g) / s.divisor);
+  if (s.wd != 0) p = float(p - s.lr * s.wd * p);
+  m = float(s.beta1 * m + (1 - s.beta1) * g);
+  v = float(s.beta2 * v + (1 - s.beta2) * g * g);
+  const float denom = float(sqrtf(v) / s.bc2_sqrt + s.eps);
+  p = p - s.step_size * m / denom;
+}
+
+template <typename G, typename W>
+__global__ void __launch_bounds__(kAdamBlock) adamw_kernel(AdamWBatch batch, AdamWScalars s) {
+  constexpr bool kWork = !std::is_same_v<W, void>;
+  int lo = 0, hi = batch.count - 1;  // the tensor whose block range holds blockIdx.x
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (batch.block_start[mid] <= int64_t(blockIdx.x))
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const AdamWTensor& t = batch.t[lo];
+  const int64_t begin = (int64_t(blockIdx.x) - batch.block_start[lo]) * kAdamChunk;
+  const int64_t end = t.n < begin + kAdamChunk ? t.n : begin + kAdamChunk;
+  const G* g = static_cast<const G*>(t.g);
+  bool vec = (reinterpret_cast<uintptr_t>(t.p) | reinterpret_cast<uintptr_t>(t.m) |
+              reinterpret_cast<uintptr_t>(t.v)) %
+                     16 ==
+                 0 &&
+             reinterpret_cast<uintptr_t>(g) % (4 * sizeof(G)) == 0;
+  if constexpr (kWork) vec = vec && reinterpret_cast<uintptr_t>(t.w) % (4 * sizeof(W)) == 0;
+  if (vec) {
+    for (int64_t i = begin + int64_t(threadIdx.x) * 4; i < end; i += int64_t(kAdamBlock) * 4) {
+      if (i + 4 <= end) {
+        float4 p = *reinterpret_cast<const float4*>(t.p + i);
+        float4 m = *reinterpret_cast<const float4*>(t.m + i);
+        float4 v = *reinterpret_cast<const float4*>(t.v + i);
+        float gv[4];
+        load<G, 4>(g + i, gv);
+        adam_elem(p.x, m.x, v.x, gv[0], s);
+        adam_elem(p.y, m.y, v.y, gv[1], s);
+        adam_elem(p.z, m.z, v.z, gv[2], s);
+        adam_elem(p.w, m.w, v.w, gv[3], s);
+        *reinterpret_cast<float4*>(t.p + i) = p;
+        *reinterpret_cast<float4*>(t.m + i) = m;
+        *reinterpret_cast<float4*>(t.v + i) = v;
+        if constexpr (kWork) {
+          const float out[4] = {p.x, p.y, p.z, p.w};
+          store<W, 4>(static_cast<W*>(t.w) + i, out);
+        }
+      } else {
+        for (int64_t k = i; k < end; ++k) {
+          float p = t.p[k], m = t.m[k], v = t.v[k];
+          adam_elem(p, m, v, to_f(g[k]), s);
+          t.p[k] = p;
+          t.m[k] = m;
+          t.v[k] = v;
+          if constexpr (kWork) static_cast<W*>(t.w)[k] = from_f<W>(p);
+        }
+      }
+    }
+  } else {
+    for (int64_t k = begin + threadIdx.x; k < end; k += kAdamBlock) {
+      float p = t.p[k], m = t.m[k], v = t.v[k];
+      adam_elem(p, m, v, to_f(g[k]), s);
+      t.p[k] = p;
+      t.m[k] = m;
+      t.v[k] = v;
+      if constexpr (kWork) static_cast<W*>(t.w)[k] = from_f<W>(p);
+    }
+  }
+}
+
+}  // namespace
+
+// ---- wrappers ----
+bool rms_norm_supported(int64_t h, DType dt) {
+  if (h <= 0 || h > (int64_t(1) << 30)) return false;
+  bool ok = false;
+  dispatch(dt, [&](auto tag) {
+    using T = decltype(tag);
+    ok = rms_plan<T>(h, true).chunks > 0 && rms_plan<T>(h, false).chunks > 0;
+  });
+  return ok;
+}
+
+void rms_norm_fwd(const void* x, const void* w, void* y, float* rstd, int64_t rows, int64_t h,
+                  double eps, DType dt, Stream stream) {
+  if (rows == 0) return;
+  dispatch(dt, [&](auto tag) {
+    using T = decltype(tag);
+    const RmsPlan p = rms_plan<T>(h, aligned(x, 16) && aligned(w, 16) && aligned(y, 16));
+    if (p.chunks == 0) throw std::runtime_error("colossal kernels: rms_norm row too long");
+    with_rms_kernel<T>(p, [&](auto vec, auto chunks) {
+      rms_fwd_kernel<T, decltype(vec)::value, decltype(chunks)::value>
+          <<<unsigned(rows), kRmsBlock, 0, stream>>>(static_cast<const T*>(x),
+                                                     static_cast<const T*>(w), static_cast<T*>(y),
+                                                     rstd, int(h), float(eps));
+    });
+  });
+  check_launch("rms_norm forward");
+}
+
+int64_t rms_norm_bwd_blocks(int64_t rows) {
+  // Enough resident blocks to fill the GPU at the occupancy of the widest case (2 per SM at
+  // 256 threads and ~100 registers), never more than the rows.
+  return std::max<int64_t>(1, std::min<int64_t>(rows, int64_t(sm_count()) * 2));
+}
+
+void rms_norm_bwd(const void* dy, const void* x, const void* w, const float* rstd, void* dx,
+                  float* dw_partial, void* dw, int64_t rows, int64_t h, DType dt, Stream stream) {
+  const int blocks = int(rms_norm_bwd_blocks(rows));
+  dispatch(dt, [&](auto tag) {
+    using T = decltype(tag);
+    const bool al = aligned(x, 16) && aligned(w, 16) && aligned(dy, 16) && aligned(dx, 16);
+    const RmsPlan p = rms_plan<T>(h, al);
+    if (p.chunks == 0) throw std::runtime_error("colossal kernels: rms_norm row too long");
+    if (rows > 0) {
+      with_rms_kernel<T>(p, [&](auto vec, auto chunks) {
+        rms_bwd_kernel<T, decltype(vec)::value, decltype(chunks)::value>
+            <<<blocks, kRmsBlock, 0, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(x),
+                                               static_cast<const T*>(w), rstd, static_cast<T*>(dx),
+                                               dw_partial, rows, int(h));
+      });
+      check_launch("rms_norm backward");
+      rms_dw_kernel<T><<<unsigned((h + 255) / 256), 256, 0, stream>>>(
+          dw_partial, static_cast<T*>(dw), blocks, int(h));
+    } else {
+      check(cudaMemsetAsync(dw, 0, size_t(h) * sizeof(T), stream), "rms_norm dweight");
+    }
+  });
+  check_launch("rms_norm dweight");
+}
+
+void rotary(const void* x, const void* cos, const void* sin, void* y, const RotaryShape& sh,
+            bool backward, DType dt, Stream stream) {
+  const int64_t half = sh.d / 2;
+  if (sh.b * sh.heads * sh.s * half == 0) return;
+  dispatch(dt, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int V = vec_of<T>();
+    const bool al = half % V == 0 && sh.sb % V == 0 && sh.sh % V == 0 && sh.ss % V == 0 &&
+                    sh.cb % V == 0 && sh.cs % V == 0 && aligned(x, 16) && aligned(cos, 16) &&
+                    aligned(sin, 16) && aligned(y, 16);
+    const int vec = al ? V : 1;
+    const int64_t total = sh.b * sh.s * sh.heads * (half / vec);
+    const int grid = grid_for(total, 256);
+    if (al)
+      rotary_kernel<T, V><<<grid, 256, 0, stream>>>(
+          static_cast<const T*>(x), static_cast<const T*>(cos), static_cast<const T*>(sin),
+          static_cast<T*>(y), sh, backward, total);
+    else
+      rotary_kernel<T, 1><<<grid, 256, 0, stream>>>(
+          static_cast<const T*>(x), static_cast<const T*>(cos), static_cast<const T*>(sin),
+          static_cast<T*>(y), sh, backward, total);
+  });
+  check_launch("rotary");
+}
+
+void swiglu_fwd(const void* gate, const void* up, void* y, int64_t n, DType dt, Stream stream) {
+  if (n == 0) return;
+  dispatch(dt, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int V = vec_of<T>();
+    const bool al = n % V == 0 && aligned(gate, 16) && aligned(up, 16) && aligned(y, 16);
+    const int grid = grid_for(al ? n / V : n, 256);
+    if (al)
+      swiglu_fwd_kernel<T, V><<<grid, 256, 0, stream>>>(
+          static_cast<const T*>(gate), static_cast<const T*>(up), static_cast<T*>(y), n);
+    else
+      swiglu_fwd_kernel<T, 1><<<grid, 256, 0, stream>>>(
+          static_cast<const T*>(gate), static_cast<const T*>(up), static_cast<T*>(y), n);
+  });
+  check_launch("swiglu forward");
+}
+
+void swiglu_bwd(const void* dy, const void* gate, const void* up, void* dgate, void* dup, int64_t n,
+                DType dt, Stream stream) {
+  if (n == 0) return;
+  dispatch(dt, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int V = vec_of<T>();
+    const bool al = n % V == 0 && aligned(dy, 16) && aligned(gate, 16) && aligned(up, 16) &&
+                    aligned(dgate, 16) && aligned(dup, 16);
+    const int grid = grid_for(al ? n / V : n, 256);
+    if (al)
+      swiglu_bwd_kernel<T, V><<<grid, 256, 0, stream>>>(
+          static_cast<const T*>(dy), static_cast<const T*>(gate), static_cast<const T*>(up),
+          static_cast<T*>(dgate), static_cast<T*>(dup), n);
+    else
+      swiglu_bwd_kernel<T, 1><<<grid, 256, 0, stream>>>(
+          static_cast<const T*>(dy), static_cast<const T*>(gate), static_cast<const T*>(up),
+          static_cast<T*>(dgate), static_cast<T*>(dup), n);
+  });
+  check_launch("swiglu backward");
+}
+
+void adamw(const AdamWTensor* tensors, int count, DType grad_dt, DType work_dt,
+           const AdamWHyper& hy, Stream stream) {
+  if (count <= 0) return;
+  AdamWScalars s{};
+  s.lr = hy.lr;
+  s.beta1 = hy.beta1;
+  s.beta2 = hy.beta2;
+  s.eps = hy.eps;
+  s.wd = hy.weight_decay;
+  s.divisor = hy.grad_divisor;
+  s.divide = hy.grad_divisor != 1.0;
+  // As ATen: the step count is an fp32 tensor; bias corrections in double, stored as float.
+  const double step = double(float(hy.step));
+  const float bc1 = float(1 - std::pow(hy.beta1, step));
+  s.step_size = float(hy.lr / bc1);
+  const float bc2 = float(1 - std::pow(hy.beta2, step));
+  s.bc2_sqrt = std::sqrt(bc2);
+  const bool has_work = tensors[0].w != nullptr;
+  for (int first = 0; first < count; first += kAdamWMaxTensors) {
+    AdamWBatch batch{};
+    batch.count = std::min(kAdamWMaxTensors, count - first);
+    int64_t blocks = 0;
+    for (int i = 0; i < batch.count; ++i) {
+      batch.t[i] = tensors[first + i];
+      batch.block_start[i] = blocks;
+      blocks += (batch.t[i].n + kAdamChunk - 1) / kAdamChunk;
+    }
+    batch.block_start[batch.count] = blocks;
+    if (blocks == 0) continue;
+    if (blocks > int64_t(0x7fffffff)) throw std::runtime_error("colossal kernels: adamw too large");
+    dispatch(grad_dt, [&](auto gtag) {
+      using G = decltype(gtag);
+      if (!has_work) {
+        adamw_kernel<G, void><<<unsigned(blocks), kAdamBlock, 0, stream>>>(batch, s);
+      } else {
+        dispatch(work_dt, [&](auto wtag) {
+          using W = decltype(wtag);
+          adamw_kernel<G, W><<<unsigned(blocks), kAdamBlock, 0, stream>>>(batch, s);
+        });
+      }
+    });
+    check_launch("fused_adamw");
+  }
+}
+
+}  // namespace colossal::kernels::cuda

@@ -1,0 +1,62 @@
+// Launch wrappers of the CUDA kernels (src/kernels/cuda_kernels.cu). Plain C++: raw pointers,
+// element counts and strides, and the stream as the CUDA runtime's opaque handle, so that this
+// header compiles without the CUDA toolkit or LibTorch's CUDA headers (a CPU-only LibTorch
+// still builds and links the kernels; it never calls them). Every wrapper launches on `stream`
+// and reports launch errors as std::runtime_error.
+#pragma once
+
+#include <cstdint>
+
+struct CUstream_st;  // cudaStream_t is CUstream_st*
+
+namespace colossal::kernels::cuda {
+
+enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+using Stream = CUstream_st*;
+
+// ---- RMSNorm: x, y [rows, h] contiguous; w [h]; rstd [rows] fp32 ----
+// Whether the register-resident kernels cover this row length (else the caller falls back).
+bool rms_norm_supported(int64_t h, DType dt);
+void rms_norm_fwd(const void* x, const void* w, void* y, float* rstd, int64_t rows, int64_t h,
+                  double eps, DType dt, Stream stream);
+// Number of fp32 partial rows of dweight the backward needs: dw_partial is [blocks, h].
+int64_t rms_norm_bwd_blocks(int64_t rows);
+void rms_norm_bwd(const void* dy, const void* x, const void* w, const float* rstd, void* dx,
+                  float* dw_partial, void* dw, int64_t rows, int64_t h, DType dt, Stream stream);
+
+// ---- Rotary: x [B, heads, S, D] with strides (sb, sh, ss) and unit last stride; cos/sin
+// [B, S, D] with strides (cb, cs); y [B, S, heads, D] contiguous. backward: y = the input
+// gradient for the upstream gradient x (the transposed rotation). ----
+struct RotaryShape {
+  int64_t b, heads, s, d;
+  int64_t sb, sh, ss;  // x strides in elements
+  int64_t cb, cs;      // cos/sin strides in elements (both tensors share them)
+};
+void rotary(const void* x, const void* cos, const void* sin, void* y, const RotaryShape& shape,
+            bool backward, DType dt, Stream stream);
+
+// ---- SwiGLU: n contiguous elements ----
+void swiglu_fwd(const void* gate, const void* up, void* y, int64_t n, DType dt, Stream stream);
+void swiglu_bwd(const void* dy, const void* gate, const void* up, void* dgate, void* dup, int64_t n,
+                DType dt, Stream stream);
+
+// ---- Multi-tensor AdamW: fp32 p/m/v, grads of `grad_dt`, optional working copies of
+// `work_dt` (work == nullptr entries: none). One launch per group of up to kAdamWMaxTensors
+// tensors. Numerics follow ATen's CUDA fused AdamW (double-precision scalar math). ----
+constexpr int kAdamWMaxTensors = 48;
+struct AdamWTensor {
+  float* p;
+  float* m;
+  float* v;
+  const void* g;
+  void* w;  // nullptr: no working copy
+  int64_t n;
+};
+struct AdamWHyper {
+  double lr, beta1, beta2, eps, weight_decay, grad_divisor;
+  int64_t step;
+};
+void adamw(const AdamWTensor* tensors, int count, DType grad_dt, DType work_dt,
+           const AdamWHyper& hyper, Stream stream);
+
+}  // namespace colossal::kernels::cuda

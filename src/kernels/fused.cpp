@@ -1,0 +1,460 @@
+// Fused kernels (kernels/fused.h): argument checks, the ATen reference composites, the device
+// dispatch (CPU loops in cpu_kernels.cpp, CUDA kernels in cuda_kernels.cu, the reference on any
+// other device) and the autograd functions whose backward is fused too.
+#include "colossal/kernels/fused.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <cmath>
+#include <tuple>
+
+#include "colossal/core/accelerator.h"
+#include "colossal/core/error.h"
+#include "kernels/cpu_kernels.h"
+#ifdef COLOSSAL_WITH_CUDA
+#include "kernels/cuda_kernels.h"
+#endif
+
+namespace colossal::kernels {
+
+#ifdef COLOSSAL_WITH_CUDA
+COLOSSAL_REGISTER_CUDA_KERNEL("rms_norm");
+COLOSSAL_REGISTER_CUDA_KERNEL("apply_rotary");
+COLOSSAL_REGISTER_CUDA_KERNEL("swiglu");
+COLOSSAL_REGISTER_CUDA_KERNEL("fused_adamw");
+#endif
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+enum class Path { Cpu, Cuda, Reference };
+
+Path path_for(const at::Tensor& t) {
+  if (t.device().is_cpu()) return Path::Cpu;
+#ifdef COLOSSAL_WITH_CUDA
+  if (t.device().is_cuda() && torch_has_cuda()) return Path::Cuda;
+#endif
+  return Path::Reference;
+}
+
+bool float_type(at::ScalarType st) {
+  return st == at::kFloat || st == at::kBFloat16 || st == at::kHalf;
+}
+
+void check_dtype(const char* op, const char* name, const at::Tensor& t) {
+  COLOSSAL_CHECK_INPUT(t.defined(), op, ": ", name, " is undefined");
+  COLOSSAL_CHECK_INPUT(float_type(t.scalar_type()), op, ": ", name, " has dtype ", t.scalar_type(),
+                       "; expected float, bfloat16 or half");
+}
+
+void check_same(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
+                const at::Tensor& ref) {
+  COLOSSAL_CHECK_INPUT(t.defined(), op, ": ", name, " is undefined");
+  COLOSSAL_CHECK_INPUT(t.scalar_type() == ref.scalar_type(), op, ": ", name, " has dtype ",
+                       t.scalar_type(), " but ", ref_name, " has ", ref.scalar_type());
+  COLOSSAL_CHECK_INPUT(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but ",
+                       ref_name, " is on ", ref.device());
+}
+
+bool needs_grad(std::initializer_list<const at::Tensor*> ts) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const at::Tensor* t : ts)
+    if (t->requires_grad()) return true;
+  return false;
+}
+
+#ifdef COLOSSAL_WITH_CUDA
+cuda::DType cuda_dtype(at::ScalarType st) {
+  switch (st) {
+    case at::kBFloat16:
+      return cuda::DType::BF16;
+    case at::kHalf:
+      return cuda::DType::F16;
+    default:
+      return cuda::DType::F32;
+  }
+}
+// The current stream of t's device (through c10's device-generic interface, so no CUDA
+// headers are needed here).
+cuda::Stream stream_of(const at::Tensor& t) {
+  const c10::Stream s = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(t.device());
+  return static_cast<cuda::Stream>(s.native_handle());
+}
+#endif
+
+at::Tensor unit_last(const at::Tensor& t) {
+  return t.stride(-1) == 1 ? t : t.contiguous();
+}
+
+// ---- RMSNorm ----
+void check_rms(const at::Tensor& x, const at::Tensor& w) {
+  check_dtype("rms_norm", "x", x);
+  COLOSSAL_CHECK_INPUT(x.dim() >= 1, "rms_norm: x must have at least one dimension");
+  check_same("rms_norm", "weight", w, "x", x);
+  COLOSSAL_CHECK_INPUT(w.dim() == 1 && w.size(0) == x.size(-1), "rms_norm: weight has shape ",
+                       w.sizes(), " but x's last dimension is ", x.size(-1));
+}
+
+#ifdef COLOSSAL_WITH_CUDA
+bool cuda_rms_ok(const at::Tensor& x) {
+  return cuda::rms_norm_supported(x.size(-1), cuda_dtype(x.scalar_type())) &&
+         x.numel() / std::max<int64_t>(1, x.size(-1)) < (int64_t(1) << 31);
+}
+#endif
+
+// y and the fp32 rstd [rows] for contiguous x.
+std::pair<at::Tensor, at::Tensor> rms_fwd(const at::Tensor& x, const at::Tensor& w, double eps) {
+  const int64_t h = x.size(-1), rows = h ? x.numel() / h : 0;
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+  if (path_for(x) == Path::Cpu) {
+    cpu::rms_norm_fwd(x, w, y, rstd, eps);
+  } else {
+#ifdef COLOSSAL_WITH_CUDA
+    c10::DeviceGuard guard(x.device());
+    cuda::rms_norm_fwd(x.const_data_ptr(), w.const_data_ptr(), y.mutable_data_ptr(),
+                       rstd.mutable_data_ptr<float>(), rows, h, eps, cuda_dtype(x.scalar_type()),
+                       stream_of(x));
+#endif
+  }
+  return {y, rstd};
+}
+
+std::pair<at::Tensor, at::Tensor> rms_bwd(const at::Tensor& dy, const at::Tensor& x,
+                                          const at::Tensor& w, const at::Tensor& rstd) {
+  const int64_t h = x.size(-1), rows = h ? x.numel() / h : 0;
+  at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor dw = at::empty_like(w, at::MemoryFormat::Contiguous);
+  if (path_for(x) == Path::Cpu) {
+    cpu::rms_norm_bwd(dy, x, w, rstd, dx, dw);
+  } else {
+#ifdef COLOSSAL_WITH_CUDA
+    c10::DeviceGuard guard(x.device());
+    at::Tensor part =
+        at::empty({cuda::rms_norm_bwd_blocks(rows), h}, x.options().dtype(at::kFloat));
+    cuda::rms_norm_bwd(dy.const_data_ptr(), x.const_data_ptr(), w.const_data_ptr(),
+                       rstd.const_data_ptr<float>(), dx.mutable_data_ptr(),
+                       part.mutable_data_ptr<float>(), dw.mutable_data_ptr(), rows, h,
+                       cuda_dtype(x.scalar_type()), stream_of(x));
+#endif
+  }
+  return {dx, dw};
+}
+
+struct RmsNormFn : torch::autograd::Function<RmsNormFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            double eps) {
+    at::Tensor xc = x.contiguous(), wc = w.contiguous();
+    auto [y, rstd] = rms_fwd(xc, wc, eps);
+    ctx->save_for_backward({xc, wc, rstd});  // x, weight and the fp32 rstd only
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    auto saved = ctx->get_saved_variables();
+    if (!grad[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    auto [dx, dw] = rms_bwd(grad[0].contiguous(), saved[0], saved[1], saved[2]);
+    return {dx, dw, at::Tensor()};
+  }
+};
+
+// ---- Rotary ----
+// cos/sin of [B or 1, S, D] -> [B, S, D] views with a unit last stride.
+at::Tensor rotary_table(const at::Tensor& t, const at::Tensor& x, const char* name) {
+  check_same("apply_rotary", name, t, "x", x);
+  const int64_t b = x.size(0), s = x.size(2), d = x.size(3);
+  COLOSSAL_CHECK_INPUT(
+      t.dim() == 3 && (t.size(0) == b || t.size(0) == 1) && t.size(1) == s && t.size(2) == d,
+      "apply_rotary: ", name, " has shape ", t.sizes(), "; expected [", b, ", ", s, ", ", d,
+      "] for x of shape ", x.sizes());
+  return unit_last(t).expand({b, s, d});
+}
+
+void check_rotary(const at::Tensor& x) {
+  check_dtype("apply_rotary", "x", x);
+  COLOSSAL_CHECK_INPUT(x.dim() == 4, "apply_rotary: x must be [B, heads, S, D], got ", x.sizes());
+  COLOSSAL_CHECK_INPUT(x.size(3) % 2 == 0, "apply_rotary: head dim ", x.size(3), " must be even");
+}
+
+// The rotation (or its transpose) of x [B, h, S, D] into a new [B, S, h, D]-contiguous tensor,
+// returned as the [B, h, S, D] view.
+at::Tensor rotary_out(const at::Tensor& xin, const at::Tensor& cos, const at::Tensor& sin,
+                      bool backward) {
+  at::Tensor x = unit_last(xin);
+  const int64_t b = x.size(0), h = x.size(1), s = x.size(2), d = x.size(3);
+  at::Tensor y = at::empty({b, s, h, d}, x.options()).transpose(1, 2);
+  if (path_for(x) == Path::Cpu) {
+    cpu::rotary(x, cos, sin, y, backward);
+  } else {
+#ifdef COLOSSAL_WITH_CUDA
+    c10::DeviceGuard guard(x.device());
+    cuda::RotaryShape sh{
+        b, h, s, d, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1)};
+    // cos and sin share one stride set: make them both contiguous when they differ.
+    at::Tensor c = cos, sn = sin;
+    if (cos.strides() != sin.strides()) {
+      c = cos.contiguous();
+      sn = sin.contiguous();
+      sh.cb = c.stride(0);
+      sh.cs = c.stride(1);
+    }
+    cuda::rotary(x.const_data_ptr(), c.const_data_ptr(), sn.const_data_ptr(), y.mutable_data_ptr(),
+                 sh, backward, cuda_dtype(x.scalar_type()), stream_of(x));
+#endif
+  }
+  return y;
+}
+
+struct RotaryFn : torch::autograd::Function<RotaryFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
+                            const at::Tensor& sin) {
+    ctx->save_for_backward({cos, sin});
+    return rotary_out(x, cos, sin, false);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    auto saved = ctx->get_saved_variables();
+    if (!grad[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    return {rotary_out(grad[0], saved[0], saved[1], true), at::Tensor(), at::Tensor()};
+  }
+};
+
+// ---- SwiGLU ----
+void check_swiglu(const at::Tensor& gate, const at::Tensor& up) {
+  check_dtype("swiglu", "gate", gate);
+  check_same("swiglu", "up", up, "gate", gate);
+  COLOSSAL_CHECK_INPUT(gate.sizes() == up.sizes(), "swiglu: up has shape ", up.sizes(),
+                       " but gate has ", gate.sizes());
+}
+
+at::Tensor swiglu_fwd(const at::Tensor& g, const at::Tensor& u) {
+  at::Tensor y = at::empty_like(g, at::MemoryFormat::Contiguous);
+  if (path_for(g) == Path::Cpu) {
+    cpu::swiglu_fwd(g, u, y);
+  } else {
+#ifdef COLOSSAL_WITH_CUDA
+    c10::DeviceGuard guard(g.device());
+    cuda::swiglu_fwd(g.const_data_ptr(), u.const_data_ptr(), y.mutable_data_ptr(), g.numel(),
+                     cuda_dtype(g.scalar_type()), stream_of(g));
+#endif
+  }
+  return y;
+}
+
+struct SwiGLUFn : torch::autograd::Function<SwiGLUFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
+    at::Tensor g = gate.contiguous(), u = up.contiguous();
+    ctx->save_for_backward({g, u});
+    return swiglu_fwd(g, u);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    auto saved = ctx->get_saved_variables();
+    if (!grad[0].defined()) return {at::Tensor(), at::Tensor()};
+    const at::Tensor& g = saved[0];
+    const at::Tensor& u = saved[1];
+    at::Tensor dy = grad[0].contiguous();
+    at::Tensor dg = at::empty_like(g), du = at::empty_like(u);
+    if (path_for(g) == Path::Cpu) {
+      cpu::swiglu_bwd(dy, g, u, dg, du);
+    } else {
+#ifdef COLOSSAL_WITH_CUDA
+      c10::DeviceGuard guard(g.device());
+      cuda::swiglu_bwd(dy.const_data_ptr(), g.const_data_ptr(), u.const_data_ptr(),
+                       dg.mutable_data_ptr(), du.mutable_data_ptr(), g.numel(),
+                       cuda_dtype(g.scalar_type()), stream_of(g));
+#endif
+    }
+    return {dg, du};
+  }
+};
+
+}  // namespace
+
+bool has_fused_kernels(const at::Tensor& t) {
+  return path_for(t) != Path::Reference;
+}
+
+// ---- RMSNorm ----
+at::Tensor rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor h = x.to(at::kFloat);
+  at::Tensor var = h.pow(2).mean(-1, /*keepdim=*/true);
+  h = h * at::rsqrt(var + eps);
+  return weight * h.to(x.scalar_type());
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rms(x, weight);
+  bool fused = has_fused_kernels(x);
+#ifdef COLOSSAL_WITH_CUDA
+  if (fused && path_for(x) == Path::Cuda) fused = cuda_rms_ok(x);  // else rows too long
+#endif
+  if (!fused) return rms_norm_reference(x, weight, eps);
+  if (needs_grad({&x, &weight})) return RmsNormFn::apply(x, weight, eps);
+  return rms_fwd(x.contiguous(), weight.contiguous(), eps).first;
+}
+
+// ---- Rotary ----
+at::Tensor apply_rotary_reference(const at::Tensor& x, const at::Tensor& cos,
+                                  const at::Tensor& sin) {
+  at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
+  const int64_t half = x.size(-1) / 2;
+  at::Tensor rot = at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+  return x * c + rot * s;
+}
+
+at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  check_rotary(x);
+  at::Tensor c = rotary_table(cos, x, "cos"), s = rotary_table(sin, x, "sin");
+  // Gradients for cos/sin are not fused: the composite computes them when asked for.
+  if (!has_fused_kernels(x) || needs_grad({&cos, &sin})) return apply_rotary_reference(x, cos, sin);
+  if (needs_grad({&x})) return RotaryFn::apply(x, c, s);
+  return rotary_out(x, c, s, false);
+}
+
+// ---- SwiGLU ----
+at::Tensor swiglu_reference(const at::Tensor& gate, const at::Tensor& up) {
+  return at::silu(gate) * up;
+}
+
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
+  check_swiglu(gate, up);
+  if (!has_fused_kernels(gate)) return swiglu_reference(gate, up);
+  if (needs_grad({&gate, &up})) return SwiGLUFn::apply(gate, up);
+  return swiglu_fwd(gate.contiguous(), up.contiguous());
+}
+
+// ---- AdamW ----
+namespace {
+void check_adamw(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                 const std::vector<at::Tensor>& exp_avgs,
+                 const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& working,
+                 const AdamWStep& hy) {
+  const size_t n = params.size();
+  COLOSSAL_CHECK_INPUT(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
+                       "fused_adamw: list lengths differ: params ", n, ", grads ", grads.size(),
+                       ", exp_avgs ", exp_avgs.size(), ", exp_avg_sqs ", exp_avg_sqs.size());
+  COLOSSAL_CHECK_INPUT(working.empty() || working.size() == n, "fused_adamw: working has ",
+                       working.size(), " tensors; expected none or ", n);
+  COLOSSAL_CHECK_INPUT(hy.step >= 1, "fused_adamw: step must be >= 1, got ", hy.step);
+  COLOSSAL_CHECK_INPUT(hy.grad_divisor != 0.0 && std::isfinite(hy.grad_divisor),
+                       "fused_adamw: grad_divisor must be finite and non-zero, got ",
+                       hy.grad_divisor);
+  if (n == 0) return;
+  COLOSSAL_CHECK_INPUT(params[0].defined(), "fused_adamw: params[0] is undefined");
+  const c10::Device dev = params[0].device();
+  auto check_state = [&](const at::Tensor& t, const char* list, size_t i, const at::Tensor& p) {
+    COLOSSAL_CHECK_INPUT(t.defined(), "fused_adamw: ", list, "[", i, "] is undefined");
+    COLOSSAL_CHECK_INPUT(t.device() == dev, "fused_adamw: ", list, "[", i, "] is on ", t.device(),
+                         " but params[0] is on ", dev);
+    COLOSSAL_CHECK_INPUT(t.sizes() == p.sizes(), "fused_adamw: ", list, "[", i, "] has shape ",
+                         t.sizes(), " but params[", i, "] has ", p.sizes());
+  };
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    COLOSSAL_CHECK_INPUT(p.defined(), "fused_adamw: params[", i, "] is undefined");
+    check_state(p, "params", i, p);
+    COLOSSAL_CHECK_INPUT(p.scalar_type() == at::kFloat && p.is_contiguous(), "fused_adamw: params[",
+                         i,
+                         "] must be contiguous float32 (master "
+                         "weights), got ",
+                         p.scalar_type());
+    check_state(exp_avgs[i], "exp_avgs", i, p);
+    check_state(exp_avg_sqs[i], "exp_avg_sqs", i, p);
+    for (const at::Tensor* st : {&exp_avgs[i], &exp_avg_sqs[i]})
+      COLOSSAL_CHECK_INPUT(st->scalar_type() == at::kFloat && st->is_contiguous(),
+                           "fused_adamw: ", st == &exp_avgs[i] ? "exp_avgs[" : "exp_avg_sqs[", i,
+                           "] must be contiguous float32, got ", st->scalar_type());
+    check_state(grads[i], "grads", i, p);
+    COLOSSAL_CHECK_INPUT(float_type(grads[i].scalar_type()), "fused_adamw: grads[", i,
+                         "] has dtype ", grads[i].scalar_type(),
+                         "; expected float, bfloat16 or half");
+    if (!working.empty()) {
+      check_state(working[i], "working", i, p);
+      COLOSSAL_CHECK_INPUT(float_type(working[i].scalar_type()) && working[i].is_contiguous(),
+                           "fused_adamw: working[", i,
+                           "] must be contiguous bfloat16, half or float, got ",
+                           working[i].scalar_type());
+    }
+  }
+}
+}  // namespace
+
+void fused_adamw_reference(const std::vector<at::Tensor>& params,
+                           const std::vector<at::Tensor>& grads,
+                           const std::vector<at::Tensor>& exp_avgs,
+                           const std::vector<at::Tensor>& exp_avg_sqs,
+                           const std::vector<at::Tensor>& working, const AdamWStep& hy) {
+  check_adamw(params, grads, exp_avgs, exp_avg_sqs, working, hy);
+  if (params.empty()) return;
+  at::NoGradGuard ng;
+  std::vector<at::Tensor> g;
+  g.reserve(grads.size());
+  for (const at::Tensor& t : grads) {
+    at::Tensor f = t.to(at::kFloat);
+    g.push_back(hy.grad_divisor != 1.0 ? f / hy.grad_divisor : f);
+  }
+  if (hy.weight_decay != 0) at::_foreach_mul_(params, 1 - hy.lr * hy.weight_decay);
+  at::_foreach_lerp_(exp_avgs, g, 1 - hy.beta1);
+  at::_foreach_mul_(exp_avg_sqs, hy.beta2);
+  at::_foreach_addcmul_(exp_avg_sqs, g, g, 1 - hy.beta2);
+  const double step = static_cast<double>(hy.step);
+  const double bc1 = 1 - std::pow(hy.beta1, step), bc2 = 1 - std::pow(hy.beta2, step);
+  std::vector<at::Tensor> denom = at::_foreach_sqrt(exp_avg_sqs);
+  at::_foreach_div_(denom, std::sqrt(bc2));
+  at::_foreach_add_(denom, hy.eps);
+  at::_foreach_addcdiv_(params, exp_avgs, denom, -hy.lr / bc1);
+  for (size_t i = 0; i < working.size(); ++i) working[i].copy_(params[i]);
+}
+
+void fused_adamw(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                 const std::vector<at::Tensor>& exp_avgs,
+                 const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& working,
+                 const AdamWStep& hy) {
+  check_adamw(params, grads, exp_avgs, exp_avg_sqs, working, hy);
+  if (params.empty()) return;
+  const Path path = path_for(params[0]);
+  if (path == Path::Reference) {
+    fused_adamw_reference(params, grads, exp_avgs, exp_avg_sqs, working, hy);
+    return;
+  }
+  at::NoGradGuard ng;
+  const size_t n = params.size();
+  if (path == Path::Cpu) {
+    for (size_t i = 0; i < n; ++i)
+      cpu::adamw(params[i], grads[i].contiguous(), exp_avgs[i], exp_avg_sqs[i],
+                 working.empty() ? at::Tensor() : working[i], hy);
+    return;
+  }
+#ifdef COLOSSAL_WITH_CUDA
+  c10::DeviceGuard guard(params[0].device());
+  const cuda::Stream stream = stream_of(params[0]);
+  const cuda::AdamWHyper h{hy.lr,           hy.beta1,        hy.beta2, hy.eps,
+                           hy.weight_decay, hy.grad_divisor, hy.step};
+  std::vector<at::Tensor> keep;  // contiguous copies of strided grads live until launched
+  std::vector<cuda::AdamWTensor> run;
+  cuda::DType gdt = cuda::DType::F32, wdt = cuda::DType::F32;
+  auto flush = [&] {
+    if (!run.empty()) cuda::adamw(run.data(), static_cast<int>(run.size()), gdt, wdt, h, stream);
+    run.clear();
+  };
+  for (size_t i = 0; i < n; ++i) {
+    at::Tensor g = grads[i].is_contiguous() ? grads[i] : keep.emplace_back(grads[i].contiguous());
+    const cuda::DType g_dt = cuda_dtype(g.scalar_type());
+    const cuda::DType w_dt =
+        working.empty() ? cuda::DType::F32 : cuda_dtype(working[i].scalar_type());
+    if (!run.empty() && (g_dt != gdt || w_dt != wdt)) flush();  // one launch per dtype group
+    gdt = g_dt;
+    wdt = w_dt;
+    if (params[i].numel() == 0) continue;
+    run.push_back({params[i].mutable_data_ptr<float>(), exp_avgs[i].mutable_data_ptr<float>(),
+                   exp_avg_sqs[i].mutable_data_ptr<float>(), g.const_data_ptr(),
+                   working.empty() ? nullptr : working[i].mutable_data_ptr(), params[i].numel()});
+  }
+  flush();
+#endif
+}
+
+}  // namespace colossal::kernels

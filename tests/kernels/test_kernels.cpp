@@ -1,0 +1,389 @@
+// Fused kernels (kernels/fused.h), CPU paths, against their ATen references: RMSNorm, rotary,
+// SwiGLU forward and backward (fp32, bf16, fp16; odd sizes), the multi-tensor AdamW against
+// at::_fused_adamw_ (torch.optim.AdamW(fused=True)), and the argument errors.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "colossal/core/error.h"
+#include "colossal/kernels/fused.h"
+
+using namespace colossal;
+namespace K = colossal::kernels;
+
+namespace {
+
+// Largest |a - b| / (atol + rtol * |b|) over the elements (<= 1 passes).
+double excess(const at::Tensor& a, const at::Tensor& b, double rtol, double atol) {
+  at::Tensor x = a.to(at::kDouble), y = b.to(at::kDouble);
+  return ((x - y).abs() / (atol + rtol * y.abs())).max().item<double>();
+}
+double frac_equal(const at::Tensor& a, const at::Tensor& b) {
+  return a.eq(b).to(at::kDouble).mean().item<double>();
+}
+double max_abs(const at::Tensor& t) {
+  return t.abs().max().to(at::kDouble).item<double>();
+}
+
+// One unit in the last place of each dtype (relative): the contract's tolerance for outputs
+// that the composite rounds at more points than the fused kernel.
+double ulp(at::ScalarType st) {
+  switch (st) {
+    case at::kBFloat16:
+      return std::ldexp(1.0, -7);
+    case at::kHalf:
+      return std::ldexp(1.0, -10);
+    default:
+      return std::ldexp(1.0, -23);
+  }
+}
+
+const at::ScalarType kTypes[] = {at::kFloat, at::kBFloat16, at::kHalf};
+
+std::pair<at::Tensor, at::Tensor> grads_of(const at::Tensor& y, const at::Tensor& dy,
+                                           const at::Tensor& a, const at::Tensor& b) {
+  auto g = torch::autograd::grad({y}, {a, b}, {dy});
+  return {g[0], g[1]};
+}
+
+}  // namespace
+
+// ---- RMSNorm ----
+TEST(RmsNorm, ForwardMatchesReference) {
+  for (auto dt : kTypes) {
+    for (auto shape : {std::vector<int64_t>{3, 37, 4104}, std::vector<int64_t>{5, 2049},
+                       std::vector<int64_t>{1, 1, 64}}) {
+      at::manual_seed(1);
+      at::Tensor x = (at::randn(shape) * 3).to(dt);
+      at::Tensor w = (at::rand({shape.back()}) + 0.5).to(dt);
+      at::Tensor y = K::rms_norm(x, w, 1e-6), r = K::rms_norm_reference(x, w, 1e-6);
+      ASSERT_EQ(y.scalar_type(), dt);
+      ASSERT_EQ(y.sizes(), x.sizes());
+      const double eq = frac_equal(y, r);
+      std::printf("rms_norm fwd %s H=%ld: %.5f bitwise equal, excess %.3f\n", c10::toString(dt),
+                  long(shape.back()), eq, excess(y, r, ulp(dt), 1e-30));
+      // The fp32 row sums differ from ATen's only in summation order (~1e-7 relative in rstd),
+      // which flips a low-precision rounding rarely and fp32 results by a few ulp at most.
+      EXPECT_LE(excess(y, r, dt == at::kFloat ? 4 * ulp(dt) : ulp(dt), 1e-30), 1.0);
+      if (dt != at::kFloat) {
+        EXPECT_GE(eq, 0.999);
+      }
+    }
+  }
+}
+
+TEST(RmsNorm, BackwardMatchesAutogradOfReference) {
+  for (auto dt : kTypes) {
+    at::manual_seed(2);
+    const int64_t h = 4104;
+    at::Tensor x0 = (at::randn({3, 37, h}) * 2).to(dt), w0 = (at::rand({h}) + 0.5).to(dt);
+    at::Tensor dy = at::randn({3, 37, h}).to(dt);
+    at::Tensor x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+    auto [dx, dw] = grads_of(K::rms_norm(x, w, 1e-5), dy, x, w);
+    at::Tensor xr = x0.clone().requires_grad_(true), wr = w0.clone().requires_grad_(true);
+    auto [dxr, dwr] = grads_of(K::rms_norm_reference(xr, wr, 1e-5), dy, xr, wr);
+    // fp64 truth from the same (rounded) inputs: RMSNorm without any intermediate rounding.
+    at::Tensor xt = x0.to(at::kDouble).requires_grad_(true),
+               wt = w0.to(at::kDouble).requires_grad_(true);
+    at::Tensor yt = wt * (xt * at::rsqrt(xt.pow(2).mean(-1, true) + 1e-5));
+    auto [dxt, dwt] = grads_of(yt, dy.to(at::kDouble), xt, wt);
+    ASSERT_EQ(dx.scalar_type(), dt);
+    ASSERT_EQ(dw.scalar_type(), dt);
+    const double err_dx = max_abs(dx.to(at::kDouble) - dxt),
+                 ref_dx = max_abs(dxr.to(at::kDouble) - dxt);
+    const double err_dw = max_abs(dw.to(at::kDouble) - dwt),
+                 ref_dw = max_abs(dwr.to(at::kDouble) - dwt);
+    std::printf(
+        "rms_norm bwd %s: |dx-truth| %.3g (reference %.3g), |dw-truth| %.3g (reference %.3g)\n",
+        c10::toString(dt), err_dx, ref_dx, err_dw, ref_dw);
+    // fp32 math with one final rounding: within a few ulp of the output scale of the truth, and
+    // never meaningfully worse than the composite (which rounds dy*w and every product to dt).
+    EXPECT_LE(err_dx, 4 * ulp(dt) * max_abs(dxt) + 1e-12);
+    EXPECT_LE(err_dx, 1.05 * ref_dx + ulp(dt) * max_abs(dxt));
+    // dweight sums 111 rows: fp32 accumulation error grows ~sqrt(rows) ulp of the terms.
+    EXPECT_LE(err_dw, (dt == at::kFloat ? 64 : 2) * ulp(dt) * max_abs(dwt) + 1e-12);
+    EXPECT_LE(err_dw, 1.05 * ref_dw + ulp(dt) * max_abs(dwt));
+  }
+}
+
+TEST(RmsNorm, StridedInputAndNoGrad) {
+  at::manual_seed(3);
+  at::Tensor x = at::randn({64, 9}).t();  // [9, 64], last stride 9
+  at::Tensor w = at::rand({64}) + 0.5;
+  at::NoGradGuard ng;
+  EXPECT_LE(excess(K::rms_norm(x, w, 1e-6), K::rms_norm_reference(x, w, 1e-6), 4 * ulp(at::kFloat),
+                   1e-30),
+            1.0);
+}
+
+// ---- Rotary ----
+namespace {
+struct RotaryCase {
+  at::Tensor x, cos, sin;
+};
+// x as the attention projections produce it: [B, S, h, D] transposed to [B, h, S, D].
+RotaryCase rotary_case(int64_t b, int64_t h, int64_t s, int64_t d, at::ScalarType dt,
+                       bool broadcast_batch = false) {
+  RotaryCase c;
+  c.x = at::randn({b, s, h, d}).to(dt).transpose(1, 2);
+  at::Tensor pos = at::arange(s, at::kFloat).unsqueeze(0).expand({broadcast_batch ? 1 : b, s}) +
+                   at::randint(0, 100, {broadcast_batch ? 1 : b, 1}).to(at::kFloat);
+  at::Tensor inv = at::pow(10000.0, -at::arange(0, d, 2, at::kFloat) / d);
+  at::Tensor f = pos.unsqueeze(-1) * inv;
+  at::Tensor emb = at::cat({f, f}, -1);
+  c.cos = emb.cos().to(dt);
+  c.sin = emb.sin().to(dt);
+  return c;
+}
+}  // namespace
+
+TEST(Rotary, ForwardEqualsReference) {
+  for (auto dt : kTypes) {
+    for (int64_t d : {64, 128}) {
+      for (bool bc : {false, true}) {
+        at::manual_seed(4);
+        RotaryCase c = rotary_case(2, 5, 37, d, dt, bc);
+        at::Tensor y = K::apply_rotary(c.x, c.cos, c.sin);
+        at::Tensor r = K::apply_rotary_reference(c.x, c.cos, c.sin);
+        ASSERT_EQ(y.sizes(), c.x.sizes());
+        EXPECT_TRUE(y.transpose(1, 2).is_contiguous()) << "stored [B, S, h, D]";
+        // Same roundings as the composite (each product, then the sum): bitwise.
+        EXPECT_TRUE(at::equal(y, r))
+            << c10::toString(dt) << " D=" << d << " excess " << excess(y, r, ulp(dt), 1e-30);
+      }
+    }
+  }
+}
+
+TEST(Rotary, BackwardEqualsAutogradOfReference) {
+  for (auto dt : kTypes) {
+    at::manual_seed(5);
+    RotaryCase c = rotary_case(3, 4, 29, 64, dt);
+    at::Tensor dy = at::randn({3, 4, 29, 64}).to(dt);
+    at::Tensor x = c.x.detach().clone().requires_grad_(true);
+    at::Tensor xr = c.x.detach().clone().requires_grad_(true);
+    at::Tensor dx = torch::autograd::grad({K::apply_rotary(x, c.cos, c.sin)}, {x}, {dy})[0];
+    at::Tensor dxr =
+        torch::autograd::grad({K::apply_rotary_reference(xr, c.cos, c.sin)}, {xr}, {dy})[0];
+    EXPECT_TRUE(at::equal(dx, dxr))
+        << c10::toString(dt) << " excess " << excess(dx, dxr, ulp(dt), 1e-30);
+    // A strided (transposed) upstream gradient.
+    at::Tensor dyt = at::randn({3, 29, 4, 64}).to(dt).transpose(1, 2);
+    dx = torch::autograd::grad({K::apply_rotary(x, c.cos, c.sin)}, {x}, {dyt})[0];
+    dxr = torch::autograd::grad({K::apply_rotary_reference(xr, c.cos, c.sin)}, {xr}, {dyt})[0];
+    EXPECT_TRUE(at::equal(dx, dxr));
+  }
+}
+
+TEST(Rotary, CosSinGradientsFallBackToTheComposite) {
+  at::manual_seed(6);
+  RotaryCase c = rotary_case(1, 2, 7, 64, at::kFloat);
+  at::Tensor cs = c.cos.clone().requires_grad_(true);
+  at::Tensor y = K::apply_rotary(c.x, cs, c.sin);
+  at::Tensor g = torch::autograd::grad({y.sum()}, {cs})[0];
+  EXPECT_TRUE(at::allclose(g, c.x.sum(1)));  // d(sum(x*cos))/dcos = sum over heads of x
+}
+
+// ---- SwiGLU ----
+TEST(SwiGLU, ForwardAndBackwardMatchReference) {
+  for (auto dt : kTypes) {
+    at::manual_seed(7);
+    at::Tensor g0 = (at::randn({3, 37, 5640}) * 3).to(dt), u0 = at::randn({3, 37, 5640}).to(dt);
+    at::Tensor dy = at::randn({3, 37, 5640}).to(dt);
+    at::Tensor g = g0.clone().requires_grad_(true), u = u0.clone().requires_grad_(true);
+    at::Tensor gr = g0.clone().requires_grad_(true), ur = u0.clone().requires_grad_(true);
+    at::Tensor y = K::swiglu(g, u), yr = K::swiglu_reference(gr, ur);
+    auto [dg, du] = grads_of(y, dy, g, u);
+    auto [dgr, dur] = grads_of(yr, dy, gr, ur);
+    std::printf("swiglu %s: y %.5f, dgate %.5f, dup %.5f bitwise equal\n", c10::toString(dt),
+                frac_equal(y, yr), frac_equal(dg, dgr), frac_equal(du, dur));
+    // Same rounding points as ATen; only exp() may differ by an ulp from ATen's vectorised one.
+    // dgate = dy*up * silu'(gate) cancels near gate = -1.28 (silu' = 0), so its error is
+    // bounded by the tensor's scale there: one ulp of the largest element.
+    const double tol = dt == at::kFloat ? 8 * ulp(dt) : ulp(dt);
+    EXPECT_LE(excess(y, yr, tol, 1e-30), 1.0);
+    EXPECT_LE(excess(du, dur, tol, 1e-30), 1.0);
+    EXPECT_LE(excess(dg, dgr, tol, ulp(dt) * max_abs(dgr)), 1.0);
+    if (dt != at::kFloat) {
+      EXPECT_GE(frac_equal(y, yr), 0.999);
+    }
+  }
+}
+
+// ---- AdamW ----
+namespace {
+struct AdamState {
+  std::vector<at::Tensor> p, g, m, v, w;
+};
+AdamState adam_state(const std::vector<int64_t>& sizes, at::ScalarType gdt, at::ScalarType wdt,
+                     uint64_t seed) {
+  at::manual_seed(seed);
+  AdamState s;
+  for (int64_t n : sizes) {
+    s.p.push_back(at::randn({n}));
+    s.g.push_back(at::randn({n}).to(gdt));
+    s.m.push_back(at::randn({n}) * 0.1);
+    s.v.push_back(at::rand({n}) * 0.01);
+    if (wdt != at::kFloat) s.w.push_back(at::empty({n}, at::TensorOptions().dtype(wdt)));
+  }
+  return s;
+}
+std::vector<at::Tensor> clone(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : ts) out.push_back(t.clone());
+  return out;
+}
+// torch.optim.AdamW(fused=True)'s kernel on fp32 clones of the state (grads upcast).
+void aten_fused_adamw(AdamState& s, const K::AdamWStep& h) {
+  std::vector<at::Tensor> g, steps;
+  for (const auto& t : s.g) g.push_back(t.to(at::kFloat));
+  for (size_t i = 0; i < s.p.size(); ++i)
+    steps.push_back(at::full({}, static_cast<double>(h.step), at::kFloat));
+  std::optional<at::Tensor> scale;
+  if (h.grad_divisor != 1.0) scale = at::full({}, h.grad_divisor, at::kFloat);
+  at::_fused_adamw_(s.p, g, s.m, s.v, {}, steps, h.lr, h.beta1, h.beta2, h.weight_decay, h.eps,
+                    false, false, scale, std::nullopt);
+  for (size_t i = 0; i < s.w.size(); ++i) s.w[i].copy_(s.p[i]);
+}
+}  // namespace
+
+TEST(FusedAdamW, MatchesATenFusedAdamW) {
+  const std::vector<int64_t> sizes = {4104 * 3, 1, 7, 1000, (1 << 20) + 3};
+  struct Case {
+    at::ScalarType g, w;
+  };
+  for (Case c : {Case{at::kFloat, at::kFloat}, Case{at::kBFloat16, at::kBFloat16},
+                 Case{at::kHalf, at::kHalf}, Case{at::kFloat, at::kBFloat16}}) {
+    AdamState ours = adam_state(sizes, c.g, c.w, 8);
+    AdamState ref = ours;
+    ref.p = clone(ours.p);
+    ref.m = clone(ours.m);
+    ref.v = clone(ours.v);
+    ref.w = clone(ours.w);
+    for (int64_t step = 1; step <= 3; ++step) {
+      K::AdamWStep h;
+      h.lr = 1e-3;
+      h.weight_decay = 0.1;
+      h.step = step;
+      h.grad_divisor = step == 2 ? 4.0 : 1.0;
+      K::fused_adamw(ours.p, ours.g, ours.m, ours.v, ours.w, h);
+      aten_fused_adamw(ref, h);
+    }
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      // Same fp32 operations as ATen's CPU kernel, including the multiply-add its vector loop
+      // contracts: bitwise in practice; the bound allows a few ulp of |p| and of the update.
+      EXPECT_LE(excess(ours.p[i], ref.p[i], 4 * ulp(at::kFloat), 1e-5 * 1e-3), 1.0)
+          << "params " << i << " max diff " << max_abs(ours.p[i] - ref.p[i]) << " m "
+          << max_abs(ours.m[i] - ref.m[i]) << " v " << max_abs(ours.v[i] - ref.v[i]);
+      EXPECT_LE(excess(ours.m[i], ref.m[i], 4 * ulp(at::kFloat), 1e-12), 1.0) << "exp_avg " << i;
+      EXPECT_LE(excess(ours.v[i], ref.v[i], 4 * ulp(at::kFloat), 1e-12), 1.0) << "exp_avg_sq " << i;
+      if (!ours.w.empty()) {
+        EXPECT_LE(excess(ours.w[i], ref.w[i], ulp(c.w), 1e-12), 1.0) << "working " << i;
+        EXPECT_GE(frac_equal(ours.w[i], ref.w[i]), 0.999);
+      }
+    }
+    std::printf("fused_adamw grads %s working %s: params %.5f bitwise equal\n", c10::toString(c.g),
+                c10::toString(c.w), frac_equal(ours.p.back(), ref.p.back()));
+    EXPECT_GE(frac_equal(ours.p.back(), ref.p.back()), 0.99);
+  }
+}
+
+TEST(FusedAdamW, ReferenceMatchesATen) {
+  AdamState ours = adam_state({1000, 33}, at::kBFloat16, at::kBFloat16, 9);
+  AdamState ref = ours;
+  ref.p = clone(ours.p);
+  ref.m = clone(ours.m);
+  ref.v = clone(ours.v);
+  ref.w = clone(ours.w);
+  K::AdamWStep h;
+  h.lr = 3e-4;
+  h.weight_decay = 0.01;
+  h.step = 5;
+  h.grad_divisor = 2.0;
+  K::fused_adamw_reference(ours.p, ours.g, ours.m, ours.v, ours.w, h);
+  aten_fused_adamw(ref, h);
+  for (size_t i = 0; i < 2; ++i) EXPECT_LE(excess(ours.p[i], ref.p[i], 1e-6, 1e-9), 1.0);
+}
+
+// ---- errors ----
+namespace {
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const InputError& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("wrong exception type: ") + e.what();
+  }
+  return "no error";
+}
+}  // namespace
+
+TEST(Errors, NameTheBadArgument) {
+  at::Tensor x = at::randn({4, 8});
+  EXPECT_NE(error_of([&] { K::rms_norm(x, at::ones({7}), 1e-6); }).find("weight has shape"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              K::rms_norm(x, at::ones({8}, at::kBFloat16), 1e-6);
+            }).find("weight has dtype"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              K::rms_norm(x.to(at::kLong), at::ones({8}, at::kLong), 1e-6);
+            }).find("x has dtype"),
+            std::string::npos);
+  at::Tensor q = at::randn({1, 2, 3, 8});
+  EXPECT_NE(error_of([&] {
+              K::apply_rotary(q, at::ones({1, 4, 8}), at::ones({1, 3, 8}));
+            }).find("cos has shape"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              K::apply_rotary(at::randn({1, 2, 3, 7}), at::ones({1, 3, 7}), at::ones({1, 3, 7}));
+            }).find("must be even"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              K::swiglu(at::randn({4, 8}), at::randn({4, 9}));
+            }).find("up has shape"),
+            std::string::npos);
+
+  AdamState s = adam_state({5, 6, 7}, at::kFloat, at::kBFloat16, 10);
+  K::AdamWStep h;
+  auto adam_error = [&](AdamState t) {
+    return error_of([&] { K::fused_adamw(t.p, t.g, t.m, t.v, t.w, h); });
+  };
+  AdamState bad = s;
+  bad.g[2] = at::randn({8});
+  EXPECT_NE(adam_error(bad).find("grads[2] has shape"), std::string::npos) << adam_error(bad);
+  bad = s;
+  bad.m[1] = bad.m[1].to(at::kBFloat16);
+  EXPECT_NE(adam_error(bad).find("exp_avgs[1] must be contiguous float32"), std::string::npos);
+  bad = s;
+  bad.v[0] = at::empty({5}, at::TensorOptions().device(at::kMeta));
+  EXPECT_NE(adam_error(bad).find("exp_avg_sqs[0] is on meta"), std::string::npos)
+      << adam_error(bad);
+  bad = s;
+  bad.w.pop_back();
+  EXPECT_NE(adam_error(bad).find("working has 2 tensors"), std::string::npos);
+  bad = s;
+  bad.g.pop_back();
+  EXPECT_NE(adam_error(bad).find("list lengths differ"), std::string::npos);
+  bad = s;
+  bad.p[1] = at::randn({12}).narrow(0, 0, 6).view({6});
+  bad.p[1] = at::randn({6, 2}).select(1, 0);
+  EXPECT_NE(adam_error(bad).find("params[1] must be contiguous float32"), std::string::npos);
+  h.step = 0;
+  EXPECT_NE(adam_error(s).find("step must be >= 1"), std::string::npos);
+}
+
+TEST(Dispatch, DevicesWithoutKernelsRunTheReference) {
+  EXPECT_TRUE(K::has_fused_kernels(at::ones({1})));
+  at::Tensor x = at::empty({3, 16}, at::TensorOptions().device(at::kMeta));
+  EXPECT_FALSE(K::has_fused_kernels(x));
+  at::Tensor y = K::rms_norm(x, at::empty({16}, x.options()), 1e-6);  // the composite, on meta
+  EXPECT_EQ(y.sizes(), x.sizes());
+  EXPECT_EQ(K::swiglu(x, x).device().type(), at::kMeta);
+}
