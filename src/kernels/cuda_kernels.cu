@@ -456,10 +456,7 @@ __global__ void __launch_bounds__(kAdamBlock) adamw_kernel(AdamWBatch batch, Ada
 bool rms_norm_supported(int64_t h, DType dt) {
   if (h <= 0 || h > (int64_t(1) << 30)) return false;
   bool ok = false;
-  dispatch(dt, [&](auto tag) {
-    using T = decltype(tag);
-    ok = rms_plan<T>(h, true).chunks > 0 && rms_plan<T>(h, false).chunks > 0;
-  });
+  dispatch(dt, [&](auto tag) { ok = rms_plan<decltype(tag)>(h, true).chunks > 0; });
   return ok;
 }
 
@@ -480,15 +477,24 @@ void rms_norm_fwd(const void* x, const void* w, void* y, float* rstd, int64_t ro
   check_launch("rms_norm forward");
 }
 
-int64_t rms_norm_bwd_blocks(int64_t rows) {
-  // Enough resident blocks to fill the GPU at the occupancy of the widest case (2 per SM at
-  // 256 threads and ~100 registers), never more than the rows.
-  return std::max<int64_t>(1, std::min<int64_t>(rows, int64_t(sm_count()) * 2));
+int64_t rms_norm_bwd_blocks(int64_t rows, int64_t h, DType dt) {
+  // As many blocks as can be resident at once (each loops over rows), never more than rows.
+  int per_sm = 1;
+  dispatch(dt, [&](auto tag) {
+    using T = decltype(tag);
+    with_rms_kernel<T>(rms_plan<T>(h, true), [&](auto vec, auto chunks) {
+      check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                &per_sm, rms_bwd_kernel<T, decltype(vec)::value, decltype(chunks)::value>,
+                kRmsBlock, 0),
+            "occupancy");
+    });
+  });
+  return std::max<int64_t>(1, std::min<int64_t>(rows, int64_t(sm_count()) * std::max(1, per_sm)));
 }
 
 void rms_norm_bwd(const void* dy, const void* x, const void* w, const float* rstd, void* dx,
                   float* dw_partial, void* dw, int64_t rows, int64_t h, DType dt, Stream stream) {
-  const int blocks = int(rms_norm_bwd_blocks(rows));
+  const int blocks = int(rms_norm_bwd_blocks(rows, h, dt));
   dispatch(dt, [&](auto tag) {
     using T = decltype(tag);
     const bool al = aligned(x, 16) && aligned(w, 16) && aligned(dy, 16) && aligned(dx, 16);

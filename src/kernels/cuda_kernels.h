@@ -15,12 +15,13 @@ enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
 using Stream = CUstream_st*;
 
 // ---- RMSNorm: x, y [rows, h] contiguous; w [h]; rstd [rows] fp32 ----
-// Whether the register-resident kernels cover this row length (else the caller falls back).
+// Whether the register-resident kernels cover this row length when all pointers are 16-byte
+// aligned (callers re-align misaligned inputs; otherwise they fall back to the composite).
 bool rms_norm_supported(int64_t h, DType dt);
 void rms_norm_fwd(const void* x, const void* w, void* y, float* rstd, int64_t rows, int64_t h,
                   double eps, DType dt, Stream stream);
 // Number of fp32 partial rows of dweight the backward needs: dw_partial is [blocks, h].
-int64_t rms_norm_bwd_blocks(int64_t rows);
+int64_t rms_norm_bwd_blocks(int64_t rows, int64_t h, DType dt);
 void rms_norm_bwd(const void* dy, const void* x, const void* w, const float* rstd, void* dx,
                   float* dw_partial, void* dw, int64_t rows, int64_t h, DType dt, Stream stream);
 

@@ -101,6 +101,10 @@ void check_rms(const at::Tensor& x, const at::Tensor& w) {
 }
 
 #ifdef COLOSSAL_WITH_CUDA
+// t itself when its data is 16-byte aligned, else an aligned copy (a fresh allocation).
+at::Tensor aligned16(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 ? t : t.clone();
+}
 bool cuda_rms_ok(const at::Tensor& x) {
   return cuda::rms_norm_supported(x.size(-1), cuda_dtype(x.scalar_type())) &&
          x.numel() / std::max<int64_t>(1, x.size(-1)) < (int64_t(1) << 31);
@@ -117,7 +121,8 @@ std::pair<at::Tensor, at::Tensor> rms_fwd(const at::Tensor& x, const at::Tensor&
   } else {
 #ifdef COLOSSAL_WITH_CUDA
     c10::DeviceGuard guard(x.device());
-    cuda::rms_norm_fwd(x.const_data_ptr(), w.const_data_ptr(), y.mutable_data_ptr(),
+    const at::Tensor xa = aligned16(x), wa = aligned16(w);
+    cuda::rms_norm_fwd(xa.const_data_ptr(), wa.const_data_ptr(), y.mutable_data_ptr(),
                        rstd.mutable_data_ptr<float>(), rows, h, eps, cuda_dtype(x.scalar_type()),
                        stream_of(x));
 #endif
@@ -136,8 +141,10 @@ std::pair<at::Tensor, at::Tensor> rms_bwd(const at::Tensor& dy, const at::Tensor
 #ifdef COLOSSAL_WITH_CUDA
     c10::DeviceGuard guard(x.device());
     at::Tensor part =
-        at::empty({cuda::rms_norm_bwd_blocks(rows), h}, x.options().dtype(at::kFloat));
-    cuda::rms_norm_bwd(dy.const_data_ptr(), x.const_data_ptr(), w.const_data_ptr(),
+        at::empty({cuda::rms_norm_bwd_blocks(rows, h, cuda_dtype(x.scalar_type())), h},
+                  x.options().dtype(at::kFloat));
+    const at::Tensor dya = aligned16(dy), xa = aligned16(x), wa = aligned16(w);
+    cuda::rms_norm_bwd(dya.const_data_ptr(), xa.const_data_ptr(), wa.const_data_ptr(),
                        rstd.const_data_ptr<float>(), dx.mutable_data_ptr(),
                        part.mutable_data_ptr<float>(), dw.mutable_data_ptr(), rows, h,
                        cuda_dtype(x.scalar_type()), stream_of(x));
