@@ -57,6 +57,13 @@ for phase in "$@"; do
     ours w1 -c 1b -p ddp -b 8 -l 2048 -s 15 -i 3
     ours w1_unfused -c 1b -p ddp -b 8 -l 2048 -s 15 -i 3 --fused_kernels false
     ours w1_cudnn -c 1b -p ddp -b 8 -l 2048 -s 15 -i 3 --attn_backend cudnn ;;
+  graphs)
+    step "CUDA graphs: forward + backward replayed (launch-bound small models vs W1)"
+    for m in tiny 100m; do
+      ours ${m}_eager -c $m -p none -b 8 -l 512 -s 30 -i 5
+      ours ${m}_graph -c $m -p none -b 8 -l 512 -s 30 -i 5 --cuda_graph
+    done
+    ours w1_graph -c 1b -p none -b 8 -l 2048 -s 15 -i 3 --cuda_graph ;;
   w1base)
     step "W1 baseline: eager amp and torch.compile"
     base w1_eager --model 1b --bs 8 --seq 2048 --mode amp

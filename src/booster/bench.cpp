@@ -42,6 +42,16 @@ void BenchConfig::validate() const {
                        "zero2");
   if (!precision.empty()) precision_from_string(precision);
   nn::checkpoint_mode_from_string(checkpointing);
+  if (cuda_graph) {
+    COLOSSAL_CHECK_INPUT(device == "cuda", "--cuda_graph needs --device cuda, got '", device, "'");
+    COLOSSAL_CHECK_INPUT(warmup >= 1,
+                         "--cuda_graph needs -i/--ignore_steps >= 1 (an eager step before capture)");
+    COLOSSAL_CHECK_INPUT(checkpointing == "none",
+                         "--cuda_graph with activation checkpointing is not supported (the recompute "
+                         "reads the RNG state on the host)");
+    COLOSSAL_CHECK_INPUT(precision != "fp16",
+                         "--cuda_graph with fp16 is not supported (the loss scaler decides on the host)");
+  }
   COLOSSAL_CHECK_INPUT(ckpt_layers >= -1, "--ckpt_layers must be >= 0 (or -1 for every layer), got ",
                        ckpt_layers);
   COLOSSAL_CHECK_INPUT(attn_backend == "auto" || attn_backend == "flash" || attn_backend == "cudnn" ||
@@ -91,6 +101,7 @@ json::Value BenchReport::to_json() const {
   c.set("ckpt_layers", config.ckpt_layers);
   c.set("attn_backend", config.attn_backend);
   c.set("fused_kernels", config.fused_kernels);
+  c.set("cuda_graph", config.cuda_graph);
   c.set("flash_attention", config.flash_attention);
   c.set("fused_ce", config.fused_ce);
   c.set("batch_per_dp_rank", config.batch);
@@ -128,12 +139,16 @@ json::Value BenchReport::to_json() const {
 }
 
 std::string BenchReport::to_text() const {
+  const std::string ckpt =
+      config.checkpointing == "none" || config.ckpt_layers < 0
+          ? config.checkpointing
+          : str(config.checkpointing, " (first ", config.ckpt_layers, " layers)");
   char buf[2048];
   std::snprintf(
       buf, sizeof buf,
       "colossal bench: %s (%.3fB params, %lld layers, hidden %lld, vocab %lld)\n"
       "  plugin %s, %s on %s, %d rank(s) (dp %d), batch %lld per dp rank, seq %lld, "
-      "grad checkpoint %s (%s layers), attention %s, fused kernels %s, fused CE %s\n"
+      "grad checkpoint %s, attention %s, fused kernels %s, fused CE %s, CUDA graph %s\n"
       "  steps %lld (first %lld ignored), median step %.4f s (mean %.4f s)\n"
       "  throughput: %.1f tokens/s/GPU, %.1f tokens/s total, %.3f samples/s\n"
       "  model TFLOPS/GPU (6N + 12LhS per token, no recompute): %.3f, MFU vs 989 TFLOPS: %.4f\n"
@@ -143,10 +158,9 @@ std::string BenchReport::to_text() const {
       config.model.c_str(), static_cast<double>(n_params) / 1e9, (long long)layers,
       (long long)hidden, (long long)vocab, config.plugin.c_str(), precision.c_str(),
       config.device.c_str(), world_size, dp_size, (long long)config.batch,
-      (long long)config.seq_len, config.checkpointing.c_str(),
-      config.ckpt_layers < 0 ? "all" : std::to_string(config.ckpt_layers).c_str(),
+      (long long)config.seq_len, ckpt.c_str(),
       config.attn_backend.c_str(), config.fused_kernels ? "on" : "off",
-      config.fused_ce ? "on" : "off",
+      config.fused_ce ? "on" : "off", config.cuda_graph ? "on" : "off",
       (long long)config.steps, (long long)config.warmup, median_step_s, mean_step_s,
       tokens_per_s_per_gpu, tokens_per_s, samples_per_s, model_tflops_per_gpu, mfu_989,
       colossalai_tflops_per_gpu, megatron_tflops_per_gpu, peak_memory_mib, peak_memory_kind.c_str(),
@@ -242,6 +256,22 @@ BenchReport run_bench(const BenchConfig& c) {
   auto sync = [&] {
     if (device.is_cuda()) Accelerator::cuda().synchronize();
   };
+  // --cuda_graph: everything runs on a side stream (CUDA cannot capture the default one); the
+  // eager warm-up steps run there too, then forward + backward is captured once (untimed) and
+  // every timed step refills the static inputs, replays it and steps the optimizer. The graph
+  // writes the gradients in place, so they are never set to none between steps.
+  std::unique_ptr<CudaGraph> graph;
+  at::Tensor graph_ids, graph_targets, graph_loss;
+  if (c.cuda_graph) {
+    COLOSSAL_CHECK_INPUT(!distributed, "--cuda_graph runs one process (no gradient collectives in the graph)");
+    Accelerator::cuda().set_stream(Accelerator::cuda().new_stream());
+  }
+  auto forward_backward = [&](const at::Tensor& ids, const at::Tensor& targets) {
+    at::Tensor loss = c.fused_ce ? model->forward_loss(ids, targets, c.ce_chunk_tokens)
+                                 : nn::causal_lm_loss(model->forward(ids), ids);
+    booster.backward(loss, opt);
+    return loss;
+  };
   if (device.is_cuda()) Accelerator::cuda().reset_peak_memory_stats();
   std::vector<double> times;
   double last_loss = 0;
@@ -251,17 +281,30 @@ BenchReport run_bench(const BenchConfig& c) {
                          .to(device);
     // Next-token targets (HF's shift; the last position has none).
     at::Tensor targets = at::constant_pad_nd(ids.narrow(1, 1, c.seq_len - 1), {0, 1}, -100);
+    const bool replay = c.cuda_graph && s >= c.warmup;
+    if (replay && !graph) {
+      graph_ids = ids.clone();
+      graph_targets = targets.clone();
+      opt.zero_grad(true);
+      sync();
+      graph = std::make_unique<CudaGraph>();
+      graph->capture([&] { graph_loss = forward_backward(graph_ids, graph_targets); });
+      sync();
+    }
     sync();
     auto t0 = std::chrono::steady_clock::now();
     at::Tensor loss;
-    if (c.fused_ce) {
-      loss = model->forward_loss(ids, targets, c.ce_chunk_tokens);
+    if (replay) {
+      graph_ids.copy_(ids);
+      graph_targets.copy_(targets);
+      graph->replay();
+      loss = graph_loss;
+      opt.step();
     } else {
-      loss = nn::causal_lm_loss(model->forward(ids), ids);
+      loss = forward_backward(ids, targets);
+      opt.step();
+      opt.zero_grad(true);
     }
-    booster.backward(loss, opt);
-    opt.step();
-    opt.zero_grad(true);
     sync();
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     last_loss = loss.item<double>();

@@ -93,6 +93,7 @@ int run_bench(int argc, char** argv) {
               "true")
       .option("ckpt_layers", "recompute only the first N decoder layers (with -g/--ckpt_mode)", "-1")
       .option("attn_backend", "SDPA backend: auto | flash | cudnn | efficient | math", "auto")
+      .flag("cuda_graph", "capture forward + backward once, replay it every timed step (cuda)")
       .option("ce_chunk_tokens", "tokens per chunk of the fused cross-entropy", "1024")
       .option("tp", "tensor parallel size (only 1)", "1")
       .option("sp", "sequence parallel size (only 1)", "1")
@@ -150,6 +151,7 @@ int run_bench(int argc, char** argv) {
   if (a.given("ckpt_layers") && c.checkpointing == "none")
     throw InputError("--ckpt_layers needs -g or --ckpt_mode (it says how many layers recompute)");
   c.attn_backend = a.str("attn_backend");
+  c.cuda_graph = a.on("cuda_graph");
   c.ce_chunk_tokens = a.i64("ce_chunk_tokens");
   c.precision = a.has("precision") ? a.str("precision") : "";
   c.device = a.has("device") ? a.str("device") : "";

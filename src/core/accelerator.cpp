@@ -15,6 +15,7 @@
 #ifdef COLOSSAL_TORCH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGraph.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -394,6 +395,57 @@ std::vector<std::string>& kernels() {
   return k;
 }
 }  // namespace
+
+#ifdef COLOSSAL_TORCH_CUDA
+struct CudaGraph::Impl {
+  at::cuda::CUDAGraph graph;
+  bool captured = false;
+};
+#else
+struct CudaGraph::Impl {
+  bool captured = false;
+};
+#endif
+
+CudaGraph::CudaGraph() {
+  COLOSSAL_CHECK_INPUT(Accelerator::cuda().available(),
+                       "CUDA graphs need a CUDA build of LibTorch and a visible GPU");
+  impl_ = std::make_unique<Impl>();
+}
+CudaGraph::~CudaGraph() = default;
+
+void CudaGraph::capture(const std::function<void()>& fn) {
+  COLOSSAL_CHECK(!impl_->captured, "CudaGraph::capture: this graph is already captured");
+#ifdef COLOSSAL_TORCH_CUDA
+  COLOSSAL_CHECK(c10::cuda::getCurrentCUDAStream() != c10::cuda::getDefaultCUDAStream(),
+                 "CudaGraph::capture: set a side stream first (CUDA cannot capture the default "
+                 "stream)");
+  impl_->graph.capture_begin();
+  try {
+    fn();
+  } catch (...) {
+    // End the capture so the stream is usable again, then report the original error.
+    try {
+      impl_->graph.capture_end();
+    } catch (...) {
+    }
+    throw;
+  }
+  impl_->graph.capture_end();
+  impl_->captured = true;
+#else
+  (void)fn;
+#endif
+}
+
+void CudaGraph::replay() {
+  COLOSSAL_CHECK(impl_->captured, "CudaGraph::replay before capture");
+#ifdef COLOSSAL_TORCH_CUDA
+  impl_->graph.replay();
+#endif
+}
+
+bool CudaGraph::captured() const { return impl_->captured; }
 
 bool register_cuda_kernel(const char* name) {
   std::lock_guard<std::mutex> lock(kernels_mu());

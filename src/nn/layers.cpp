@@ -203,7 +203,12 @@ std::pair<at::Tensor, at::Tensor> RotaryEmbedding::forward(const at::Tensor& pos
       max_seq_len_cached_ = original_max_seq_len_;
     }
   }
-  at::Tensor inv = inv_freq_.to(positions.device());
+  if (!inv_freq_device_.defined() || inv_freq_device_.device() != positions.device() ||
+      !inv_freq_device_src_.is_same(inv_freq_)) {
+    inv_freq_device_ = inv_freq_.to(positions.device());
+    inv_freq_device_src_ = inv_freq_;
+  }
+  const at::Tensor& inv = inv_freq_device_;
   // [B, D/2, 1] @ [B, 1, S] -> [B, D/2, S] -> [B, S, D/2]
   at::Tensor freqs = at::matmul(inv.unsqueeze(0).unsqueeze(-1).expand({positions.size(0), -1, 1}),
                                 positions.unsqueeze(1).to(at::kFloat))

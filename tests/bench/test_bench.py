@@ -161,6 +161,7 @@ def test_two_ranks_per_gpu_figures(tmp_path, hf_config):
     (["--fused_ce", "maybe"], "--fused_ce"),
     (["--ce_chunk_tokens", "0"], "ce_chunk_tokens"),
     (["--fused_kernels", "maybe"], "--fused_kernels"),
+    (["--cuda_graph"], "--cuda_graph needs --device cuda"),
     (["--attn_backend", "fa9"], "--attn_backend must be"),
     (["--ckpt_layers", "1"], "--ckpt_layers needs -g"),
     (["-g", "--ckpt_layers", "9"], "owns only 4 decoder layers"),

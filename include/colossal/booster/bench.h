@@ -21,6 +21,7 @@ struct BenchConfig {
   int64_t ckpt_layers = -1;            // recompute only the first N decoder layers (-1: all)
   std::string attn_backend = "auto";   // SDPA backend: auto | flash | cudnn | efficient | math
   bool fused_kernels = true;           // kernels/fused.h (RMSNorm, rotary, SwiGLU, AdamW)
+  bool cuda_graph = false;             // replay forward + backward as one CUDA graph
   bool flash_attention = false;        // -x: recorded; SDPA picks its flash kernel on GPU by itself
   bool overlap_allgather = false;      // low_level_zero's background weight all-gather
   bool fused_ce = true;  // loss by CausalLM::forward_loss (no full logits), as colossal train

@@ -8,6 +8,7 @@
 #include <c10/core/Stream.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -69,6 +70,30 @@ class Accelerator {
   virtual void set_rng_state(const at::Tensor& state, int index = -1) = 0;
   virtual void manual_seed(uint64_t seed) = 0;  // every device of this kind
   virtual uint64_t initial_seed(int index = -1) const = 0;
+};
+
+// A CUDA graph: the kernels `fn` launches are captured once and replayed as one launch, which
+// removes the per-kernel launch cost of small, launch-bound steps. `fn` must run entirely on the
+// current stream (capture() needs a side stream set with Accelerator::set_stream, as CUDA
+// forbids capturing the legacy default stream), must not synchronise with the host (no .item(),
+// no copies from pageable memory), and must have been run eagerly on that stream before, so
+// that libraries have created their handles and workspaces. Tensors `fn` allocates come from
+// the graph's private memory pool, live as long as the graph, and are rewritten in place by
+// every replay(); inputs must be static tensors the caller refills. Without CUDA in this build,
+// or with no GPU, the constructor throws InputError.
+class CudaGraph {
+ public:
+  CudaGraph();
+  ~CudaGraph();
+  CudaGraph(const CudaGraph&) = delete;
+  CudaGraph& operator=(const CudaGraph&) = delete;
+  void capture(const std::function<void()>& fn);
+  void replay();  // on the current stream
+  bool captured() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
 };
 
 // Build and device facts for `colossal check`.

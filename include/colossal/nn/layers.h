@@ -85,6 +85,9 @@ class RotaryEmbedding : public Module {
  private:
   ModelConfig cfg_;
   at::Tensor inv_freq_, original_inv_freq_;  // CPU fp32 (not parameters nor buffers)
+  // inv_freq_ on the device of the last forward (no host-to-device copy per step, which would
+  // also break CUDA graph capture), and the CPU tensor it was copied from.
+  at::Tensor inv_freq_device_, inv_freq_device_src_;
   int64_t max_seq_len_cached_, original_max_seq_len_;
 };
 
