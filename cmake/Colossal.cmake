@@ -5,7 +5,8 @@
 function(colossal_project_flags target)
   # -fPIC everywhere (not the PIE/PIC property) so one precompiled header serves libraries and
   # executables alike.
-  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-fPIC -Wall -Wextra -Wno-unused-parameter>)
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-fPIC -Wall -Wextra -Wno-unused-parameter>
+                         $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-fPIC>)
   if(COLOSSAL_WERROR)
     target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Werror>)
   endif()
