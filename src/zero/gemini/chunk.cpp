@@ -192,23 +192,32 @@ bool Chunk::grad_complete() const {
 }
 
 at::Tensor Chunk::reduce_grad(c10::optional<at::ScalarType> comm_dtype) {
+  PendingReduce r = reduce_grad_async(comm_dtype);
+  r.work.wait();
+  return r.out;
+}
+
+Chunk::PendingReduce Chunk::reduce_grad_async(c10::optional<at::ScalarType> comm_dtype) {
   c10::NoGradGuard no_grad;
   at::ScalarType dt = comm_dtype ? *comm_dtype : dtype_;
-  at::Tensor full = grad_full_.defined()
-                        ? grad_full_
-                        : at::zeros({size_}, at::TensorOptions().dtype(dtype_).device(device_));
-  if (full.scalar_type() != dt) full = full.to(dt);
+  PendingReduce r;
+  r.in = grad_full_.defined()
+             ? grad_full_
+             : at::zeros({size_}, at::TensorOptions().dtype(dtype_).device(device_));
+  if (r.in.scalar_type() != dt) r.in = r.in.to(dt);
   grad_full_ = at::Tensor();
   for (auto& t : tensors_) t.grad_ready = false;
   const int W = comm_.valid() ? comm_.size() : 1;
-  if (W == 1) return full;
-  if (shards_ > 1) {
-    at::Tensor out = at::empty({shard_size()}, full.options());
-    comm_.reduce_scatter(out, full, dist::ReduceOp::Avg);
-    return out;
+  if (W == 1) {
+    r.out = r.in;
+  } else if (shards_ > 1) {
+    r.out = at::empty({shard_size()}, r.in.options());
+    r.work = comm_.reduce_scatter(r.out, r.in, dist::ReduceOp::Avg, /*async_op=*/true);
+  } else {
+    r.out = r.in;
+    r.work = comm_.all_reduce(r.out, dist::ReduceOp::Avg, /*async_op=*/true);
   }
-  comm_.all_reduce(full, dist::ReduceOp::Avg);
-  return full;
+  return r;
 }
 
 int64_t Chunk::shard_bytes() const {

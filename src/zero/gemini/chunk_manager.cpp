@@ -21,6 +21,7 @@
 #include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
+#include "colossal/kernels/fused.h"
 #include "colossal/nn/causal_lm.h"
 #include "colossal/optim/adamw.h"
 #include "colossal/optim/cpu_adam.h"
@@ -325,6 +326,11 @@ ChunkManager::ChunkManager(torch::nn::Module& model, dist::Communicator comm, Ge
 
 ChunkManager::~ChunkManager() {
   alive_.reset();
+  try {
+    finish_reduces(0);
+  } catch (const std::exception& e) {
+    log_error("gemini: in-flight gradient reduction failed at shutdown: ", e.what());
+  }
   for (auto& c : chunks_) {
     try {
       c->wait_gather();
@@ -465,12 +471,9 @@ void ChunkManager::reduce_chunk(int c) {
     ch.set_state(k, TensorState::HoldAfterBwd);
     ch.set_state(k, TensorState::ReadyForReduce);
   }
-  at::Tensor part = ch.reduce_grad(options_.communication_dtype);
-  OptimChunk& oc = optim_[static_cast<size_t>(c)];
-  if (oc.grad.defined()) {
-    c10::NoGradGuard no_grad;
-    oc.grad.add_(part.to(oc.grad.device(), at::kFloat));
-  }
+  // Asynchronous (NCCL: on the communicator's stream, overlapping the rest of backward); at
+  // most two in flight, the rest finished by finish_backward().
+  in_flight_.push_back({c, ch.reduce_grad_async(options_.communication_dtype)});
   ch.set_all(TensorState::ReadyForReduce, TensorState::Hold);
   for (auto& ti : info_[static_cast<size_t>(c)]) ti.needed = false;
   bool busy = false;
@@ -481,6 +484,21 @@ void ChunkManager::reduce_chunk(int c) {
     external_[static_cast<size_t>(c)] = 0;
   }
   reduced_[static_cast<size_t>(c)] = 1;
+  finish_reduces(2);
+}
+
+void ChunkManager::finish_reduces(size_t keep) {
+  size_t done = 0;
+  while (in_flight_.size() - done > keep) {
+    InFlight& f = in_flight_[done++];
+    f.r.work.wait();
+    OptimChunk& oc = optim_[static_cast<size_t>(f.chunk)];
+    if (oc.grad.defined()) {
+      c10::NoGradGuard no_grad;
+      oc.grad.add_(f.r.out.to(oc.grad.device(), at::kFloat));
+    }
+  }
+  in_flight_.erase(in_flight_.begin(), in_flight_.begin() + static_cast<std::ptrdiff_t>(done));
 }
 
 void ChunkManager::finish_backward() {
@@ -516,6 +534,7 @@ void ChunkManager::finish_backward() {
       if (any) reduce_chunk(c);
     }
   }
+  finish_reduces(0);
   next_reduce_ = 0;
   std::fill(reduced_.begin(), reduced_.end(), 0);
   for (auto& v : info_)
@@ -689,6 +708,7 @@ void ChunkManager::bind_optimizer(std::shared_ptr<optim::Optimizer> inner) {
 }
 
 double ChunkManager::grad_norm(double scale) {
+  finish_reduces(0);
   std::vector<at::Tensor> grads;
   for (size_t i = 0; i < chunks_.size(); ++i) {
     const Chunk& c = *chunks_[i];
@@ -716,6 +736,7 @@ double ChunkManager::grad_norm(double scale) {
 
 void ChunkManager::step(double divisor) {
   COLOSSAL_CHECK(inner_, "gemini: step() without an optimizer");
+  finish_reduces(0);
   release_all(true);  // gathered copies would be stale after the update
   if (options_.placement_policy == "auto" && !warmed_up_) {
     order_frozen_ = true;
@@ -786,8 +807,9 @@ void ChunkManager::step(double divisor) {
     if (key.host) {
       optim::cpu_adam_update(l.P, l.G, l.M, l.V, key.step, h, divisor, l.W);
     } else {
-      optim::adamw_update(l.P, l.G, l.M, l.V, key.step, h, optim::AdamWImpl::Auto, divisor);
-      for (size_t j = 0; j < l.P.size(); ++j) l.W[j].copy_(l.P[j]);
+      // One multi-tensor pass: master update and the cast into the working shard.
+      kernels::AdamWStep k{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, key.step, divisor};
+      kernels::fused_adamw(l.P, l.G, l.M, l.V, l.W, k);
     }
   }
   for (auto& [dst, src] : copies) dst.copy_(src, /*non_blocking=*/pin_);
@@ -796,6 +818,7 @@ void ChunkManager::step(double divisor) {
 }
 
 void ChunkManager::zero_grad() {
+  finish_reduces(0);
   for (size_t i = 0; i < chunks_.size(); ++i) {
     if (optim_[i].grad.defined()) optim_[i].grad.zero_();
     for (auto& ti : info_[i]) ti.had_grad = false;

@@ -114,6 +114,13 @@ class Chunk {
   // dtype or `comm_dtype`); the full gradient buffer is freed. A rank with no gradient
   // contributes zeros.
   at::Tensor reduce_grad(c10::optional<at::ScalarType> comm_dtype = c10::nullopt);
+  // The same, launched asynchronously: `out` is valid once `work` is waited for (`in` must stay
+  // alive until then).
+  struct PendingReduce {
+    dist::Work work;
+    at::Tensor in, out;
+  };
+  PendingReduce reduce_grad_async(c10::optional<at::ScalarType> comm_dtype = c10::nullopt);
 
   // Byte counts (for the manager's accounting).
   int64_t shard_bytes() const;

@@ -159,6 +159,7 @@ class ChunkManager {
   void record_access(int chunk);
   void prefetch_after(int chunk);
   void reduce_chunk(int chunk);
+  void finish_reduces(size_t keep);  // completes in-flight reductions until `keep` remain
   void update_peak();
   void arm_finish();
   void auto_place(bool warmup);
@@ -183,6 +184,11 @@ class ChunkManager {
   std::vector<char> reduced_;   // this backward
   size_t next_reduce_ = 0;      // into reduce_order_
   std::vector<int> reduce_order_;
+  struct InFlight {
+    int chunk;
+    Chunk::PendingReduce r;
+  };
+  std::vector<InFlight> in_flight_;  // launch order
   bool armed_ = false;
   bool warmed_up_ = false;
   bool pin_ = false;
