@@ -12,6 +12,7 @@
 
 #include "colossal/booster/booster.h"
 #include "colossal/booster/ddp_plugin.h"
+#include "colossal/booster/gemini_plugin.h"
 #include "colossal/booster/zero_plugin.h"
 #include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
@@ -36,10 +37,11 @@ void BenchConfig::validate() const {
   COLOSSAL_CHECK_INPUT(device == "cpu" || device == "cuda", "--device must be cpu or cuda, got '",
                        device, "'");
   COLOSSAL_CHECK_INPUT(plugin == "none" || plugin == "ddp" || plugin == "low_level_zero" ||
-                           plugin == "zero1" || plugin == "zero2",
+                           plugin == "zero1" || plugin == "zero2" || plugin == "gemini" ||
+                           plugin == "gemini_auto",
                        "-p/--plugin '", plugin,
-                       "' is not a plugin of colossal.cpp: use none, ddp, low_level_zero, zero1 or "
-                       "zero2");
+                       "' is not a plugin of colossal.cpp: use none, ddp, low_level_zero, zero1, "
+                       "zero2, gemini or gemini_auto");
   if (!precision.empty()) precision_from_string(precision);
   nn::checkpoint_mode_from_string(checkpointing);
   if (cuda_graph) {
@@ -208,6 +210,14 @@ BenchReport run_bench(const BenchConfig& c) {
                          "-p none runs one process; use ddp or a zero plugin under "
                          "`colossal run`");
     plugin = std::make_shared<NonePlugin>(ddp.precision, c.device, ddp.loss_scale);
+  } else if (c.plugin == "gemini" || c.plugin == "gemini_auto") {
+    // ColossalAI's benchmark: gemini = static placement (ZeRO-3 defaults), gemini_auto = auto.
+    GeminiPluginOptions gemini;
+    gemini.precision = precision;
+    gemini.device = c.device;
+    gemini.loss_scale = ddp.loss_scale;
+    gemini.placement_policy = c.plugin == "gemini_auto" ? "auto" : "static";
+    plugin = std::make_shared<GeminiPlugin>(gemini);
   } else {
     ZeroOptions zero;
     zero.stage = c.plugin == "zero2" ? 2 : 1;
