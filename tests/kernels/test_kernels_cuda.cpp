@@ -115,7 +115,9 @@ TEST(CudaKernels, RmsNorm) {
       ASSERT_TRUE(all_finite(y)) << what;
       at::Tensor yr = K::rms_norm_reference(xg, wg, 1e-6);
       at::Tensor yc = K::rms_norm(x0, w0, 1e-6);
-      const double tol = dt == at::kFloat ? 4 * ulp(dt) : ulp(dt);
+      // rstd differs from ATen's in the last fp32 bit now and then (another summation order),
+      // which can flip the rounding of x * rstd to the dtype: two ulp of the output at most.
+      const double tol = dt == at::kFloat ? 4 * ulp(dt) : 2 * ulp(dt);
       EXPECT_LE(excess(y, yr, tol, 1e-30), 1.0) << what;
       EXPECT_LE(excess(y, yc, tol, 1e-30), 1.0) << what;
       std::printf("rms_norm fwd %s: %.5f bitwise equal to ATen CUDA, %.5f to our CPU path\n",
