@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -29,10 +30,17 @@ void check_launch(const char* what) {
   check(cudaGetLastError(), what);
 }
 
+// Multiprocessors of the current device (queried once per device).
 int sm_count() {
-  int dev = 0, n = 0;
+  static std::atomic<int> cache[64];
+  int dev = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
+  if (dev >= 0 && dev < 64) {
+    if (const int n = cache[dev].load(std::memory_order_relaxed)) return n;
+  }
+  int n = 0;
   check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev), "SM count");
+  if (dev >= 0 && dev < 64) cache[dev].store(n, std::memory_order_relaxed);
   return n;
 }
 
