@@ -267,15 +267,22 @@ ChunkManager::ChunkManager(torch::nn::Module& model, dist::Communicator comm, Ge
         std::make_unique<Chunk>(static_cast<int>(ci), pl.size, g.dtype, device_, sharded, comm_);
     for (size_t k : pl.members) chunk->append(g.params[k].first, g.params[k].second);
     OptimChunk oc;
-    oc.place = (!is_auto && s < T * o.offload_optim_frac - 0.5) ? Place::Host : Place::Device;
+    // auto starts on the host; its warm-up placement below brings what fits to the device.
+    oc.place = (is_auto || s < T * o.offload_optim_frac - 0.5) ? Place::Host : Place::Device;
     param_place.push_back((!is_auto && sharded && s >= T * (1.0 - o.offload_param_frac) - 0.5 &&
                            o.offload_param_frac > 0)
                               ? Place::Host
                               : Place::Device);
     if (g.grad) {
       // fp32 masters from the values before the cast (or the parameters themselves).
+      // Allocated where it will live: a model whose fp32 state does not fit the device never
+      // has it there, even during construction.
       oc.master =
-          at::zeros({chunk->shard_size()}, at::TensorOptions().dtype(at::kFloat).device(device_));
+          at::zeros({chunk->shard_size()},
+                    at::TensorOptions().dtype(at::kFloat).device(place_device(*chunk, oc.place)));
+      if (oc.place == Place::Host && pin_) oc.master = oc.master.pin_memory();
+      oc.grad = at::zeros_like(oc.master);
+      if (oc.place == Place::Host && pin_) oc.grad = oc.grad.pin_memory();
       for (auto& t : chunk->tensors()) {
         auto [a, b] = own_range(*chunk, t);
         if (a >= b) continue;
@@ -284,7 +291,6 @@ ChunkManager::ChunkManager(torch::nn::Module& model, dist::Communicator comm, Ge
         oc.master.narrow(0, a - chunk->shard_begin(), b - a)
             .copy_(full.narrow(0, a - t.offset, b - a));
       }
-      oc.grad = at::zeros_like(oc.master);
     }
     chunks_.push_back(std::move(chunk));
     optim_.push_back(std::move(oc));
@@ -299,10 +305,6 @@ ChunkManager::ChunkManager(torch::nn::Module& model, dist::Communicator comm, Ge
       where_[c.tensors()[k].param.unsafeGetTensorImpl()] = {static_cast<int>(ci), k};
     c.release();
     c.move_param_shard(param_place[ci]);
-    if (optim_[ci].master.defined() && optim_[ci].place == Place::Host) {
-      optim_[ci].place = Place::Device;
-      move_optim(ci, Place::Host);
-    }
     if (c.num_grad_tensors() > 0) reduce_order_.push_back(static_cast<int>(ci));
   }
   std::reverse(reduce_order_.begin(), reduce_order_.end());  // backward meets the last chunks first
@@ -348,6 +350,13 @@ std::pair<int64_t, int64_t> ChunkManager::own_range(const Chunk& c, const ChunkT
 
 at::Device ChunkManager::place_device(const Chunk& c, Place p) const {
   return p == Place::Device ? c.device() : at::Device(at::kCPU);
+}
+
+at::Tensor ChunkManager::new_f32(size_t i, Place p) const {
+  at::Tensor t =
+      at::zeros({chunks_[i]->shard_size()},
+                at::TensorOptions().dtype(at::kFloat).device(place_device(*chunks_[i], p)));
+  return p == Place::Host && pin_ ? t.pin_memory() : t;
 }
 
 void ChunkManager::move_optim(size_t ci, Place to) {
@@ -767,8 +776,8 @@ void ChunkManager::step(double divisor) {
     for (auto& ti : info_[i]) any = any || (ti.group >= 0 && ti.had_grad);
     if (!any) continue;
     if (!oc.exp_avg.defined()) {
-      oc.exp_avg = at::zeros_like(oc.master);
-      oc.exp_avg_sq = at::zeros_like(oc.master);
+      oc.exp_avg = new_f32(i, oc.place);
+      oc.exp_avg_sq = new_f32(i, oc.place);
     }
     const bool host = oc.place == Place::Host;
     // Where the CPU Adam writes the cast weights: straight into a host parameter shard, else a
