@@ -952,8 +952,8 @@ void ChunkManager::load_state_dict(const optim::StateDict& sd) {
       COLOSSAL_CHECK_INPUT(ea && eas, "optimizer state lacks tensor '", t.name, ".",
                            ea ? "exp_avg_sq" : "exp_avg", "'");
       if (!oc.exp_avg.defined()) {
-        oc.exp_avg = at::zeros_like(oc.master);
-        oc.exp_avg_sq = at::zeros_like(oc.master);
+        oc.exp_avg = new_f32(i, oc.place);
+        oc.exp_avg_sq = new_f32(i, oc.place);
       }
       if (n > 0) {
         oc.exp_avg.narrow(0, s0, n).copy_(own(*ea));
