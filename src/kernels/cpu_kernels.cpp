@@ -25,6 +25,9 @@ int max_threads() {
   return std::max(1, std::min(hw, at::get_num_threads()));
 }
 
+// Elements per thread below which a thread is not worth starting (spawn ~ tens of us).
+constexpr int64_t kGrain = int64_t(1) << 18;
+
 // Threads for n work items of which each thread should get at least `grain`.
 int threads_for(int64_t n, int64_t grain) {
   return static_cast<int>(
@@ -85,7 +88,7 @@ void rms_norm_fwd(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, at::T
     T* yp = y.mutable_data_ptr<T>();
     float* rp = rstd.mutable_data_ptr<float>();
     const float epsf = static_cast<float>(eps), hf = static_cast<float>(h);
-    parallel(rows, threads_for(rows * h, 1 << 16), [&](int, int64_t b, int64_t e) {
+    parallel(rows, threads_for(rows * h, kGrain), [&](int, int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
         const T* xr = xp + r * h;
         T* yr = yp + r * h;
@@ -117,14 +120,15 @@ void rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w
     const T* wp = w.const_data_ptr<T>();
     const float* rp = rstd.const_data_ptr<float>();
     T* dxp = dx.mutable_data_ptr<T>();
-    const int nt = threads_for(rows * h, 1 << 16);
-    // Per-thread fp32 partial sums of dweight, added in thread order (deterministic).
-    std::vector<float> part(static_cast<size_t>(nt) * h, 0.f);
+    const int nt = threads_for(rows * h, kGrain);
+    // Per-thread partial sums of dweight (fp32 products, double accumulators: a long run of
+    // rows adds no fp32 error), added in thread order (deterministic).
+    std::vector<double> part(static_cast<size_t>(nt) * h, 0.0);
     std::vector<float> wf(h);
     for (int64_t i = 0; i < h; ++i) wf[i] = static_cast<float>(wp[i]);
     const float inv_h = 1.f / static_cast<float>(h);
     parallel(rows, nt, [&](int t, int64_t b, int64_t e) {
-      float* acc = part.data() + static_cast<size_t>(t) * h;
+      double* acc = part.data() + static_cast<size_t>(t) * h;
       std::vector<float> n(h), dn(h);
       for (int64_t r = b; r < e; ++r) {
         const T* xr = xp + r * h;
@@ -145,9 +149,9 @@ void rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w
     });
     T* dwp = dw.mutable_data_ptr<T>();
     for (int64_t i = 0; i < h; ++i) {
-      float s = 0.f;
+      double s = 0.0;
       for (int t = 0; t < nt; ++t) s += part[static_cast<size_t>(t) * h + i];
-      dwp[i] = static_cast<T>(s);
+      dwp[i] = static_cast<T>(static_cast<float>(s));
     }
   });
 }
@@ -163,7 +167,7 @@ void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, a
     const T* sp = sin.const_data_ptr<T>();
     T* yp = y.mutable_data_ptr<T>();
     const int64_t rows = B * H * S;
-    parallel(rows, threads_for(rows * D, 1 << 16), [&](int, int64_t b0, int64_t e0) {
+    parallel(rows, threads_for(rows * D, kGrain), [&](int, int64_t b0, int64_t e0) {
       for (int64_t r = b0; r < e0; ++r) {
         const int64_t s = r % S, hd = (r / S) % H, b = r / (S * H);
         const T* xr = xp + b * x.stride(0) + hd * x.stride(1) + s * x.stride(2);
@@ -195,7 +199,7 @@ void swiglu_fwd(const at::Tensor& gate, const at::Tensor& up, at::Tensor& y) {
     const T* gp = gate.const_data_ptr<T>();
     const T* up_ = up.const_data_ptr<T>();
     T* yp = y.mutable_data_ptr<T>();
-    parallel(n, threads_for(n, 1 << 16), [&](int, int64_t b, int64_t e) {
+    parallel(n, threads_for(n, kGrain), [&](int, int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
         const float g = static_cast<float>(gp[i]);
         const float s = g / (1.f + std::exp(-g));
@@ -215,7 +219,7 @@ void swiglu_bwd(const at::Tensor& dy, const at::Tensor& gate, const at::Tensor& 
     const T* up_ = up.const_data_ptr<T>();
     T* dgp = dgate.mutable_data_ptr<T>();
     T* dup_ = dup.mutable_data_ptr<T>();
-    parallel(n, threads_for(n, 1 << 16), [&](int, int64_t b, int64_t e) {
+    parallel(n, threads_for(n, kGrain), [&](int, int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
         const float d = static_cast<float>(dp[i]), g = static_cast<float>(gp[i]);
         const float ex = std::exp(-g);
