@@ -108,7 +108,9 @@ void Chunk::point_params_at_full() {
 }
 
 void Chunk::point_params_at_placeholder() {
-  for (auto& t : tensors_) t.param.set_data(placeholder_.expand(t.param.sizes()));
+  for (auto& t : tensors_)
+    t.param.set_data(t.param.dim() == 0 ? placeholder_.reshape({})
+                                        : placeholder_.expand(t.param.sizes()));
 }
 
 void Chunk::set_state(size_t k, TensorState to) {
