@@ -3,7 +3,7 @@
 # micro-benchmarks, then `colossal bench` and the PyTorch + HF baseline
 # (bench/baseline/hf_llama_baseline.py, a verbatim copy of shared/bench/hf_llama_baseline.py)
 # side by side. Phases are picked by arguments, in order:
-#   scripts/device_bench.sh build kernels w1 w1base w2 w2base
+#   scripts/device_bench.sh build kernels graphs w1 w1base w1compile w2 w2base
 # Logs and JSON go to $OUT; the last lines printed are a summary table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +35,20 @@ base() {  # base NAME baseline-args...
 }
 for phase in "$@"; do
   case $phase in
+  prebuilt)
+    # Binaries built on the CI-class machine against the same torch 2.11.0+cu130 wheel
+    # (scripts/device_pack.sh -> build-carry, passed in `carry`): point the loader at this
+    # machine's torch and CUDA libraries; if they do not start here, fall through to a build.
+    TL=$($PY -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
+    NV=$(find "$(dirname "$TL")/.." /usr/local/cuda*/lib64 -maxdepth 4 -name 'libcudart.so.13*' 2>/dev/null | head -1)
+    export LD_LIBRARY_PATH="$TL${NV:+:$(dirname "$NV")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    if [ -x build-carry/colossal ] && build-carry/colossal check > "$OUT/prebuilt_check.log" 2>&1; then
+      BUILD=build-carry; C=$BUILD/colossal
+      note "prebuilt binaries start here: $(grep -i 'cuda kernels\|device 0' "$OUT/prebuilt_check.log" | head -2 | tr '\n' ' ')"
+      continue
+    fi
+    note "prebuilt binaries do not start here ($(tail -1 "$OUT/prebuilt_check.log" 2>/dev/null)): building"
+    ;&
   build)
     step build
     if ! TARGETS="colossal_cli test_kernels test_kernels_cuda bench_kernels" BUILD=$BUILD \
@@ -66,7 +80,9 @@ for phase in "$@"; do
     ours w1_graph -c 1b -p none -b 8 -l 2048 -s 15 -i 3 --cuda_graph ;;
   w1base)
     step "W1 baseline: eager amp and torch.compile"
-    base w1_eager --model 1b --bs 8 --seq 2048 --mode amp
+    base w1_eager --model 1b --bs 8 --seq 2048 --mode amp ;;
+  w1compile)
+    step "W1 baseline: torch.compile"
     base w1_compile --model 1b --bs 8 --seq 2048 --mode amp --compile ;;
   w2)
     step "W2 ours: 7b seq 4096, fp32 AdamW states"

@@ -8,6 +8,7 @@
 #include <numbers>
 
 #include "colossal/core/error.h"
+#include "colossal/kernels/fused.h"
 
 namespace colossal::nn {
 namespace {
@@ -117,6 +118,8 @@ RMSNorm::RMSNorm(int64_t dim, double eps, const at::TensorOptions& opts) : eps_(
 
 at::Tensor RMSNorm::forward(const at::Tensor& x) {
   ForwardScope scope(*this);
+  if (kernels::enabled() && x.scalar_type() == weight().scalar_type())
+    return kernels::rms_norm(x, weight(), eps_);
   at::Tensor h = x.to(at::kFloat);
   at::Tensor var = h.pow(2).mean(-1, /*keepdim=*/true);
   h = h * at::rsqrt(var + eps_);
@@ -218,6 +221,9 @@ std::pair<at::Tensor, at::Tensor> RotaryEmbedding::forward(const at::Tensor& pos
 }
 
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  if (kernels::enabled() && x.dim() == 4 && cos.dim() == 3 && x.scalar_type() == cos.scalar_type() &&
+      x.size(0) == cos.size(0) && x.size(2) == cos.size(1) && x.size(3) == cos.size(2))
+    return kernels::apply_rotary(x, cos, sin);
   at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
   int64_t half = x.size(-1) / 2;
   at::Tensor rot = at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
@@ -303,7 +309,8 @@ MLP::MLP(const ModelConfig& cfg, const at::TensorOptions& opts) {
 
 at::Tensor MLP::forward(const at::Tensor& x) {
   ForwardScope scope(*this);
-  return down_proj->forward(at::silu(gate_proj->forward(x)) * up_proj->forward(x));
+  at::Tensor gate = gate_proj->forward(x), up = up_proj->forward(x);
+  return down_proj->forward(kernels::enabled() ? kernels::swiglu(gate, up) : at::silu(gate) * up);
 }
 
 DecoderLayer::DecoderLayer(const ModelConfig& cfg, int64_t layer_idx, const at::TensorOptions& opts)

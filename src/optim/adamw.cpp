@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "colossal/core/error.h"
+#include "colossal/kernels/fused.h"
 
 namespace colossal::optim {
 
@@ -138,6 +139,41 @@ void AdamW::update(const GroupOptions& g, std::vector<at::Tensor>& params,
     }
     adamw_update(P, G, M, V, step, h, impl_, grad_divisor());
   }
+}
+
+bool AdamW::update_masters_fused(const GroupOptions& g, const std::vector<at::Tensor>& masters,
+                                 const std::vector<at::Tensor>& grads,
+                                 std::vector<ParamState*>& states,
+                                 const std::vector<at::Tensor>& working) {
+  if (impl_ == AdamWImpl::ForEach || !kernels::enabled()) return false;
+  for (size_t i = 0; i < masters.size(); ++i)
+    if (!kernels::has_fused_kernels(masters[i]) || !masters[i].is_contiguous() ||
+        grads[i].device() != masters[i].device() || working[i].device() != masters[i].device() ||
+        !working[i].is_contiguous() || !grads[i].is_contiguous())
+      return false;
+  // One call per step count (parameters that skipped steps have their own).
+  std::map<int64_t, std::vector<size_t>> by_step;
+  for (size_t i = 0; i < masters.size(); ++i) by_step[states[i]->step].push_back(i);
+  for (auto& [step, idx] : by_step) {
+    std::vector<at::Tensor> P, G, M, V, W;
+    for (size_t i : idx) {
+      P.push_back(masters[i]);
+      G.push_back(grads[i]);
+      M.push_back(states[i]->tensors.at("exp_avg"));
+      V.push_back(states[i]->tensors.at("exp_avg_sq"));
+      W.push_back(working[i]);
+    }
+    kernels::AdamWStep h;
+    h.lr = g.lr;
+    h.beta1 = g.beta1;
+    h.beta2 = g.beta2;
+    h.eps = g.eps;
+    h.weight_decay = g.weight_decay;
+    h.step = step;
+    h.grad_divisor = grad_divisor();
+    kernels::fused_adamw(P, G, M, V, W, h);
+  }
+  return true;
 }
 
 }  // namespace colossal::optim

@@ -93,6 +93,8 @@ class RotaryEmbedding : public Module {
 
 // q*cos + rotate_half(q)*sin, x [B, H, S, D], cos/sin [B, S, D].
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+// RMSNorm, rotary and the SwiGLU product run the fused kernels of kernels/fused.h while
+// kernels::enabled() (default), else the ATen composites that define them.
 
 // Keys and values of every layer so far (post-rotary, as HF caches them). Reserve() to write in
 // place; without it each step appends with a concatenation.

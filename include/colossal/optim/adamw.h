@@ -42,6 +42,11 @@ class AdamW : public Optimizer {
  protected:
   void update(const GroupOptions& group, std::vector<at::Tensor>& params,
               std::vector<at::Tensor>& grads, std::vector<ParamState*>& states) override;
+  // kernels::fused_adamw (bf16 grads in, fp32 masters and moments, bf16 weights out in one pass)
+  // when the fused kernels are enabled and serve these tensors.
+  bool update_masters_fused(const GroupOptions& group, const std::vector<at::Tensor>& masters,
+                            const std::vector<at::Tensor>& grads, std::vector<ParamState*>& states,
+                            const std::vector<at::Tensor>& working) override;
   std::vector<std::string> state_keys(const GroupOptions&) const override {
     return {"exp_avg", "exp_avg_sq"};
   }
