@@ -75,6 +75,62 @@ void dispatch(at::ScalarType st, const char* name, F&& f) {
   }
 }
 
+// Lanes of ATen's float sum kernel on this CPU (0: not known here; the callers then sum in
+// double). On x86-64 it runs 8 lanes (the AVX2 and default builds of the kernel; LibTorch
+// dispatches sum to the AVX2 one on AVX512 machines too: checked against at::sum, all rows
+// bitwise).
+int aten_float_lanes() {
+#if defined(__x86_64__)
+  return 8;
+#else
+  return 0;
+#endif
+}
+
+// The fp32 sum of a[0, n) in the order of ATen's CPU sum over a contiguous row
+// (vectorized_inner_sum: rows of 4 vectors of V lanes summed with a 4-level cascade, the leftover
+// vectors, the 4 partial vectors, then the scalar tail and the lanes). Same operands, same
+// order: the same bits as at::sum, so RMSNorm's rstd equals the composite's.
+float aten_order_sum(const float* a, int64_t n, int v) {
+  constexpr int kLevels = 4, kIlp = 4, kMaxV = 16;
+  const int64_t vec_size = n / v, size_ilp = vec_size / kIlp;
+  auto ceil_log2 = [](int64_t x) -> int64_t {
+    if (x <= 2) return 1;
+    int64_t b = 63;
+    const uint64_t u = static_cast<uint64_t>(x) - 1;
+    while (!((u >> b) & 1)) --b;
+    return b + 1;
+  };
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2(size_ilp) / kLevels);
+  const int64_t level_step = int64_t(1) << level_power, level_mask = level_step - 1;
+  float acc[kLevels][kIlp][kMaxV] = {};
+  auto add_vec = [v](float* dst, const float* src) {
+    for (int l = 0; l < v; ++l) dst[l] += src[l];
+  };
+  int64_t i = 0;
+  while (i + level_step <= size_ilp) {
+    for (int64_t j = 0; j < level_step; ++j, ++i)
+      for (int k = 0; k < kIlp; ++k) add_vec(acc[0][k], a + (i * kIlp + k) * v);
+    for (int j = 1; j < kLevels; ++j) {
+      for (int k = 0; k < kIlp; ++k) {
+        add_vec(acc[j][k], acc[j - 1][k]);
+        std::fill_n(acc[j - 1][k], v, 0.f);
+      }
+      if ((i & (level_mask << (j * level_power))) != 0) break;
+    }
+  }
+  for (; i < size_ilp; ++i)
+    for (int k = 0; k < kIlp; ++k) add_vec(acc[0][k], a + (i * kIlp + k) * v);
+  for (int j = 1; j < kLevels; ++j)
+    for (int k = 0; k < kIlp; ++k) add_vec(acc[0][k], acc[j][k]);
+  for (int64_t r = size_ilp * kIlp; r < vec_size; ++r) add_vec(acc[0][0], a + r * v);
+  for (int k = 1; k < kIlp; ++k) add_vec(acc[0][0], acc[0][k]);
+  float total = 0.f;
+  for (int64_t k = vec_size * v; k < n; ++k) total += a[k];
+  for (int l = 0; l < v; ++l) total += acc[0][0][l];
+  return total;
+}
+
 }  // namespace
 
 // ---- RMSNorm ----
@@ -88,18 +144,31 @@ void rms_norm_fwd(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, at::T
     T* yp = y.mutable_data_ptr<T>();
     float* rp = rstd.mutable_data_ptr<float>();
     const float epsf = static_cast<float>(eps), hf = static_cast<float>(h);
+    const int lanes = aten_float_lanes();
     parallel(rows, threads_for(rows * h, kGrain), [&](int, int64_t b, int64_t e) {
+      std::vector<float> sq(lanes ? h : 0);
       for (int64_t r = b; r < e; ++r) {
         const T* xr = xp + r * h;
         T* yr = yp + r * h;
-        // The composite squares in fp32 (rounded) and sums with fp32 accumulators; the
-        // double accumulator here gives the correctly rounded sum of the same squares.
-        double acc = 0;
-        for (int64_t i = 0; i < h; ++i) {
-          const float f = static_cast<float>(xr[i]);
-          acc += static_cast<double>(f * f);
+        // The composite squares in fp32 (rounded) and sums them with ATen's CPU reduction;
+        // where its lane count is known the same order is replayed, else a double accumulator
+        // gives the (nearly always equal) correctly rounded sum of the same squares.
+        float sum;
+        if (lanes) {
+          for (int64_t i = 0; i < h; ++i) {
+            const float f = static_cast<float>(xr[i]);
+            sq[i] = f * f;
+          }
+          sum = aten_order_sum(sq.data(), h, lanes);
+        } else {
+          double acc = 0;
+          for (int64_t i = 0; i < h; ++i) {
+            const float f = static_cast<float>(xr[i]);
+            acc += static_cast<double>(f * f);
+          }
+          sum = static_cast<float>(acc);
         }
-        const float var = static_cast<float>(acc) / hf;
+        const float var = sum / hf;
         const float rs = 1.f / std::sqrt(var + epsf);
         rp[r] = rs;
         for (int64_t i = 0; i < h; ++i)
