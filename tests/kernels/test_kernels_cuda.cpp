@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "colossal/core/accelerator.h"
+#include "colossal/core/error.h"
 #include "colossal/kernels/fused.h"
 
 using namespace colossal;
@@ -325,4 +326,25 @@ TEST(CudaKernels, RunsOnTheCurrentStream) {
   acc.synchronize();
   acc.set_stream(before);
   EXPECT_LE(excess(y, r, ulp(at::kBFloat16), 1e-30), 1.0);
+}
+
+TEST(CudaKernels, DeviceMismatchesNameTheArgument) {
+  REQUIRE_GPU();
+  at::Tensor x = at::randn({4, 8}, at::TensorOptions().device(gpu()));
+  auto message = [](auto&& f) -> std::string {
+    try {
+      f();
+    } catch (const InputError& e) {
+      return e.what();
+    }
+    return "no InputError";
+  };
+  EXPECT_NE(message([&] { K::rms_norm(x, at::ones({8}), 1e-6); }).find("weight is on cpu"),
+            std::string::npos);
+  EXPECT_NE(message([&] { K::swiglu(x, x.cpu()); }).find("up is on cpu"), std::string::npos);
+  AdamState s = adam_state({5, 6}, at::kBFloat16, at::kBFloat16, gpu(), false);
+  s.g[1] = s.g[1].cpu();
+  K::AdamWStep h;
+  EXPECT_NE(message([&] { K::fused_adamw(s.p, s.g, s.m, s.v, s.w, h); }).find("grads[1] is on cpu"),
+            std::string::npos);
 }
