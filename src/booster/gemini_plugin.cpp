@@ -163,7 +163,8 @@ std::shared_ptr<ModelWrapper> GeminiPlugin::configure_model(
     log_warn("gemini: ", unhooked.size(), " parameter(s) (first: '", unhooked.front(),
              "') have no colossal::nn::Module around them to gather them: kept replicated");
   auto wrapper = std::make_shared<GeminiModel>(model);
-  wrapper->manager = std::make_shared<zero::gemini::ChunkManager>(*model, comm_, go, masters);
+  wrapper->manager =
+      std::make_shared<zero::gemini::ChunkManager>(*model, comm_, go, std::move(masters));
   wrapper->hooks = zero::gemini::install_hooks(*model, wrapper->manager);
   return wrapper;
 }

@@ -164,7 +164,7 @@ std::vector<std::string> unhooked_parameters(torch::nn::Module& model) {
 }
 
 ChunkManager::ChunkManager(torch::nn::Module& model, dist::Communicator comm, GeminiOptions options,
-                           const std::vector<std::pair<std::string, at::Tensor>>& masters)
+                           std::vector<std::pair<std::string, at::Tensor>> masters)
     : options_(std::move(options)), comm_(std::move(comm)), alive_(std::make_shared<bool>(true)) {
   const auto& o = options_;
   COLOSSAL_CHECK_INPUT(o.placement_policy == "static" || o.placement_policy == "auto",
@@ -252,8 +252,8 @@ ChunkManager::ChunkManager(torch::nn::Module& model, dist::Communicator comm, Ge
   for (auto& pl : plan)
     total_bytes += pl.size * static_cast<int64_t>(c10::elementSize(groups[pl.group].dtype));
   const bool is_auto = o.placement_policy == "auto";
-  std::map<std::string, const at::Tensor*> fp32;
-  for (const auto& [n, t] : masters) fp32[n] = &t;
+  std::map<std::string, at::Tensor*> fp32;  // dropped as soon as its chunk has its masters
+  for (auto& [n, t] : masters) fp32[n] = &t;
   int64_t start_bytes = 0;
   std::vector<Place> param_place;
   for (size_t ci = 0; ci < plan.size(); ++ci) {
@@ -281,8 +281,7 @@ ChunkManager::ChunkManager(torch::nn::Module& model, dist::Communicator comm, Ge
           at::zeros({chunk->shard_size()},
                     at::TensorOptions().dtype(at::kFloat).device(place_device(*chunk, oc.place)));
       if (oc.place == Place::Host && pin_) oc.master = oc.master.pin_memory();
-      oc.grad = at::zeros_like(oc.master);
-      if (oc.place == Place::Host && pin_) oc.grad = oc.grad.pin_memory();
+      // The fp32 gradient shard is allocated by the first reduction (construction peak).
       for (auto& t : chunk->tensors()) {
         auto [a, b] = own_range(*chunk, t);
         if (a >= b) continue;
@@ -291,6 +290,10 @@ ChunkManager::ChunkManager(torch::nn::Module& model, dist::Communicator comm, Ge
         oc.master.narrow(0, a - chunk->shard_begin(), b - a)
             .copy_(full.narrow(0, a - t.offset, b - a));
       }
+    }
+    for (auto& t : chunk->tensors()) {  // the fp32 originals are no longer needed
+      auto it = fp32.find(t.name);
+      if (it != fp32.end()) *it->second = at::Tensor();
     }
     chunks_.push_back(std::move(chunk));
     optim_.push_back(std::move(oc));
@@ -502,8 +505,9 @@ void ChunkManager::finish_reduces(size_t keep) {
     InFlight& f = in_flight_[done++];
     f.r.work.wait();
     OptimChunk& oc = optim_[static_cast<size_t>(f.chunk)];
-    if (oc.grad.defined()) {
+    if (oc.master.defined()) {
       c10::NoGradGuard no_grad;
+      if (!oc.grad.defined()) oc.grad = new_f32(static_cast<size_t>(f.chunk), oc.place);
       oc.grad.add_(f.r.out.to(oc.grad.device(), at::kFloat));
     }
   }

@@ -93,11 +93,12 @@ struct MemoryReport {
 
 class ChunkManager {
  public:
-  // `masters`: (name, fp32 value) of parameters cast to half before (others use their values).
+  // `masters`: (name, fp32 value) of parameters cast to half before (others use their values);
+  // each is dropped as soon as its chunk has taken its master shard.
   // Parameters are grouped by (dtype, requires_grad, hooked); `hooked(name)` says whether a
   // forward pre hook will access it (unhooked chunks stay replicated: nothing would gather them).
   ChunkManager(torch::nn::Module& model, dist::Communicator comm, GeminiOptions options,
-               const std::vector<std::pair<std::string, at::Tensor>>& masters);
+               std::vector<std::pair<std::string, at::Tensor>> masters);
   ~ChunkManager();
   ChunkManager(const ChunkManager&) = delete;
   ChunkManager& operator=(const ChunkManager&) = delete;
