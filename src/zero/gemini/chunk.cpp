@@ -131,6 +131,7 @@ void Chunk::start_gather() {
   c10::NoGradGuard no_grad;
   full_ = at::empty({size_}, at::TensorOptions().dtype(dtype_).device(device_));
   gather_src_ = shard_.device() == device_ ? shard_ : shard_.to(device_, /*non_blocking=*/true);
+  if (param_place_ == Place::Host) h2d_bytes_ += shard_bytes();
   gather_work_ = comm_.all_gather(full_, gather_src_, /*async_op=*/true);
   pending_ = true;
 }
@@ -166,6 +167,7 @@ void Chunk::move_param_shard(Place to) {
   if (to == param_place_) return;
   param_place_ = to;
   if (!sharded_ || shards_ == 1) return;  // a replicated chunk's shard is its compute buffer
+  (to == Place::Host ? d2h_bytes_ : h2d_bytes_) += shard_bytes();
   at::Device d = to == Place::Device ? device_ : at::Device(at::kCPU);
   at::Tensor moved = shard_.to(d);
   if (to == Place::Host && device_.is_cuda()) moved = moved.pin_memory();

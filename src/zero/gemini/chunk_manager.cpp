@@ -131,6 +131,10 @@ json::Value MemoryReport::to_json() const {
   j.set("sharded_chunks", sharded_chunks);
   j.set("gathered_chunks", gathered_chunks);
   j.set("peak_device", peak_device);
+  json::Value t = json::Value::object();
+  t.set("host_to_device", host_to_device);
+  t.set("device_to_host", device_to_host);
+  j.set("traffic", std::move(t));
   return j;
 }
 
@@ -367,6 +371,9 @@ void ChunkManager::move_optim(size_t ci, Place to) {
   if (oc.place == to) return;
   oc.place = to;
   const at::Device d = place_device(*chunks_[ci], to);
+  int64_t moved = 0;
+  for (at::Tensor* t : {&oc.master, &oc.grad, &oc.exp_avg, &oc.exp_avg_sq}) moved += bytes_of(*t);
+  (to == Place::Host ? d2h_bytes_ : h2d_bytes_) += moved;
   for (at::Tensor* t : {&oc.master, &oc.grad, &oc.exp_avg, &oc.exp_avg_sq}) {
     if (!t->defined()) continue;
     at::Tensor moved = t->to(d);
@@ -508,6 +515,7 @@ void ChunkManager::finish_reduces(size_t keep) {
     if (oc.master.defined()) {
       c10::NoGradGuard no_grad;
       if (!oc.grad.defined()) oc.grad = new_f32(static_cast<size_t>(f.chunk), oc.place);
+      if (oc.place == Place::Host) d2h_bytes_ += bytes_of(f.r.out);
       oc.grad.add_(f.r.out.to(oc.grad.device(), at::kFloat));
     }
   }
@@ -625,6 +633,12 @@ MemoryReport ChunkManager::memory_report() const {
     r.gathered_chunks += (!replicated && c.gathered()) ? 1 : 0;
   }
   r.peak_device = peak_device_;
+  r.host_to_device = h2d_bytes_;
+  r.device_to_host = d2h_bytes_;
+  for (const auto& c : chunks_) {
+    r.host_to_device += c->h2d_bytes();
+    r.device_to_host += c->d2h_bytes();
+  }
   if (device_.is_cuda())
     r.peak_device = std::max(r.peak_device, Accelerator::cuda().memory_stats().peak_allocated);
   return r;
@@ -788,6 +802,8 @@ void ChunkManager::step(double divisor) {
     // host staging buffer copied to the device shard afterwards.
     at::Tensor out;
     if (host) {
+      const bool param_on_host = c.sharded() && c.shards() > 1 && c.param_place() == Place::Host;
+      if (!param_on_host) h2d_bytes_ += c.shard_bytes();  // the updated weights go up
       if (c.shard().device().is_cpu()) {
         out = c.shard();
       } else {

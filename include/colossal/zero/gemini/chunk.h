@@ -102,6 +102,9 @@ class Chunk {
   at::Tensor& shard() { return shard_; }
   const at::Tensor& full() const { return full_; }
   Place param_place() const { return param_place_; }
+  // Bytes this chunk moved host -> device (gathers from a host shard, shard moves) and back.
+  int64_t h2d_bytes() const { return h2d_bytes_; }
+  int64_t d2h_bytes() const { return d2h_bytes_; }
   void move_param_shard(Place to);  // real copy between device and host
 
   // Gradient intake: copies `grad` (full shape of tensor k) into the chunk's gradient buffer
@@ -148,6 +151,7 @@ class Chunk {
   dist::Work gather_work_;
   at::Tensor gather_src_;
   bool pending_ = false;
+  int64_t h2d_bytes_ = 0, d2h_bytes_ = 0;
 };
 
 }  // namespace colossal::zero::gemini

@@ -88,6 +88,8 @@ struct MemoryReport {
   int64_t chunk_elements = 0, used_elements = 0;
   int64_t num_chunks = 0, sharded_chunks = 0, gathered_chunks = 0;
   int64_t peak_device = 0;  // highest device bytes of model data seen (CUDA: max allocated)
+  // Chunk traffic since construction (on a CPU run: what would cross PCIe with these places).
+  int64_t host_to_device = 0, device_to_host = 0;
   json::Value to_json() const;
 };
 
@@ -194,7 +196,9 @@ class ChunkManager {
   bool warmed_up_ = false;
   bool pin_ = false;
   int64_t peak_device_ = 0;
-  int64_t transient_peak_ = 0;  // gathered + gradient buffers, highest seen
+  int64_t transient_peak_ = 0;
+  int64_t h2d_bytes_ = 0, d2h_bytes_ = 0;  // optimizer-side moves (chunks count their own)  //
+                                           // gathered + gradient buffers, highest seen
   std::shared_ptr<bool> alive_;
 };
 
