@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <torch/nn/modules/linear.h>
 
 #include <cmath>
 
@@ -332,6 +333,104 @@ TEST(GeminiCuda, HalfOffloadedTrainsAsDdp) {
   EXPECT_GT(r.master_device, 0);
   EXPECT_GT(r.peak_device, 0);
   for (auto& p : g.model->parameters()) EXPECT_TRUE(p.is_cuda());
+}
+
+// A plain LibTorch model (no colossal::nn::Module, so no hook can gather its weights): every
+// chunk stays replicated (ZeRO-DDP) and it trains as ddp. Its unused layer never completes its
+// chunk: the end-of-backward path reduces it, and the unused weights take no step and keep no
+// state, as in one process.
+struct MLPImpl : torch::nn::Module {
+  MLPImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(7, 13));
+    fc2 = register_module("fc2", torch::nn::Linear(13, 5));
+    unused = register_module("unused", torch::nn::Linear(3, 3));
+  }
+  at::Tensor forward(const at::Tensor& x) { return fc2->forward(at::tanh(fc1->forward(x))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, unused{nullptr};
+};
+
+std::vector<double> train_mlp(std::shared_ptr<booster::Plugin> plugin,
+                              std::shared_ptr<MLPImpl>& model, booster::Boosted& b,
+                              std::unique_ptr<booster::Booster>& booster) {
+  at::manual_seed(0);
+  model = std::make_shared<MLPImpl>();
+  booster = std::make_unique<booster::Booster>(std::move(plugin));
+  b = booster->boost(model, adamw(*model));
+  const int W = dist::world_size(), rank = dist::rank();
+  std::vector<double> losses;
+  for (int s = 0; s < 5; ++s) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(7 + s));
+    at::Tensor x = at::randn({4 * W, 7}, gen).narrow(0, 4 * rank, 4);
+    at::Tensor loss = at::mse_loss(model->forward(x), at::sin(x.narrow(1, 0, 5)));
+    booster->backward(loss, *b.optimizer);
+    EXPECT_TRUE(b.optimizer->step());
+    b.optimizer->zero_grad();
+    at::Tensor l = loss.detach().to(at::kDouble);
+    dist::world().all_reduce(l, dist::ReduceOp::Avg);
+    losses.push_back(l.item<double>());
+  }
+  return losses;
+}
+
+TEST(GeminiPlugin, PlainTorchModelStaysReplicatedAndUnusedWeightsKeepNoState) {
+  std::shared_ptr<MLPImpl> dm, gm_;
+  booster::Boosted db, gb;
+  std::unique_ptr<booster::Booster> dbo, gbo;
+  auto ref = train_mlp(std::make_shared<booster::DDPPlugin>(booster::DDPOptions{}), dm, db, dbo);
+  auto got = train_mlp(gemini(), gm_, gb, gbo);
+  for (size_t s = 0; s < ref.size(); ++s) EXPECT_LT(rel(got[s], ref[s]), 1e-5) << "step " << s;
+  auto& m = dynamic_cast<booster::GeminiOptimizerWrapper&>(*gb.optimizer).manager();
+  for (size_t i = 0; i < m.num_chunks(); ++i) EXPECT_FALSE(m.chunk(i).sharded()) << "chunk " << i;
+  at::manual_seed(0);
+  auto fresh = std::make_shared<MLPImpl>();
+  EXPECT_TRUE(gm_->unused->weight.equal(fresh->unused->weight));
+  EXPECT_TRUE(gm_->fc1->weight.allclose(dm->fc1->weight, 1e-5, 1e-6));
+  auto sd = gb.optimizer->full_state_dict();
+  for (auto& [name, t] : sd.tensors) EXPECT_EQ(name.find("unused"), std::string::npos) << name;
+  EXPECT_FALSE(sd.scalars.at("steps").find("unused.weight"));
+  EXPECT_EQ(sd.scalars.at("steps").at("fc1.weight").as_int(), 5);
+}
+
+// Frozen parameters (LoRA's base weights; ColossalAI's Gemini refuses them) get chunks of their
+// own, with no gradient or optimizer data; the rest trains as ddp with the same freeze.
+TEST(GeminiPlugin, FrozenParametersAreChunkedWithoutState) {
+  auto freeze = [](TrainRun& r, std::shared_ptr<booster::Plugin> plugin) {
+    r.model = tiny_model();
+    for (auto& item : r.model->named_parameters(true))
+      if (item.key().find("mlp") != std::string::npos) item.value().set_requires_grad(false);
+    auto opt = std::make_shared<optim::AdamW>();
+    std::vector<optim::NamedParam> ps;
+    for (auto& item : r.model->named_parameters(true))
+      if (item.value().requires_grad()) ps.push_back({item.key(), item.value()});
+    optim::GroupOptions g;
+    g.lr = 3e-3;
+    opt->add_param_group(ps, g);
+    r.booster = std::make_unique<booster::Booster>(std::move(plugin));
+    r.b = r.booster->boost(r.model, opt);
+  };
+  TrainRun ddp, g;
+  freeze(ddp, std::make_shared<booster::DDPPlugin>(booster::DDPOptions{}));
+  freeze(g, gemini());
+  train(ddp, 4);
+  train(g, 4, /*check_shards=*/true);
+  for (size_t s = 0; s < ddp.losses.size(); ++s)
+    EXPECT_LT(rel(g.losses[s], ddp.losses[s]), 1e-5) << "step " << s;
+  auto& m = dynamic_cast<booster::GeminiOptimizerWrapper&>(*g.b.optimizer).manager();
+  int frozen_chunks = 0;
+  for (size_t i = 0; i < m.num_chunks(); ++i) {
+    const auto& ts = m.chunk(i).tensors();
+    const bool frozen = !ts.front().requires_grad;
+    for (auto& t : ts) EXPECT_EQ(t.requires_grad, !frozen) << t.name;  // never mixed
+    frozen_chunks += frozen ? 1 : 0;
+  }
+  EXPECT_GT(frozen_chunks, 0);
+  g.b.model->wait_weights();
+  auto fresh = tiny_model();
+  auto fp = fresh->named_parameters(true);
+  for (auto& item : g.model->named_parameters(true))
+    if (!item.value().requires_grad()) {
+      EXPECT_TRUE(item.value().equal(fp[item.key()])) << item.key();
+    }
 }
 
 }  // namespace
