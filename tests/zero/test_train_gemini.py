@@ -121,7 +121,7 @@ PLACEMENTS = {
 def auto_capacity_mb(nproc):
     """A "device" on which, after warm-up (every chunk gathered + gradient buffers are the
     transient part), only some chunks' shards and optimizer data fit: the rest go to the host."""
-    return 1.6 if nproc == 2 else 1.2
+    return {1: 2.0, 2: 1.6}.get(nproc, 1.2)
 
 
 def gemini_run(work, placement, nproc, extra=(), precision="fp32"):

@@ -672,15 +672,22 @@ void ChunkManager::auto_place(bool warmup) {
   std::vector<int> order = order_;
   for (size_t i = 0; i < chunks_.size(); ++i)
     if (order_pos_[i] < 0) order.push_back(static_cast<int>(i));  // never accessed: last
+  // A chunk that is not sharded (one rank, or replicated) computes in its own buffer: its
+  // parameters are on the device whatever the plan, so they are charged up front and only its
+  // optimizer data can move.
+  auto movable_params = [&](size_t i) { return chunks_[i]->sharded() && chunks_[i]->shards() > 1; };
   auto need = [&](size_t i) {
     const Chunk& c = *chunks_[i];
-    int64_t b = c.shard_bytes();
+    int64_t b = movable_params(i) ? c.shard_bytes() : 0;
     if (optim_[i].master.defined()) b += 16 * c.shard_size();  // master, grad, two moments
     return b;
   };
   double used = static_cast<double>(transient_peak_);
   if (warmup)
     used = static_cast<double>(chunk_size_) * 4.0 * 2.0;  // one gathered chunk + its grads, roughly
+  for (size_t i = 0; i < chunks_.size(); ++i)
+    if (!movable_params(i)) used += static_cast<double>(chunks_[i]->shard_bytes());
+  const double fixed = used;
   int64_t on_device = 0, on_host = 0;
   for (int c : order) {
     const size_t i = static_cast<size_t>(c);
@@ -692,14 +699,13 @@ void ChunkManager::auto_place(bool warmup) {
     (p == Place::Device ? on_device : on_host) += 1;
   }
   if (!warmup) {
-    COLOSSAL_CHECK_INPUT(static_cast<double>(transient_peak_) <= budget,
-                         "gemini auto placement: the gathered chunks "
-                         "alone need ",
-                         transient_peak_, " bytes of device memory, more than the budget ",
-                         static_cast<int64_t>(budget), " (capacity ",
-                         static_cast<int64_t>(capacity), " x steady_cuda_cap_ratio ",
-                         options_.steady_cuda_cap_ratio, " - non-model ", non_model,
-                         "); use smaller chunks or more ranks");
+    COLOSSAL_CHECK_INPUT(
+        fixed <= budget, "gemini auto placement: the gathered chunks and gradient buffers (",
+        transient_peak_, " bytes) and the parameters of unsharded chunks need ",
+        static_cast<int64_t>(fixed), " bytes of device memory, more than the budget ",
+        static_cast<int64_t>(budget), " (capacity ", static_cast<int64_t>(capacity),
+        " x steady_cuda_cap_ratio ", options_.steady_cuda_cap_ratio, " - non-model ", non_model,
+        "); use smaller chunks, more ranks or activation checkpointing");
     warmed_up_ = true;
   }
   log_info("gemini auto placement (", warmup ? "warm-up" : "after warm-up", "): budget ",
