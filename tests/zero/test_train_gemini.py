@@ -217,3 +217,20 @@ def test_resume_zero2_under_gemini(work):
     part = resume_from(work, src, "resume_gemini2", 2, ["--plugin", "gemini", "--micro_batch", "4"] + CHUNKS
                        + PLACEMENTS["1/1/1"])
     assert_runs_close(part, src, first=5)
+
+
+def test_gemini_fp16_overflow_skips_as_ddp(work):
+    """A loss scale far too large: the first four steps overflow on every rank and are skipped (no
+    update, the scale backs off by 1e-4 each time), then training proceeds; offloaded (CPU Adam)
+    and device chunks alike. Skips, scales and losses as ddp in fp16."""
+    f = ["--precision", "fp16", "--initial_scale", "1e20", "--max_scale", "1e20", "--hysteresis", "1",
+         "--backoff_factor", "1e-4"]
+    ddp = cached(work, "ddp2_fp16_overflow", 2, ["--plugin", "ddp", "--micro_batch", "4"] + f)
+    g = cached(work, "gemini2_fp16_overflow", 2, ["--plugin", "gemini", "--micro_batch", "4", "--offload_optim_frac",
+                                                  "0.5"] + CHUNKS + f)
+    a, b = metrics(g), metrics(ddp)
+    assert [m["skipped"] for m in a] == [m["skipped"] for m in b] == [True] * 4 + [False] * 6
+    assert [m["loss_scale"] for m in a] == [m["loss_scale"] for m in b]
+    for x, y in zip(a, b):
+        assert rel(x["loss"], y["loss"]) <= 2e-3, (x, y)
+    assert a[-1]["loss"] < a[0]["loss"] - 0.2

@@ -326,6 +326,11 @@ ChunkManager::ChunkManager(torch::nn::Module& model, dist::Communicator comm, Ge
     used += c->used();
     all += c->size();
   }
+  if (!is_auto && o.offload_param_frac > 0 && world_ == 1)
+    log_warn(
+        "gemini: offload_param_frac applies to sharded chunks; with one rank the parameters stay "
+        "on the "
+        "device (only the optimizer data is offloaded)");
   log_info("gemini: chunk size ", chunk_size_, " elements (", sr.candidates,
            " candidates searched, ", sr.wasted, " elements wasted = ",
            all > 0 ? 100.0 * static_cast<double>(all - used) / static_cast<double>(all) : 0.0,
