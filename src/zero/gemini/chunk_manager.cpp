@@ -519,9 +519,29 @@ void ChunkManager::finish_reduces(size_t keep) {
     OptimChunk& oc = optim_[static_cast<size_t>(f.chunk)];
     if (oc.master.defined()) {
       c10::NoGradGuard no_grad;
-      if (!oc.grad.defined()) oc.grad = new_f32(static_cast<size_t>(f.chunk), oc.place);
-      if (oc.place == Place::Host) d2h_bytes_ += bytes_of(f.r.out);
-      oc.grad.add_(f.r.out.to(oc.grad.device(), at::kFloat));
+      const at::Tensor& part = f.r.out;
+      if (oc.place == Place::Host) d2h_bytes_ += bytes_of(part);
+      const at::Device d = place_device(*chunks_[static_cast<size_t>(f.chunk)], oc.place);
+      if (!oc.grad.defined()) {
+        // The first reduction of a step is kept as it arrives (the working or communication
+        // dtype: exact, and half the bytes of fp32 for bf16/fp16); on the device it is the
+        // reduced buffer itself. Both Adams read bf16/fp16 gradients.
+        if (part.device() == d) {
+          oc.grad = part;
+        } else {
+          oc.grad =
+              at::empty(part.sizes(), part.options().device(d).pinned_memory(pin_ && d.is_cpu()));
+          oc.grad.copy_(part);
+        }
+      } else {
+        // Accumulation (no_sync micro-steps): the sum is kept in fp32.
+        if (oc.grad.scalar_type() != at::kFloat) {
+          at::Tensor f32 = new_f32(static_cast<size_t>(f.chunk), oc.place);
+          f32.copy_(oc.grad);
+          oc.grad = f32;
+        }
+        oc.grad.add_(part.to(d, at::kFloat));
+      }
     }
   }
   in_flight_.erase(in_flight_.begin(), in_flight_.begin() + static_cast<std::ptrdiff_t>(done));
@@ -860,7 +880,7 @@ void ChunkManager::step(double divisor) {
 void ChunkManager::zero_grad() {
   finish_reduces(0);
   for (size_t i = 0; i < chunks_.size(); ++i) {
-    if (optim_[i].grad.defined()) optim_[i].grad.zero_();
+    optim_[i].grad = at::Tensor();  // gradient shards live from the reduce to the step
     for (auto& ti : info_[i]) ti.had_grad = false;
     for (auto& t : chunks_[i]->tensors())
       if (t.param.grad().defined()) t.param.mutable_grad() = at::Tensor();

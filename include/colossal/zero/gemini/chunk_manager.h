@@ -9,8 +9,9 @@
 //   forward post hook             -> COMPUTE -> HOLD; under no_grad the chunk is released
 //                                    (with grad on, the autograd graph still reads the weights)
 //   each parameter's gradient     -> copied into the chunk's gradient buffer, .grad dropped
-//   chunk complete                -> reduce-scatter (average), the fp32 gradient shard += this
-//                                    rank's part, the chunk is released (own shard only)
+//   chunk complete                -> reduce-scatter (average); this rank's part becomes the
+//                                    gradient shard (kept in its dtype; fp32 once a second
+//                                    micro-step adds to it), the chunk is released
 //   end of backward               -> chunks not complete are reduced (ranks agree which, by a
 //                                    MAX all-reduce of one byte per parameter), all released
 //   step                          -> AdamW on the shards, working shard = master cast down
@@ -18,9 +19,9 @@
 // run under no_grad, so their chunks are released right after forward and gathered again by
 // the recompute: the full weights of a layer then live only while it computes.
 //
-// Gradient accumulation (no_sync): every micro-step is reduced and added to the fp32 gradient
-// shard, so accumulation is exact and memory stays at the shard (ColossalAI's Gemini refuses
-// accumulation with its default settings).
+// Gradient accumulation (no_sync): every micro-step is reduced and added to the gradient shard
+// (in fp32 from the second micro-step on), so accumulation is exact and memory stays at the
+// shard (ColossalAI's Gemini refuses accumulation with its default settings).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -82,7 +83,7 @@ struct GeminiOptions {
 
 struct MemoryReport {
   int64_t param_device = 0, param_host = 0;    // working parameter shards (+ gathered buffers)
-  int64_t grad_device = 0, grad_host = 0;      // fp32 gradient shards (+ live gradient buffers)
+  int64_t grad_device = 0, grad_host = 0;      // gradient shards (+ live gradient buffers)
   int64_t master_device = 0, master_host = 0;  // fp32 master shards
   int64_t optim_device = 0, optim_host = 0;    // AdamW moments
   int64_t chunk_elements = 0, used_elements = 0;
@@ -145,7 +146,8 @@ class ChunkManager {
  private:
   struct OptimChunk {
     Place place = Place::Device;
-    at::Tensor master, grad, exp_avg, exp_avg_sq;  // fp32, shard_size
+    at::Tensor master, exp_avg, exp_avg_sq;  // fp32, shard_size
+    at::Tensor grad;          // reduce -> step only: the reduced dtype, fp32 when accumulated
     at::Tensor host_working;  // host optim + device params: CPU Adam writes the cast here
   };
   struct TensorInfo {    // per (chunk, tensor)
