@@ -714,11 +714,12 @@ void ChunkManager::auto_place(bool warmup) {
     if (!movable_params(i)) used += static_cast<double>(chunks_[i]->shard_bytes());
   const double fixed = used;
   int64_t on_device = 0, on_host = 0;
+  double host_bytes = 0;
   for (int c : order) {
     const size_t i = static_cast<size_t>(c);
     const double b = static_cast<double>(need(i));
     const Place p = used + b <= budget ? Place::Device : Place::Host;
-    if (p == Place::Device) used += b;
+    (p == Place::Device ? used : host_bytes) += b;
     chunks_[i]->move_param_shard(p);
     if (optim_[i].master.defined()) move_optim(i, p);
     (p == Place::Device ? on_device : on_host) += 1;
@@ -733,9 +734,18 @@ void ChunkManager::auto_place(bool warmup) {
         "); use smaller chunks, more ranks or activation checkpointing");
     warmed_up_ = true;
   }
+  // The host side must fit too (a whole process's RAM; this rank's share when ranks share it is
+  // not known here, so this only catches plans that cannot fit at all).
+  const double ram =
+      static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGESIZE));
+  if (ram > 0 && host_bytes > 0.9 * ram)
+    log_warn("gemini auto placement: ", static_cast<int64_t>(host_bytes),
+             " bytes of chunk data go to the host, more than 90% of its ",
+             static_cast<int64_t>(ram), " bytes of RAM: expect swapping or an out-of-memory kill");
   log_info("gemini auto placement (", warmup ? "warm-up" : "after warm-up", "): budget ",
            static_cast<int64_t>(budget), " bytes, non-model ", non_model, ", transient ",
-           transient_peak_, "; ", on_device, " chunks on the device, ", on_host, " on the host");
+           transient_peak_, "; ", on_device, " chunks on the device, ", on_host, " on the host (",
+           static_cast<int64_t>(host_bytes), " bytes)");
 }
 
 // ---- optimizer ----------------------------------------------------------------------------------
