@@ -159,9 +159,10 @@ def test_gemini_matches_ddp(work, placement, nproc):
         assert m["traffic"] == {"host_to_device": 0, "device_to_host": 0}
     if placement == "1/1/1":
         assert all(m[k]["device"] == 0 for k in ("masters", "optimizer_states", "grads"))
-        assert m["params"]["device"] == 0 or W == 1  # one process: chunks are not sharded
-        if W > 1:  # step 1: each host shard gathered once; gradient parts (and the shards at boost) down
-            assert m["traffic"] == {"host_to_device": 4 * elems // W, "device_to_host": 2 * 4 * elems // W}
+        # Every parameter shard on the host (one rank too: chunks are copied up at each access).
+        assert m["params"]["device"] == 0 and m["params"]["host"] == 4 * elems // W
+        # Step 1: each host shard gathered once; gradient parts (and the shards at boost) down.
+        assert m["traffic"] == {"host_to_device": 4 * elems // W, "device_to_host": 2 * 4 * elems // W}
     if placement == "0.3/0.3/0.3":
         # first 30% of chunk memory (chunk 0 + part of 1 -> chunks 0 and 1 start before 30%):
         # optimizer on the host; last 30% sharded, and that one's parameter shard on the host.

@@ -129,6 +129,12 @@ void Chunk::set_all(TensorState from, TensorState to) {
 void Chunk::start_gather() {
   if (full_.defined() || pending_) return;
   c10::NoGradGuard no_grad;
+  if (shards_ == 1) {  // one rank, parameters on the host: a copy up, no collective
+    full_ = shard_.to(device_, dtype_, /*non_blocking=*/true, /*copy=*/true);
+    h2d_bytes_ += shard_bytes();
+    pending_ = true;
+    return;
+  }
   full_ = at::empty({size_}, at::TensorOptions().dtype(dtype_).device(device_));
   gather_src_ = shard_.device() == device_ ? shard_ : shard_.to(device_, /*non_blocking=*/true);
   if (param_place_ == Place::Host) h2d_bytes_ += shard_bytes();
@@ -147,7 +153,7 @@ void Chunk::wait_gather() {
 }
 
 void Chunk::release(bool write_back) {
-  if (!sharded_ || shards_ == 1) return;  // replicated: the full buffer is the shard
+  if (!releasable()) return;  // the full buffer is the shard
   wait_gather();
   if (!full_.defined()) return;
   for (size_t k = 0; k < tensors_.size(); ++k)
@@ -165,13 +171,47 @@ void Chunk::release(bool write_back) {
 
 void Chunk::move_param_shard(Place to) {
   if (to == param_place_) return;
-  param_place_ = to;
-  if (!sharded_ || shards_ == 1) return;  // a replicated chunk's shard is its compute buffer
+  if (!sharded_) {  // replicated: its shard is its compute buffer, on the device
+    param_place_ = to;
+    return;
+  }
+  c10::NoGradGuard no_grad;
+  wait_gather();
   (to == Place::Host ? d2h_bytes_ : h2d_bytes_) += shard_bytes();
-  at::Device d = to == Place::Device ? device_ : at::Device(at::kCPU);
-  at::Tensor moved = shard_.to(d);
-  if (to == Place::Host && device_.is_cuda()) moved = moved.pin_memory();
-  shard_ = moved;
+  const at::Device d = to == Place::Device ? device_ : at::Device(at::kCPU);
+  if (shards_ > 1) {
+    at::Tensor moved = shard_.to(d);
+    if (to == Place::Host && device_.is_cuda()) moved = moved.pin_memory();
+    shard_ = moved;
+    param_place_ = to;
+    return;
+  }
+  // One rank: the shard is the whole chunk.
+  for (size_t k = 0; k < tensors_.size(); ++k)
+    COLOSSAL_CHECK(tensors_[k].state == TensorState::Hold || tensors_[k].state == TensorState::Free,
+                   describe(k), ": cannot move the chunk while the parameter is ",
+                   to_string(tensors_[k].state));
+  if (to == Place::Host) {
+    at::Tensor host = (full_.defined() ? full_ : shard_).to(d, dtype_, false, /*copy=*/true);
+    if (device_.is_cuda()) host = host.pin_memory();
+    shard_ = host;
+    param_place_ = Place::Host;
+    if (full_.defined()) {
+      set_all(TensorState::Hold, TensorState::Free);
+      point_params_at_placeholder();
+      full_ = at::Tensor();
+    }
+  } else {
+    param_place_ = Place::Device;
+    if (full_.defined()) {
+      shard_ = full_;  // the gathered buffer (possibly written from outside) is current
+    } else {
+      shard_ = shard_.to(d, dtype_, false, /*copy=*/true);
+      full_ = shard_;
+      point_params_at_full();
+      set_all(TensorState::Free, TensorState::Hold);
+    }
+  }
 }
 
 void Chunk::add_grad(size_t k, const at::Tensor& grad) {

@@ -326,11 +326,6 @@ ChunkManager::ChunkManager(torch::nn::Module& model, dist::Communicator comm, Ge
     used += c->used();
     all += c->size();
   }
-  if (!is_auto && o.offload_param_frac > 0 && world_ == 1)
-    log_warn(
-        "gemini: offload_param_frac applies to sharded chunks; with one rank the parameters stay "
-        "on the "
-        "device (only the optimizer data is offloaded)");
   log_info("gemini: chunk size ", chunk_size_, " elements (", sr.candidates,
            " candidates searched, ", sr.wasted, " elements wasted = ",
            all > 0 ? 100.0 * static_cast<double>(all - used) / static_cast<double>(all) : 0.0,
@@ -595,8 +590,7 @@ void ChunkManager::finish_backward() {
 void ChunkManager::gather_all() {
   for (auto& c : chunks_) c->start_gather();
   for (size_t i = 0; i < chunks_.size(); ++i) {
-    if (chunks_[i]->sharded() && chunks_[i]->shards() > 1 && !chunks_[i]->gathered())
-      external_[i] = 1;
+    if (chunks_[i]->releasable() && !chunks_[i]->gathered()) external_[i] = 1;
     if (chunks_[i]->gather_in_flight()) external_[i] = 1;
     chunks_[i]->wait_gather();
   }
@@ -641,7 +635,7 @@ MemoryReport ChunkManager::memory_report() const {
     const Chunk& c = *chunks_[i];
     const OptimChunk& oc = optim_[i];
     const bool replicated = !(c.sharded() && c.shards() > 1);
-    const bool pdev = replicated || c.param_place() == Place::Device;
+    const bool pdev = !c.releasable() || c.param_place() == Place::Device;
     (pdev ? r.param_device : r.param_host) += c.shard_bytes();
     r.param_device += c.full_bytes();
     if (c.has_grad_buffer())
@@ -655,7 +649,7 @@ MemoryReport ChunkManager::memory_report() const {
     r.used_elements += c.used();
     r.num_chunks += 1;
     r.sharded_chunks += replicated ? 0 : 1;
-    r.gathered_chunks += (!replicated && c.gathered()) ? 1 : 0;
+    r.gathered_chunks += (c.releasable() && c.gathered()) ? 1 : 0;
   }
   r.peak_device = peak_device_;
   r.host_to_device = h2d_bytes_;
@@ -697,10 +691,10 @@ void ChunkManager::auto_place(bool warmup) {
   std::vector<int> order = order_;
   for (size_t i = 0; i < chunks_.size(); ++i)
     if (order_pos_[i] < 0) order.push_back(static_cast<int>(i));  // never accessed: last
-  // A chunk that is not sharded (one rank, or replicated) computes in its own buffer: its
-  // parameters are on the device whatever the plan, so they are charged up front and only its
-  // optimizer data can move.
-  auto movable_params = [&](size_t i) { return chunks_[i]->sharded() && chunks_[i]->shards() > 1; };
+  // A replicated chunk (shard_param_frac < 1, or no hook to gather it) computes in its own
+  // buffer: its parameters are on the device whatever the plan, so they are charged up front and
+  // only its optimizer data can move.
+  auto movable_params = [&](size_t i) { return chunks_[i]->sharded(); };
   auto need = [&](size_t i) {
     const Chunk& c = *chunks_[i];
     int64_t b = movable_params(i) ? c.shard_bytes() : 0;
@@ -843,7 +837,7 @@ void ChunkManager::step(double divisor) {
     // host staging buffer copied to the device shard afterwards.
     at::Tensor out;
     if (host) {
-      const bool param_on_host = c.sharded() && c.shards() > 1 && c.param_place() == Place::Host;
+      const bool param_on_host = c.releasable() && c.param_place() == Place::Host;
       if (!param_on_host) h2d_bytes_ += c.shard_bytes();  // the updated weights go up
       if (c.shard().device().is_cpu()) {
         out = c.shard();

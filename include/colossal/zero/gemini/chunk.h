@@ -66,6 +66,9 @@ class Chunk {
   int shard_index() const { return shard_index_; }
   int64_t shard_begin() const { return shard_size() * shard_index_; }
   bool sharded() const { return sharded_; }
+  // Whether release() drops the full buffer: sharded over several ranks, or (one rank) with its
+  // parameters placed on the host. Otherwise the full buffer is the shard and stays.
+  bool releasable() const { return sharded_ && (shards_ > 1 || param_place_ == Place::Host); }
   at::ScalarType dtype() const { return dtype_; }
   at::Device device() const { return device_; }
   int64_t used() const { return used_; }  // elements holding parameters
@@ -105,7 +108,10 @@ class Chunk {
   // Bytes this chunk moved host -> device (gathers from a host shard, shard moves) and back.
   int64_t h2d_bytes() const { return h2d_bytes_; }
   int64_t d2h_bytes() const { return d2h_bytes_; }
-  void move_param_shard(Place to);  // real copy between device and host
+  // Real copy between device and host. A one-rank chunk moved to the host is released (its
+  // parameters are copied up at each access, ColossalAI's offload_param on one GPU); moved back,
+  // it becomes its own compute buffer again. Tensors must be HOLD or FREE.
+  void move_param_shard(Place to);
 
   // Gradient intake: copies `grad` (full shape of tensor k) into the chunk's gradient buffer
   // (allocated at the first gradient of a backward, zero-filled).
