@@ -326,11 +326,12 @@ ChunkManager::ChunkManager(torch::nn::Module& model, dist::Communicator comm, Ge
     used += c->used();
     all += c->size();
   }
-  log_info("gemini: chunk size ", chunk_size_, " elements (", sr.candidates,
-           " candidates searched, ", sr.wasted, " elements wasted = ",
-           all > 0 ? 100.0 * static_cast<double>(all - used) / static_cast<double>(all) : 0.0,
-           "%); ", chunks_.size(), " chunks, ", sharded, " sharded over ", world_,
-           " rank(s), placement ", o.placement_policy);
+  if (rank_ == 0)
+    log_info("gemini: chunk size ", chunk_size_, " elements (", sr.candidates,
+             " candidates searched); ", all - used, " elements of padding = ",
+             all > 0 ? 100.0 * static_cast<double>(all - used) / static_cast<double>(all) : 0.0,
+             "%); ", chunks_.size(), " chunks, ", sharded, " sharded over ", world_,
+             " rank(s), placement ", o.placement_policy);
 }
 
 ChunkManager::~ChunkManager() {
@@ -736,10 +737,11 @@ void ChunkManager::auto_place(bool warmup) {
     log_warn("gemini auto placement: ", static_cast<int64_t>(host_bytes),
              " bytes of chunk data go to the host, more than 90% of its ",
              static_cast<int64_t>(ram), " bytes of RAM: expect swapping or an out-of-memory kill");
-  log_info("gemini auto placement (", warmup ? "warm-up" : "after warm-up", "): budget ",
-           static_cast<int64_t>(budget), " bytes, non-model ", non_model, ", transient ",
-           transient_peak_, "; ", on_device, " chunks on the device, ", on_host, " on the host (",
-           static_cast<int64_t>(host_bytes), " bytes)");
+  if (rank_ == 0)
+    log_info("gemini auto placement (", warmup ? "warm-up" : "after warm-up", "): budget ",
+             static_cast<int64_t>(budget), " bytes, non-model ", non_model, ", transient ",
+             transient_peak_, "; ", on_device, " chunks on the device, ", on_host, " on the host (",
+             static_cast<int64_t>(host_bytes), " bytes)");
 }
 
 // ---- optimizer ----------------------------------------------------------------------------------
