@@ -330,7 +330,7 @@ ChunkManager::ChunkManager(torch::nn::Module& model, dist::Communicator comm, Ge
     log_info("gemini: chunk size ", chunk_size_, " elements (", sr.candidates,
              " candidates searched); ", all - used, " elements of padding = ",
              all > 0 ? 100.0 * static_cast<double>(all - used) / static_cast<double>(all) : 0.0,
-             "%); ", chunks_.size(), " chunks, ", sharded, " sharded over ", world_,
+             "%; ", chunks_.size(), " chunks, ", sharded, " sharded over ", world_,
              " rank(s), placement ", o.placement_policy);
 }
 
