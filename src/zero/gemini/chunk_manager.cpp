@@ -616,7 +616,7 @@ void ChunkManager::release_all(bool write_back) {
 // ---- accounting -------------------------------------------------------------------------------
 
 int64_t ChunkManager::device_bytes() const {
-  MemoryReport r = memory_report();
+  MemoryReport r = memory_report(/*device_stats=*/false);
   return r.param_device + r.grad_device + r.master_device + r.optim_device;
 }
 
@@ -630,7 +630,7 @@ void ChunkManager::update_peak() {
   peak_device_ = std::max(peak_device_, device_bytes());
 }
 
-MemoryReport ChunkManager::memory_report() const {
+MemoryReport ChunkManager::memory_report(bool device_stats) const {
   MemoryReport r;
   for (size_t i = 0; i < chunks_.size(); ++i) {
     const Chunk& c = *chunks_[i];
@@ -659,7 +659,7 @@ MemoryReport ChunkManager::memory_report() const {
     r.host_to_device += c->h2d_bytes();
     r.device_to_host += c->d2h_bytes();
   }
-  if (device_.is_cuda())
+  if (device_stats && device_.is_cuda())
     r.peak_device = std::max(r.peak_device, Accelerator::cuda().memory_stats().peak_allocated);
   return r;
 }

@@ -139,7 +139,8 @@ class ChunkManager {
 
   // Placement.
   void move_optim(size_t chunk, Place to);
-  MemoryReport memory_report() const;
+  // `device_stats`: also read the CUDA allocator's peak (off for the internal bookkeeping).
+  MemoryReport memory_report(bool device_stats = true) const;
   int64_t device_bytes() const;  // model data on the device now
   bool warmed_up() const { return warmed_up_; }
 
