@@ -9,28 +9,35 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/device_out}
 mkdir -p "$OUT"
+# The device tool returns at most 8 files: every log goes under $LOGS and comes back as one
+# archive ($OUT/logs.tgz, written on exit, also when killed by a timeout) next to summary.txt.
+LOGS=/tmp/cc_device_logs
+rm -rf "$LOGS"; mkdir -p "$LOGS"
+pack() { cp "$SUMMARY" "$OUT/summary.txt" 2>/dev/null; tar czf "$OUT/logs.tgz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")"; }
+trap pack EXIT
+trap 'exit 143' TERM INT
 BUILD=${BUILD:-build-gpu}
 C=$BUILD/colossal
 PY=${COLOSSAL_PYTHON:-python3}
-SUMMARY=$OUT/summary.txt
+SUMMARY=$LOGS/summary.txt
 : > "$SUMMARY"
 t0=$(date +%s)
 step() { echo; echo "=== [$(( $(date +%s) - t0 ))s] $*"; }
 note() { echo "$*" | tee -a "$SUMMARY"; }
 ours() {  # ours NAME colossal-bench-args...
   local name=$1; shift
-  if $C bench --device cuda --json "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1; then
-    note "ours $name: $(grep -o '"tokens_per_s_per_gpu":[0-9.]*' "$OUT/$name.json" | cut -d: -f2) tok/s/GPU, $(grep -o '"model_tflops_per_gpu":[0-9.]*' "$OUT/$name.json" | cut -d: -f2) TFLOPS, peak $(grep -o '"peak_memory_mib":[0-9.]*' "$OUT/$name.json" | cut -d: -f2) MiB | $*"
+  if $C bench --device cuda --json "$LOGS/$name.json" "$@" > "$LOGS/$name.log" 2>&1; then
+    note "ours $name: $($PY -c 'import json,sys; r=json.load(open(sys.argv[1])); print("%.0f tok/s/GPU, %.1f TFLOPS, MFU %.3f, step %.4f s, peak %.1f GiB, loss %.4f" % (r["tokens_per_s_per_gpu"], r["model_tflops_per_gpu"], r["mfu_989"], r["median_step_s"], r["peak_memory_mib"] / 1024, r["final_loss"]))' "$LOGS/$name.json") | $*"
   else
-    note "ours $name: FAILED ($*): $(grep -v '^\s*$' "$OUT/$name.log" | tail -2 | tr '\n' ' ' | cut -c1-300)"
+    note "ours $name: FAILED ($*): $(grep -v '^\s*$' "$LOGS/$name.log" | tail -2 | tr '\n' ' ' | cut -c1-300)"
   fi
 }
 base() {  # base NAME baseline-args...
   local name=$1; shift
-  if $PY bench/baseline/hf_llama_baseline.py "$@" > "$OUT/$name.log" 2>&1; then
-    note "base $name: $(grep '^RESULT' "$OUT/$name.log" | cut -c8-) | $*"
+  if $PY bench/baseline/hf_llama_baseline.py "$@" > "$LOGS/$name.log" 2>&1; then
+    note "base $name: $(grep '^RESULT' "$LOGS/$name.log" | cut -c8-) | $*"
   else
-    note "base $name: FAILED ($*): $(grep -v '^\s*$' "$OUT/$name.log" | tail -2 | tr '\n' ' ' | cut -c1-300)"
+    note "base $name: FAILED ($*): $(grep -v '^\s*$' "$LOGS/$name.log" | tail -2 | tr '\n' ' ' | cut -c1-300)"
   fi
 }
 for phase in "$@"; do
@@ -42,35 +49,36 @@ for phase in "$@"; do
     TL=$($PY -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
     NV=$(find "$(dirname "$TL")/.." /usr/local/cuda*/lib64 -maxdepth 4 -name 'libcudart.so.13*' 2>/dev/null | head -1)
     export LD_LIBRARY_PATH="$TL${NV:+:$(dirname "$NV")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    if [ -x build-carry/colossal ] && build-carry/colossal check > "$OUT/prebuilt_check.log" 2>&1; then
+    if [ -x build-carry/colossal ] && build-carry/colossal check > "$LOGS/prebuilt_check.log" 2>&1; then
       BUILD=build-carry; C=$BUILD/colossal
-      note "prebuilt binaries start here: $(grep -i 'cuda kernels\|device 0' "$OUT/prebuilt_check.log" | head -2 | tr '\n' ' ')"
+      note "prebuilt binaries start here: $(grep -i 'cuda kernels\|device 0' "$LOGS/prebuilt_check.log" | head -2 | tr '\n' ' ')"
       continue
     fi
-    note "prebuilt binaries do not start here ($(tail -1 "$OUT/prebuilt_check.log" 2>/dev/null)): building"
+    note "prebuilt binaries do not start here ($(tail -1 "$LOGS/prebuilt_check.log" 2>/dev/null)): building"
     ;&
   build)
     step build
     if ! TARGETS="colossal_cli test_kernels test_kernels_cuda bench_kernels" BUILD=$BUILD \
-         scripts/device_build.sh -DCOLOSSAL_WERROR=OFF > "$OUT/build.log" 2>&1; then
-      tail -40 "$OUT/build.log"; exit 1
+         scripts/device_build.sh -DCOLOSSAL_WERROR=OFF > "$LOGS/build.log" 2>&1; then
+      tail -40 "$LOGS/build.log"; exit 1
     fi
-    grep -c "warning" "$OUT/build.log" | xargs echo "build warnings:"
+    grep -c "warning" "$LOGS/build.log" | xargs echo "build warnings:"
     $C check 2>&1 | tail -5 ;;
-  kernels)
+  kernels|ktests)
     step kernel tests
     for t in test_kernels test_kernels_cuda; do
-      if timeout 300 "$BUILD/tests/kernels/$t" > "$OUT/$t.log" 2>&1; then note "PASS $t: $(grep -E 'PASSED|SKIPPED' "$OUT/$t.log" | tr '\n' ' ')"
-      else note "FAIL $t"; grep -E "FAILED|Failure|error" "$OUT/$t.log" | head -20; fi
+      if timeout 300 "$BUILD/tests/kernels/$t" > "$LOGS/$t.log" 2>&1; then note "PASS $t: $(grep -E 'PASSED|SKIPPED' "$LOGS/$t.log" | tr '\n' ' ')"
+      else note "FAIL $t"; grep -E -A6 "Failure" "$LOGS/$t.log" | head -60; fi
     done
+    [ "$phase" = ktests ] && continue
     step kernel micro-benchmarks
-    timeout 400 "$BUILD/bench/bench_kernels" --json "$OUT/bench_kernels.json" > "$OUT/bench_kernels.log" 2>&1
-    echo "rc $?"; cat "$OUT/bench_kernels.log" | tail -60 ;;
+    timeout 400 "$BUILD/bench/bench_kernels" --json "$OUT/bench_kernels.json" > "$LOGS/bench_kernels.log" 2>&1
+    echo "rc $?"; cat "$LOGS/bench_kernels.log" | tail -60 ;;
   w1)
     step "W1 ours: 1b seq 2048 batch 8 bf16"
     ours w1 -c 1b -p ddp -b 8 -l 2048 -s 15 -i 3
     ours w1_unfused -c 1b -p ddp -b 8 -l 2048 -s 15 -i 3 --fused_kernels false
-    ours w1_cudnn -c 1b -p ddp -b 8 -l 2048 -s 15 -i 3 --attn_backend cudnn ;;
+    ours w1_flash -c 1b -p ddp -b 8 -l 2048 -s 15 -i 3 --attn_backend flash ;;
   graphs)
     step "CUDA graphs: forward + backward replayed (launch-bound small models vs W1)"
     for m in tiny 100m; do
@@ -88,6 +96,7 @@ for phase in "$@"; do
     step "W2 ours: 7b seq 4096, fp32 AdamW states"
     ours w2_b1 -c 7b -p ddp -b 1 -l 4096 -s 12 -i 3
     ours w2_b2_attn -c 7b -p ddp -b 2 -l 4096 -s 12 -i 3 --ckpt_mode attention
+    ours w2_b2_l16 -c 7b -p ddp -b 2 -l 4096 -s 12 -i 3 -g --ckpt_layers 16
     ours w2_b4_full -c 7b -p ddp -b 4 -l 4096 -s 10 -i 2 -g ;;
   w2base)
     step "W2 baseline: 7b bs1 and bs4 --ckpt"

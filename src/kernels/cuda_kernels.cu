@@ -381,20 +381,31 @@ struct AdamWBatch {
   int count;
 };
 struct AdamWScalars {
-  double lr, beta1, beta2, eps, wd, divisor;
-  float step_size, bc2_sqrt;
+  float lr, beta1, beta2, eps, wd, divisor, step;
   bool divide;
 };
+struct AdamWBias {
+  float step_size, bc2_sqrt;
+};
 
-// One element, in the arithmetic of ATen's CUDA fused AdamW (double scalars, fp32 state).
+// Bias corrections as ATen's CUDA fused AdamW computes them: fp32 scalars, pow on the device.
+__device__ __forceinline__ AdamWBias adam_bias(const AdamWScalars& s) {
+  const float bc1 = 1.f - powf(s.beta1, s.step);
+  const float bc2 = 1.f - powf(s.beta2, s.step);
+  return {s.lr / bc1, sqrtf(bc2)};
+}
+
+// One element in the arithmetic of ATen's CUDA fused AdamW (torch 2.11
+// ATen/native/cuda/fused_adam_utils.cuh): fp32 scalars, the moments by nested fma.
 __device__ __forceinline__ void adam_elem(float& p, float& m, float& v, float g,
-                                          const AdamWScalars& s) {
-  if (s.divide) g = float(double(g) / s.divisor);
-  if (s.wd != 0) p = float(p - s.lr * s.wd * p);
-  m = float(s.beta1 * m + (1 - s.beta1) * g);
-  v = float(s.beta2 * v + (1 - s.beta2) * g * g);
-  const float denom = float(sqrtf(v) / s.bc2_sqrt + s.eps);
-  p = p - s.step_size * m / denom;
+                                          const AdamWScalars& s, const AdamWBias& b) {
+  if (s.divide) g /= s.divisor;
+  if (s.wd != 0.f) p -= s.lr * s.wd * p;
+  m = fmaf(s.beta1, m, fmaf(-s.beta1, g, g));
+  const float g2 = g * g;
+  v = fmaf(s.beta2, v, fmaf(-s.beta2, g2, g2));
+  const float denom = (sqrtf(v) / b.bc2_sqrt) + s.eps;
+  p -= b.step_size * m / denom;
 }
 
 template <typename G, typename W>
@@ -409,6 +420,7 @@ __global__ void __launch_bounds__(kAdamBlock) adamw_kernel(AdamWBatch batch, Ada
       hi = mid - 1;
   }
   const AdamWTensor& t = batch.t[lo];
+  const AdamWBias bias = adam_bias(s);
   const int64_t begin = (int64_t(blockIdx.x) - batch.block_start[lo]) * kAdamChunk;
   const int64_t end = t.n < begin + kAdamChunk ? t.n : begin + kAdamChunk;
   const G* g = static_cast<const G*>(t.g);
@@ -426,10 +438,10 @@ __global__ void __launch_bounds__(kAdamBlock) adamw_kernel(AdamWBatch batch, Ada
         float4 v = *reinterpret_cast<const float4*>(t.v + i);
         float gv[4];
         load<G, 4>(g + i, gv);
-        adam_elem(p.x, m.x, v.x, gv[0], s);
-        adam_elem(p.y, m.y, v.y, gv[1], s);
-        adam_elem(p.z, m.z, v.z, gv[2], s);
-        adam_elem(p.w, m.w, v.w, gv[3], s);
+        adam_elem(p.x, m.x, v.x, gv[0], s, bias);
+        adam_elem(p.y, m.y, v.y, gv[1], s, bias);
+        adam_elem(p.z, m.z, v.z, gv[2], s, bias);
+        adam_elem(p.w, m.w, v.w, gv[3], s, bias);
         *reinterpret_cast<float4*>(t.p + i) = p;
         *reinterpret_cast<float4*>(t.m + i) = m;
         *reinterpret_cast<float4*>(t.v + i) = v;
@@ -440,7 +452,7 @@ __global__ void __launch_bounds__(kAdamBlock) adamw_kernel(AdamWBatch batch, Ada
       } else {
         for (int64_t k = i; k < end; ++k) {
           float p = t.p[k], m = t.m[k], v = t.v[k];
-          adam_elem(p, m, v, to_f(g[k]), s);
+          adam_elem(p, m, v, to_f(g[k]), s, bias);
           t.p[k] = p;
           t.m[k] = m;
           t.v[k] = v;
@@ -451,7 +463,7 @@ __global__ void __launch_bounds__(kAdamBlock) adamw_kernel(AdamWBatch batch, Ada
   } else {
     for (int64_t k = begin + threadIdx.x; k < end; k += kAdamBlock) {
       float p = t.p[k], m = t.m[k], v = t.v[k];
-      adam_elem(p, m, v, to_f(g[k]), s);
+      adam_elem(p, m, v, to_f(g[k]), s, bias);
       t.p[k] = p;
       t.m[k] = m;
       t.v[k] = v;
@@ -597,19 +609,14 @@ void adamw(const AdamWTensor* tensors, int count, DType grad_dt, DType work_dt,
            const AdamWHyper& hy, Stream stream) {
   if (count <= 0) return;
   AdamWScalars s{};
-  s.lr = hy.lr;
-  s.beta1 = hy.beta1;
-  s.beta2 = hy.beta2;
-  s.eps = hy.eps;
-  s.wd = hy.weight_decay;
-  s.divisor = hy.grad_divisor;
+  s.lr = float(hy.lr);
+  s.beta1 = float(hy.beta1);
+  s.beta2 = float(hy.beta2);
+  s.eps = float(hy.eps);
+  s.wd = float(hy.weight_decay);
+  s.divisor = float(hy.grad_divisor);
   s.divide = hy.grad_divisor != 1.0;
-  // As ATen: the step count is an fp32 tensor; bias corrections in double, stored as float.
-  const double step = double(float(hy.step));
-  const float bc1 = float(1 - std::pow(hy.beta1, step));
-  s.step_size = float(hy.lr / bc1);
-  const float bc2 = float(1 - std::pow(hy.beta2, step));
-  s.bc2_sqrt = std::sqrt(bc2);
+  s.step = float(hy.step);  // ATen keeps the step count as an fp32 tensor
   const bool has_work = tensors[0].w != nullptr;
   for (int first = 0; first < count; first += kAdamWMaxTensors) {
     AdamWBatch batch{};

@@ -43,7 +43,7 @@ void swiglu_bwd(const void* dy, const void* gate, const void* up, void* dgate, v
 
 // ---- Multi-tensor AdamW: fp32 p/m/v, grads of `grad_dt`, optional working copies of
 // `work_dt` (work == nullptr entries: none). One launch per group of up to kAdamWMaxTensors
-// tensors. Numerics follow ATen's CUDA fused AdamW (double-precision scalar math). ----
+// tensors. Numerics follow ATen's CUDA fused AdamW (fp32 scalars, fma moments). ----
 constexpr int kAdamWMaxTensors = 48;
 struct AdamWTensor {
   float* p;
