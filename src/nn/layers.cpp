@@ -12,6 +12,11 @@
 
 namespace colossal::nn {
 namespace {
+// The fused kernels where they pay: on CUDA. On the CPU the ATen composites are vectorised and
+// multi-threaded, while the fused CPU loops (kept for tests and devices without ATen kernels)
+// are scalar, so the composites are faster there (docs/kernels.md).
+bool use_fused(const at::Tensor& x) { return x.is_cuda() && kernels::enabled(); }
+
 
 void check_shard(const ShardSpec& s, int64_t size, const std::string& what) {
   COLOSSAL_CHECK(s.world >= 1 && s.rank >= 0 && s.rank < s.world, "shard spec of ", what, ": rank ",
@@ -118,7 +123,7 @@ RMSNorm::RMSNorm(int64_t dim, double eps, const at::TensorOptions& opts) : eps_(
 
 at::Tensor RMSNorm::forward(const at::Tensor& x) {
   ForwardScope scope(*this);
-  if (kernels::enabled() && x.scalar_type() == weight().scalar_type())
+  if (use_fused(x) && x.scalar_type() == weight().scalar_type())
     return kernels::rms_norm(x, weight(), eps_);
   at::Tensor h = x.to(at::kFloat);
   at::Tensor var = h.pow(2).mean(-1, /*keepdim=*/true);
@@ -221,7 +226,7 @@ std::pair<at::Tensor, at::Tensor> RotaryEmbedding::forward(const at::Tensor& pos
 }
 
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  if (kernels::enabled() && x.dim() == 4 && cos.dim() == 3 && x.scalar_type() == cos.scalar_type() &&
+  if (use_fused(x) && x.dim() == 4 && cos.dim() == 3 && x.scalar_type() == cos.scalar_type() &&
       x.size(0) == cos.size(0) && x.size(2) == cos.size(1) && x.size(3) == cos.size(2))
     return kernels::apply_rotary(x, cos, sin);
   at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
@@ -310,7 +315,7 @@ MLP::MLP(const ModelConfig& cfg, const at::TensorOptions& opts) {
 at::Tensor MLP::forward(const at::Tensor& x) {
   ForwardScope scope(*this);
   at::Tensor gate = gate_proj->forward(x), up = up_proj->forward(x);
-  return down_proj->forward(kernels::enabled() ? kernels::swiglu(gate, up) : at::silu(gate) * up);
+  return down_proj->forward(use_fused(gate) ? kernels::swiglu(gate, up) : at::silu(gate) * up);
 }
 
 DecoderLayer::DecoderLayer(const ModelConfig& cfg, int64_t layer_idx, const at::TensorOptions& opts)

@@ -147,7 +147,9 @@ bool AdamW::update_masters_fused(const GroupOptions& g, const std::vector<at::Te
                                  const std::vector<at::Tensor>& working) {
   if (impl_ == AdamWImpl::ForEach || !kernels::enabled()) return false;
   for (size_t i = 0; i < masters.size(); ++i)
-    if (!kernels::has_fused_kernels(masters[i]) || !masters[i].is_contiguous() ||
+    // CUDA only: on the CPU, ATen's vectorised fused AdamW (and CPU Adam for offload) is faster
+    // than the scalar fused loop.
+    if (!masters[i].is_cuda() || !kernels::has_fused_kernels(masters[i]) || !masters[i].is_contiguous() ||
         grads[i].device() != masters[i].device() || working[i].device() != masters[i].device() ||
         !working[i].is_contiguous() || !grads[i].is_contiguous())
       return false;
