@@ -44,7 +44,19 @@ void BenchConfig::validate() const {
                        "zero2, gemini or gemini_auto");
   if (!precision.empty()) precision_from_string(precision);
   nn::checkpoint_mode_from_string(checkpointing);
+  const bool gemini = plugin == "gemini" || plugin == "gemini_auto";
+  if (!gemini)
+    COLOSSAL_CHECK_INPUT(shard_param_frac == 1.0 && offload_optim_frac == 0.0 &&
+                             offload_param_frac == 0.0 && prefetch_num == 0,
+                         "--shard_param_frac/--offload_optim_frac/--offload_param_frac/"
+                         "--prefetch_num apply to -p gemini only, not '", plugin, "'");
+  for (double f : {shard_param_frac, offload_optim_frac, offload_param_frac})
+    COLOSSAL_CHECK_INPUT(f >= 0.0 && f <= 1.0, "Gemini placement fractions must be in [0, 1], got ", f);
+  COLOSSAL_CHECK_INPUT(prefetch_num >= 0, "--prefetch_num must be >= 0, got ", prefetch_num);
   if (cuda_graph) {
+    COLOSSAL_CHECK_INPUT(plugin == "none" || plugin == "ddp",
+                         "--cuda_graph needs -p none or ddp (the other plugins move memory and "
+                         "communicate from hooks), not '", plugin, "'");
     COLOSSAL_CHECK_INPUT(device == "cuda", "--cuda_graph needs --device cuda, got '", device, "'");
     COLOSSAL_CHECK_INPUT(warmup >= 1,
                          "--cuda_graph needs -i/--ignore_steps >= 1 (an eager step before capture)");
@@ -104,6 +116,12 @@ json::Value BenchReport::to_json() const {
   c.set("attn_backend", config.attn_backend);
   c.set("fused_kernels", config.fused_kernels);
   c.set("cuda_graph", config.cuda_graph);
+  if (config.plugin == "gemini" || config.plugin == "gemini_auto") {
+    c.set("shard_param_frac", config.shard_param_frac);
+    c.set("offload_optim_frac", config.offload_optim_frac);
+    c.set("offload_param_frac", config.offload_param_frac);
+    c.set("prefetch_num", config.prefetch_num);
+  }
   c.set("flash_attention", config.flash_attention);
   c.set("fused_ce", config.fused_ce);
   c.set("batch_per_dp_rank", config.batch);
@@ -217,6 +235,11 @@ BenchReport run_bench(const BenchConfig& c) {
     gemini.device = c.device;
     gemini.loss_scale = ddp.loss_scale;
     gemini.placement_policy = c.plugin == "gemini_auto" ? "auto" : "static";
+    gemini.shard_param_frac = c.shard_param_frac;
+    gemini.offload_optim_frac = c.offload_optim_frac;
+    gemini.offload_param_frac = c.offload_param_frac;
+    gemini.max_prefetch = c.prefetch_num;
+    gemini.warmup_non_model_data_ratio = c.warmup_ratio;
     plugin = std::make_shared<GeminiPlugin>(gemini);
   } else {
     ZeroOptions zero;

@@ -34,16 +34,6 @@ void check_trivial(const colossal::cli::Args& a) {
   need_i("mbs", 1, "pipeline micro-batches (the 3d plugin)");
   need_i("zero", 0, "ZeRO inside the 3d plugin (use -p zero1/zero2)");
   need_i("n_chunks", 1, "interleaved pipeline chunks (the 3d plugin)");
-  need_i("prefetch_num", 0, "Gemini chunk prefetch");
-  auto need_f = [&](const char* name, double ok, const char* what) {
-    if (a.f64(name) != ok)
-      throw InputError(colossal::str("--", name, " ", a.str(name), ": ", what,
-                                     " is not available in colossal.cpp yet (only --", name, " ",
-                                     ok, ")"));
-  };
-  need_f("shard_param_frac", 1.0, "partial Gemini parameter sharding");
-  need_f("offload_optim_frac", 0.0, "Gemini optimizer offload");
-  need_f("offload_param_frac", 0.0, "Gemini parameter offload");
   const std::string style = a.str("pp_style");
   if (style != "1f1b") {
     if (style == "interleaved" || style == "zbv")
@@ -69,7 +59,7 @@ int run_bench(int argc, char** argv) {
   a.option("config", "model preset (tiny|100m|1b|7b|13b|70b...) or an HF config.json", "7b", false,
            "-c")
       .option("plugin",
-              "none | ddp | low_level_zero | zero1 | zero2 (gemini, gemini_auto, fsdp, "
+              "none | ddp | low_level_zero | zero1 | zero2 | gemini | gemini_auto (fsdp, "
               "fsdp_cpu, 3d, 3d_cpu: not available yet)",
               "ddp", false, "-p")
       .option("batch_size", "batch per data-parallel rank", "2", false, "-b")
@@ -79,7 +69,7 @@ int run_bench(int argc, char** argv) {
       .option("ckpt_mode",
               "recompute mode: full (every layer) or attention (selective); implies -g", "")
       .option("max_length", "sequence length", "4096", false, "-l")
-      .option("warmup_ratio", "gemini_auto's warm-up ratio (accepted; gemini is not available)",
+      .option("warmup_ratio", "gemini_auto: share of non-model memory planned for warm-up",
               "0.8", false, "-w")
       .option("memory_limit", "accepted and unused, as in ColossalAI", "", false, "-m")
       .flag("xformers", "flash attention: SDPA already picks its flash kernel on GPU", "-x")
@@ -104,10 +94,10 @@ int run_bench(int argc, char** argv) {
       .option("zero", "ZeRO stage inside 3d (only 0)", "0")
       .option("pp_style", "pipeline schedule (only 1f1b)", "1f1b")
       .option("n_chunks", "interleaved chunks (only 1)", "1")
-      .option("shard_param_frac", "Gemini (only 1.0)", "1.0")
-      .option("offload_optim_frac", "Gemini (only 0)", "0.0")
-      .option("offload_param_frac", "Gemini (only 0)", "0.0")
-      .option("prefetch_num", "Gemini (only 0)", "0")
+      .option("shard_param_frac", "gemini static: fraction of chunks sharded", "1.0")
+      .option("offload_optim_frac", "gemini static: fraction of optimizer chunks on the host", "0.0")
+      .option("offload_param_frac", "gemini static: fraction of parameter chunks on the host", "0.0")
+      .option("prefetch_num", "gemini: chunks prefetched ahead of use", "0")
       .flag("custom_ckpt", "3d's custom layer split (not available)")
       .flag("profile", "torch profiler (not available)")
       .flag("nsys", "nsys ranges (not available)")
@@ -121,7 +111,7 @@ int run_bench(int argc, char** argv) {
   colossal::booster::BenchConfig c;
   c.model = a.str("config");
   c.plugin = a.str("plugin");
-  for (const char* p : {"gemini", "gemini_auto", "fsdp", "fsdp_cpu", "3d", "3d_cpu"})
+  for (const char* p : {"fsdp", "fsdp_cpu", "3d", "3d_cpu"})
     if (c.plugin == p)
       throw InputError("-p " + c.plugin +
                        ": this ColossalAI plugin is not available in colossal.cpp yet (use none, "
@@ -152,6 +142,11 @@ int run_bench(int argc, char** argv) {
     throw InputError("--ckpt_layers needs -g or --ckpt_mode (it says how many layers recompute)");
   c.attn_backend = a.str("attn_backend");
   c.cuda_graph = a.on("cuda_graph");
+  c.shard_param_frac = a.f64("shard_param_frac");
+  c.offload_optim_frac = a.f64("offload_optim_frac");
+  c.offload_param_frac = a.f64("offload_param_frac");
+  c.prefetch_num = a.i64("prefetch_num");
+  c.warmup_ratio = a.f64("warmup_ratio");
   c.ce_chunk_tokens = a.i64("ce_chunk_tokens");
   c.precision = a.has("precision") ? a.str("precision") : "";
   c.device = a.has("device") ? a.str("device") : "";

@@ -123,7 +123,11 @@ def test_flops_match_independent_count_and_recompute_is_exact(tmp_path, hf_confi
     assert plain["config"]["fused_kernels"] is True and unfused["config"]["fused_kernels"] is False
     _, math = bench(args + ["--attn_backend", "math"], tmp_path, "math.json")
     assert plain["config"]["attn_backend"] == "auto" and math["config"]["attn_backend"] == "math"
-    for r in (full, attn, logits, one, unfused, math):
+    # Gemini (ZeRO-3 chunks; half the optimizer chunks on the host) trains as ddp in fp32.
+    _, gem = bench(args + ["-p", "gemini", "--offload_optim_frac", "0.5", "--prefetch_num", "1"],
+                   tmp_path, "gemini.json")
+    assert gem["config"]["plugin"] == "gemini" and gem["config"]["offload_optim_frac"] == 0.5
+    for r in (full, attn, logits, one, unfused, math, gem):
         assert abs(r["final_loss"] - plain["final_loss"]) <= 1e-5 * abs(plain["final_loss"])
 
 
@@ -143,7 +147,9 @@ def test_two_ranks_per_gpu_figures(tmp_path, hf_config):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["-p", "gemini"], "not available"),
+    (["-p", "fsdp"], "not available"),
+    (["-p", "gemini", "--offload_optim_frac", "1.5"], "fractions must be in [0, 1]"),
+    (["-p", "zero2", "--prefetch_num", "2"], "apply to -p gemini only"),
     (["-p", "3d"], "not available"),
     (["-p", "bogus"], "not a plugin"),
     (["--tp", "2"], "--tp 2"),

@@ -22,6 +22,11 @@ struct BenchConfig {
   std::string attn_backend = "auto";   // SDPA backend: auto | flash | cudnn | efficient | math
   bool fused_kernels = true;           // kernels/fused.h (RMSNorm, rotary, SwiGLU, AdamW)
   bool cuda_graph = false;             // replay forward + backward as one CUDA graph
+  // gemini / gemini_auto (ColossalAI's flags): static placement fractions, chunk prefetch and
+  // auto's warm-up share of non-model memory (-w).
+  double shard_param_frac = 1.0, offload_optim_frac = 0.0, offload_param_frac = 0.0;
+  int64_t prefetch_num = 0;
+  double warmup_ratio = 0.8;
   bool flash_attention = false;        // -x: recorded; SDPA picks its flash kernel on GPU by itself
   bool overlap_allgather = false;      // low_level_zero's background weight all-gather
   bool fused_ce = true;  // loss by CausalLM::forward_loss (no full logits), as colossal train
