@@ -102,6 +102,11 @@ for phase in "$@"; do
     step "W2 baseline: 7b bs1 and bs4 --ckpt"
     base w2_b1 --model 7b --bs 1 --seq 4096
     base w2_b4_ckpt --model 7b --bs 4 --seq 4096 --ckpt ;;
+  gemini)
+    step "Gemini on one GPU: 7b gemini 1/0/0 vs zero2; 13b gemini_auto"
+    ours g7_zero2 -c 7b -p zero2 -b 1 -l 4096 -s 6 -i 2
+    ours g7_gemini -c 7b -p gemini -b 1 -l 4096 -s 6 -i 2
+    ours g13_auto -c 13b -p gemini_auto -b 1 -l 4096 -s 4 -i 1 -g ;;
   *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done
