@@ -78,7 +78,7 @@ for phase in "$@"; do
     step "W1 ours: 1b seq 2048 batch 8 bf16"
     ours w1 -c 1b -p ddp -b 8 -l 2048 -s 15 -i 3
     ours w1_unfused -c 1b -p ddp -b 8 -l 2048 -s 15 -i 3 --fused_kernels false
-    ours w1_flash -c 1b -p ddp -b 8 -l 2048 -s 15 -i 3 --attn_backend flash ;;
+    [ -n "${QUICK:-}" ] || ours w1_flash -c 1b -p ddp -b 8 -l 2048 -s 15 -i 3 --attn_backend flash ;;
   graphs)
     step "CUDA graphs: forward + backward replayed (launch-bound small models vs W1)"
     for m in tiny 100m; do
@@ -96,7 +96,7 @@ for phase in "$@"; do
     step "W2 ours: 7b seq 4096, fp32 AdamW states"
     ours w2_b1 -c 7b -p ddp -b 1 -l 4096 -s 12 -i 3
     ours w2_b2_attn -c 7b -p ddp -b 2 -l 4096 -s 12 -i 3 --ckpt_mode attention
-    ours w2_b2_l16 -c 7b -p ddp -b 2 -l 4096 -s 12 -i 3 -g --ckpt_layers 16
+    [ -n "${QUICK:-}" ] || ours w2_b2_l16 -c 7b -p ddp -b 2 -l 4096 -s 12 -i 3 -g --ckpt_layers 16
     ours w2_b4_full -c 7b -p ddp -b 4 -l 4096 -s 10 -i 2 -g ;;
   w2base)
     step "W2 baseline: 7b bs1 and bs4 --ckpt"
