@@ -58,7 +58,7 @@ for phase in "$@"; do
     ;&
   build)
     step build
-    if ! TARGETS="colossal_cli test_kernels test_kernels_cuda bench_kernels" BUILD=$BUILD \
+    if ! TARGETS="colossal_cli test_kernels test_kernels_cuda test_model_cuda bench_kernels" BUILD=$BUILD \
          scripts/device_build.sh -DCOLOSSAL_WERROR=OFF > "$LOGS/build.log" 2>&1; then
       tail -40 "$LOGS/build.log"; exit 1
     fi
@@ -66,7 +66,7 @@ for phase in "$@"; do
     $C check 2>&1 | tail -5 ;;
   kernels|ktests)
     step kernel tests
-    for t in test_kernels test_kernels_cuda; do
+    for t in test_kernels test_kernels_cuda test_model_cuda; do
       if timeout 300 "$BUILD/tests/kernels/$t" > "$LOGS/$t.log" 2>&1; then note "PASS $t: $(grep -E 'PASSED|SKIPPED' "$LOGS/$t.log" | tr '\n' ' ')"
       else note "FAIL $t"; grep -E -A6 "Failure" "$LOGS/$t.log" | head -60; fi
     done
@@ -79,6 +79,14 @@ for phase in "$@"; do
     ours w1 -c 1b -p ddp -b 8 -l 2048 -s 15 -i 3
     ours w1_unfused -c 1b -p ddp -b 8 -l 2048 -s 15 -i 3 --fused_kernels false
     [ -n "${QUICK:-}" ] || ours w1_flash -c 1b -p ddp -b 8 -l 2048 -s 15 -i 3 --attn_backend flash ;;
+  w1prof)
+    step "W1 ours under the profiler (one extra untimed step, kernel table)"
+    ours w1_prof -c 1b -p ddp -b 8 -l 2048 -s 6 -i 3 --profile --profile_dir "$LOGS/prof_w1"
+    sed -n '/^profile of one step/,/Chrome trace/p' "$LOGS/w1_prof.log" | tee -a "$SUMMARY" ;;
+  w2prof)
+    step "W2 ours (bs1, no recompute) under the profiler"
+    ours w2_prof -c 7b -p ddp -b 1 -l 4096 -s 5 -i 3 --profile --profile_dir "$LOGS/prof_w2"
+    sed -n '/^profile of one step/,/Chrome trace/p' "$LOGS/w2_prof.log" | tee -a "$SUMMARY" ;;
   graphs)
     step "CUDA graphs: forward + backward replayed (launch-bound small models vs W1)"
     for m in tiny 100m; do
@@ -98,6 +106,12 @@ for phase in "$@"; do
     ours w2_b2_attn -c 7b -p ddp -b 2 -l 4096 -s 12 -i 3 --ckpt_mode attention
     [ -n "${QUICK:-}" ] || ours w2_b2_l16 -c 7b -p ddp -b 2 -l 4096 -s 12 -i 3 -g --ckpt_layers 16
     ours w2_b4_full -c 7b -p ddp -b 4 -l 4096 -s 10 -i 2 -g ;;
+  w2b1)
+    step "W2 ours, bs1 only"
+    ours w2_b1 -c 7b -p ddp -b 1 -l 4096 -s 12 -i 3 ;;
+  w2base1)
+    step "W2 baseline, bs1 only"
+    base w2_b1 --model 7b --bs 1 --seq 4096 ;;
   w2base)
     step "W2 baseline: 7b bs1 and bs4 --ckpt"
     base w2_b1 --model 7b --bs 1 --seq 4096

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 B=${1:-build}
 rm -rf build-carry
 mkdir -p build-carry/tests/kernels build-carry/bench
-for f in colossal tests/kernels/test_kernels tests/kernels/test_kernels_cuda bench/bench_kernels; do
+for f in colossal tests/kernels/test_kernels tests/kernels/test_kernels_cuda tests/kernels/test_model_cuda bench/bench_kernels; do
   cp "$B/$f" "build-carry/$f"
   strip --strip-unneeded "build-carry/$f"
 done

@@ -3,9 +3,11 @@
 
 #include <ATen/ATen.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <numeric>
@@ -17,6 +19,7 @@
 #include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
+#include "colossal/core/profiler.h"
 #include "colossal/dist/runtime.h"
 #include "colossal/kernels/fused.h"
 #include "colossal/nn/causal_lm.h"
@@ -155,6 +158,7 @@ json::Value BenchReport::to_json() const {
   r.set("peak_memory_mib", peak_memory_mib);
   r.set("peak_memory_kind", peak_memory_kind);
   r.set("final_loss", final_loss);
+  if (config.profile) r.set("profile", profile);
   return r;
 }
 
@@ -185,7 +189,7 @@ std::string BenchReport::to_text() const {
       tokens_per_s_per_gpu, tokens_per_s, samples_per_s, model_tflops_per_gpu, mfu_989,
       colossalai_tflops_per_gpu, megatron_tflops_per_gpu, peak_memory_mib, peak_memory_kind.c_str(),
       final_loss);
-  return buf;
+  return std::string(buf) + profile_text;
 }
 
 namespace {
@@ -308,7 +312,8 @@ BenchReport run_bench(const BenchConfig& c) {
   if (device.is_cuda()) Accelerator::cuda().reset_peak_memory_stats();
   std::vector<double> times;
   double last_loss = 0;
-  for (int64_t s = 0; s < c.steps; ++s) {
+  // One training step; returns its device-synchronised wall time.
+  auto step = [&](int64_t s) {
     at::Tensor ids = at::randint(0, cfg.vocab_size, {c.batch, c.seq_len}, gen,
                                  at::TensorOptions().dtype(at::kLong))
                          .to(device);
@@ -341,7 +346,42 @@ BenchReport run_bench(const BenchConfig& c) {
     sync();
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     last_loss = loss.item<double>();
+    return dt;
+  };
+  for (int64_t s = 0; s < c.steps; ++s) {
+    const double dt = step(s);
     if (s >= c.warmup) times.push_back(dt);
+  }
+  // --profile: one more step (untimed, after the timed ones) under the profiler.
+  std::string profile_text;
+  json::Value profile_json;
+  if (c.profile) {
+    const int rank = distributed ? dist::rank() : 0;
+    COLOSSAL_CHECK_INPUT(::mkdir(c.profile_dir.c_str(), 0755) == 0 || errno == EEXIST,
+                         "--profile_dir: cannot create '", c.profile_dir, "'");
+    const std::string trace = c.profile_dir + "/rank" + std::to_string(rank) + ".json";
+    Profiler profiler(device.is_cuda());
+    const double dt = step(c.steps);
+    ProfileSummary ps = profiler.stop(trace);
+    profile_text = ps.to_text(dt * 1e3, 40) + "  Chrome trace: " + trace + "\n";
+    profile_json = json::Value::object();
+    profile_json.set("step_ms", dt * 1e3);
+    profile_json.set("busy_ms", ps.busy_ms);
+    profile_json.set("kernel_ms", ps.kernel_ms);
+    json::Value cats = json::Value::object();
+    for (const KernelStat& k : ps.categories) cats.set(k.category, k.total_ms);
+    profile_json.set("categories_ms", cats);
+    json::Value top = json::Value::array();
+    for (size_t i = 0; i < ps.kernels.size() && i < 40; ++i) {
+      json::Value k = json::Value::object();
+      k.set("name", ps.kernels[i].name);
+      k.set("category", ps.kernels[i].category);
+      k.set("count", ps.kernels[i].count);
+      k.set("total_ms", ps.kernels[i].total_ms);
+      top.push_back(k);
+    }
+    profile_json.set("top_kernels", top);
+    profile_json.set("trace", trace);
   }
 
   // Per step the slowest rank's time; peak memory the largest rank's; loss the dp mean.
@@ -395,6 +435,8 @@ BenchReport run_bench(const BenchConfig& c) {
   r.peak_memory_mib = peak;
   r.peak_memory_kind = device.is_cuda() ? "cuda max_memory_allocated" : "cpu peak RSS (process)";
   r.final_loss = last_loss;
+  r.profile_text = profile_text;
+  r.profile = profile_json;
   return r;
 }
 

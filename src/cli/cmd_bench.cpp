@@ -46,7 +46,7 @@ void check_trivial(const colossal::cli::Args& a) {
       sp_mode != "ring_attn")
     throw InputError("--sp_mode must be split_gather, ring, all_to_all or ring_attn, got '" +
                      sp_mode + "'");
-  for (const char* f : {"custom_ckpt", "profile", "nsys", "use_fp8_comm", "use_fp8"})
+  for (const char* f : {"custom_ckpt", "nsys", "use_fp8_comm", "use_fp8"})
     if (a.on(f)) throw InputError(colossal::str("--", f, " is not available in colossal.cpp yet"));
   const double w = a.f64("warmup_ratio");
   if (!(w >= 0.0 && w <= 1.0))
@@ -99,7 +99,9 @@ int run_bench(int argc, char** argv) {
       .option("offload_param_frac", "gemini static: fraction of parameter chunks on the host", "0.0")
       .option("prefetch_num", "gemini: chunks prefetched ahead of use", "0")
       .flag("custom_ckpt", "3d's custom layer split (not available)")
-      .flag("profile", "torch profiler (not available)")
+      .flag("profile", "record one extra untimed step with the Kineto profiler: kernel table in "
+                       "the report, Chrome trace in --profile_dir")
+      .option("profile_dir", "--profile: folder of the Chrome traces (rank<r>.json)", "profile")
       .flag("nsys", "nsys ranges (not available)")
       .flag("disable_async_reduce", "Gemini only: accepted, no effect on our plugins")
       .flag("no_cache", "Gemini only: accepted, no effect on our plugins")
@@ -142,6 +144,9 @@ int run_bench(int argc, char** argv) {
     throw InputError("--ckpt_layers needs -g or --ckpt_mode (it says how many layers recompute)");
   c.attn_backend = a.str("attn_backend");
   c.cuda_graph = a.on("cuda_graph");
+  c.profile = a.on("profile");
+  c.profile_dir = a.str("profile_dir");
+  if (a.given("profile_dir") && !c.profile) throw InputError("--profile_dir needs --profile");
   c.shard_param_frac = a.f64("shard_param_frac");
   c.offload_optim_frac = a.f64("offload_optim_frac");
   c.offload_param_frac = a.f64("offload_param_frac");

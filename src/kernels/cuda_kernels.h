@@ -40,6 +40,11 @@ void rotary(const void* x, const void* cos, const void* sin, void* y, const Rota
 void swiglu_fwd(const void* gate, const void* up, void* y, int64_t n, DType dt, Stream stream);
 void swiglu_bwd(const void* dy, const void* gate, const void* up, void* dgate, void* dup, int64_t n,
                 DType dt, Stream stream);
+// Packed: gu [rows, 2*cols] contiguous (gate = first cols of a row, up = the rest), y [rows, cols];
+// the gradient dgu is packed the same way.
+void swiglu_packed_fwd(const void* gu, void* y, int64_t rows, int64_t cols, DType dt, Stream stream);
+void swiglu_packed_bwd(const void* dy, const void* gu, void* dgu, int64_t rows, int64_t cols,
+                       DType dt, Stream stream);
 
 // ---- Multi-tensor AdamW: fp32 p/m/v, grads of `grad_dt`, optional working copies of
 // `work_dt` (work == nullptr entries: none). One launch per group of up to kAdamWMaxTensors

@@ -24,6 +24,7 @@ namespace colossal::kernels {
 COLOSSAL_REGISTER_CUDA_KERNEL("rms_norm");
 COLOSSAL_REGISTER_CUDA_KERNEL("apply_rotary");
 COLOSSAL_REGISTER_CUDA_KERNEL("swiglu");
+COLOSSAL_REGISTER_CUDA_KERNEL("swiglu_packed");
 COLOSSAL_REGISTER_CUDA_KERNEL("fused_adamw");
 #endif
 
@@ -278,6 +279,118 @@ struct SwiGLUFn : torch::autograd::Function<SwiGLUFn> {
   }
 };
 
+// ---- Packed SwiGLU ----
+void check_swiglu_packed(const at::Tensor& gu) {
+  check_dtype("swiglu_packed", "gu", gu);
+  COLOSSAL_CHECK_INPUT(gu.dim() >= 1 && gu.size(-1) % 2 == 0,
+                       "swiglu_packed: gu must be [..., 2F] (gate then up), got ", gu.sizes());
+}
+
+struct SwiGLUPackedFn : torch::autograd::Function<SwiGLUPackedFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gu_in) {
+    at::Tensor gu = gu_in.contiguous();
+    ctx->save_for_backward({gu});
+    const int64_t f = gu.size(-1) / 2;
+    if (path_for(gu) == Path::Cpu)
+      return swiglu_fwd(gu.narrow(-1, 0, f).contiguous(), gu.narrow(-1, f, f).contiguous());
+    std::vector<int64_t> shape = gu.sizes().vec();
+    shape.back() = f;
+    at::Tensor y = at::empty(shape, gu.options());
+#ifdef COLOSSAL_WITH_CUDA
+    c10::DeviceGuard guard(gu.device());
+    cuda::swiglu_packed_fwd(gu.const_data_ptr(), y.mutable_data_ptr(), f == 0 ? 0 : y.numel() / f,
+                            f, cuda_dtype(gu.scalar_type()), stream_of(gu));
+#endif
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    auto saved = ctx->get_saved_variables();
+    if (!grad[0].defined()) return {at::Tensor()};
+    const at::Tensor& gu = saved[0];
+    const int64_t f = gu.size(-1) / 2;
+    at::Tensor dy = grad[0].contiguous();
+    if (path_for(gu) == Path::Cpu) {
+      at::Tensor g = gu.narrow(-1, 0, f).contiguous(), u = gu.narrow(-1, f, f).contiguous();
+      at::Tensor dg = at::empty_like(g), du = at::empty_like(u);
+      cpu::swiglu_bwd(dy, g, u, dg, du);
+      return {at::cat({dg, du}, -1)};
+    }
+    at::Tensor dgu = at::empty_like(gu);
+#ifdef COLOSSAL_WITH_CUDA
+    c10::DeviceGuard guard(gu.device());
+    cuda::swiglu_packed_bwd(dy.const_data_ptr(), gu.const_data_ptr(), dgu.mutable_data_ptr(),
+                            f == 0 ? 0 : dy.numel() / f, f, cuda_dtype(gu.scalar_type()),
+                            stream_of(gu));
+#endif
+    return {dgu};
+  }
+};
+
+// ---- Concatenated linear ----
+void check_linear_concat(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                         const std::vector<at::Tensor>& biases) {
+  COLOSSAL_CHECK_INPUT(x.defined() && x.dim() >= 1, "linear_concat: x must be [..., in]");
+  COLOSSAL_CHECK_INPUT(!weights.empty(), "linear_concat: no weights");
+  COLOSSAL_CHECK_INPUT(biases.empty() || biases.size() == weights.size(), "linear_concat: ",
+                       biases.size(), " biases for ", weights.size(), " weights (give all or none)");
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const std::string name = "weights[" + std::to_string(i) + "]";
+    check_same("linear_concat", name.c_str(), weights[i], "x", x);
+    COLOSSAL_CHECK_INPUT(weights[i].dim() == 2 && weights[i].size(1) == x.size(-1), "linear_concat: ",
+                         name, " has shape ", weights[i].sizes(), "; expected [out, ", x.size(-1),
+                         "] for x of shape ", x.sizes());
+    if (!biases.empty()) {
+      const std::string bname = "biases[" + std::to_string(i) + "]";
+      check_same("linear_concat", bname.c_str(), biases[i], "x", x);
+      COLOSSAL_CHECK_INPUT(biases[i].dim() == 1 && biases[i].size(0) == weights[i].size(0),
+                           "linear_concat: ", bname, " has shape ", biases[i].sizes(),
+                           "; expected [", weights[i].size(0), "]");
+    }
+  }
+}
+
+struct LinearConcatFn : torch::autograd::Function<LinearConcatFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, at::TensorList weights,
+                            at::TensorList biases) {
+    std::vector<at::Tensor> save{x};
+    save.insert(save.end(), weights.begin(), weights.end());
+    ctx->save_for_backward(save);
+    ctx->saved_data["biases"] = static_cast<int64_t>(biases.size());
+    // The concatenated weight lives only for this GEMM (and is rebuilt in backward): saving it
+    // would keep a second copy of every fused layer's weights alive until backward.
+    at::Tensor w = at::cat(weights, 0);
+    return biases.empty() ? at::linear(x, w) : at::linear(x, w, at::cat(biases, 0));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    auto saved = ctx->get_saved_variables();
+    const size_t nw = saved.size() - 1;
+    const auto nb = static_cast<size_t>(ctx->saved_data["biases"].toInt());
+    variable_list out(1 + nw + nb);
+    if (!grad[0].defined()) return out;
+    const at::Tensor& x = saved[0];
+    std::vector<at::Tensor> ws(saved.begin() + 1, saved.end());
+    std::vector<int64_t> rows;
+    for (const auto& w : ws) rows.push_back(w.size(0));
+    const int64_t in = x.size(-1), total = grad[0].size(-1);
+    at::Tensor dy = grad[0].reshape({-1, total});
+    if (ctx->needs_input_grad(0)) out[0] = at::mm(dy, at::cat(ws, 0)).view(x.sizes());
+    bool any_w = false;
+    for (size_t i = 0; i < nw; ++i) any_w = any_w || ctx->needs_input_grad(1 + i);
+    if (any_w) {
+      // One GEMM for every weight's gradient; each is a row block (contiguous) of it.
+      std::vector<at::Tensor> dws = at::mm(dy.t(), x.reshape({-1, in})).split_with_sizes(rows, 0);
+      for (size_t i = 0; i < nw; ++i)
+        if (ctx->needs_input_grad(1 + i)) out[1 + i] = dws[i];
+    }
+    if (nb > 0) {
+      std::vector<at::Tensor> dbs = dy.sum(0).split_with_sizes(rows, 0);
+      for (size_t i = 0; i < nb; ++i)
+        if (ctx->needs_input_grad(1 + nw + i)) out[1 + nw + i] = dbs[i];
+    }
+    return out;
+  }
+};
+
 }  // namespace
 
 bool has_fused_kernels(const at::Tensor& t) {
@@ -331,6 +444,35 @@ at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
   if (!has_fused_kernels(gate)) return swiglu_reference(gate, up);
   if (needs_grad({&gate, &up})) return SwiGLUFn::apply(gate, up);
   return swiglu_fwd(gate.contiguous(), up.contiguous());
+}
+
+// ---- Packed SwiGLU ----
+at::Tensor swiglu_packed_reference(const at::Tensor& gu) {
+  const int64_t f = gu.size(-1) / 2;
+  return at::silu(gu.narrow(-1, 0, f)) * gu.narrow(-1, f, f);
+}
+
+at::Tensor swiglu_packed(const at::Tensor& gu) {
+  check_swiglu_packed(gu);
+  if (!has_fused_kernels(gu)) return swiglu_packed_reference(gu);
+  if (needs_grad({&gu})) return SwiGLUPackedFn::apply(gu);
+  at::NoGradGuard ng;
+  return SwiGLUPackedFn::apply(gu);
+}
+
+// ---- Concatenated linear ----
+at::Tensor linear_concat_reference(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                                   const std::vector<at::Tensor>& biases) {
+  std::vector<at::Tensor> ys;
+  for (size_t i = 0; i < weights.size(); ++i)
+    ys.push_back(biases.empty() ? at::linear(x, weights[i]) : at::linear(x, weights[i], biases[i]));
+  return at::cat(ys, -1);
+}
+
+at::Tensor linear_concat(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                         const std::vector<at::Tensor>& biases) {
+  check_linear_concat(x, weights, biases);
+  return LinearConcatFn::apply(x, at::TensorList(weights), at::TensorList(biases));
 }
 
 // ---- AdamW ----

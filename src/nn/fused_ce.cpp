@@ -62,6 +62,10 @@ struct FusedLinearCE : public torch::autograd::Function<FusedLinearCE> {
       if (need_w) {
         if (fp32)
           grad_w32.addmm_(dl.t(), hc);
+        else if (h.is_cuda())
+          // cuBLAS accumulates the 16-bit product straight into the fp32 sum (beta = 1): no
+          // 16-bit rounding of each chunk's product and no separate fp32 add pass.
+          at::addmm_out(grad_w32, grad_w32, dl.t(), hc, at::kFloat);
         else
           grad_w32.add_(at::mm(dl.t(), hc));  // per-chunk product, fp32 accumulation
       }

@@ -226,8 +226,10 @@ std::pair<at::Tensor, at::Tensor> RotaryEmbedding::forward(const at::Tensor& pos
 }
 
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  // cos/sin are [B, S, D] or [1, S, D] (positions shared by the batch: the usual case).
   if (use_fused(x) && x.dim() == 4 && cos.dim() == 3 && x.scalar_type() == cos.scalar_type() &&
-      x.size(0) == cos.size(0) && x.size(2) == cos.size(1) && x.size(3) == cos.size(2))
+      (cos.size(0) == x.size(0) || cos.size(0) == 1) && x.size(2) == cos.size(1) &&
+      x.size(3) == cos.size(2))
     return kernels::apply_rotary(x, cos, sin);
   at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
   int64_t half = x.size(-1) / 2;
@@ -281,9 +283,27 @@ at::Tensor Attention::forward(const at::Tensor& x, const at::Tensor& cos, const 
   ForwardScope scope(*this);
   const int64_t b = x.size(0), s = x.size(1);
   // Head counts follow the (possibly column-sharded) projections.
-  at::Tensor q = q_proj->forward(x).view({b, s, -1, head_dim_}).transpose(1, 2);
-  at::Tensor k = k_proj->forward(x).view({b, s, -1, head_dim_}).transpose(1, 2);
-  at::Tensor v = v_proj->forward(x).view({b, s, -1, head_dim_}).transpose(1, 2);
+  at::Tensor q, k, v;
+  if (use_fused(x)) {
+    // One GEMM for q, k and v (one dx GEMM in backward instead of three plus two adds). The
+    // projections' own hooks still fire around the read of their weights.
+    ForwardScope sq(*q_proj), sk(*k_proj), sv(*v_proj);
+    std::vector<at::Tensor> w{q_proj->weight(), k_proj->weight(), v_proj->weight()}, bias;
+    if (q_proj->has_bias())
+      bias = {q_proj->param("bias"), k_proj->param("bias"), v_proj->param("bias")};
+    std::vector<at::Tensor> qkv =
+        kernels::linear_concat(x, w, bias)
+            .split_with_sizes({q_proj->out_features(), k_proj->out_features(),
+                               v_proj->out_features()},
+                              -1);
+    q = qkv[0].view({b, s, -1, head_dim_}).transpose(1, 2);
+    k = qkv[1].view({b, s, -1, head_dim_}).transpose(1, 2);
+    v = qkv[2].view({b, s, -1, head_dim_}).transpose(1, 2);
+  } else {
+    q = q_proj->forward(x).view({b, s, -1, head_dim_}).transpose(1, 2);
+    k = k_proj->forward(x).view({b, s, -1, head_dim_}).transpose(1, 2);
+    v = v_proj->forward(x).view({b, s, -1, head_dim_}).transpose(1, 2);
+  }
   q = apply_rotary(q, cos, sin);
   k = apply_rotary(k, cos, sin);
   if (cache) std::tie(k, v) = cache->update(layer_idx_, k, v);
@@ -314,8 +334,20 @@ MLP::MLP(const ModelConfig& cfg, const at::TensorOptions& opts) {
 
 at::Tensor MLP::forward(const at::Tensor& x) {
   ForwardScope scope(*this);
+  if (use_fused(x)) {
+    // gate and up as one GEMM into a packed [.., 2F] tensor; SwiGLU reads it and writes its
+    // gradient packed, which the concatenated GEMM's backward consumes directly.
+    at::Tensor h;
+    {
+      ForwardScope sg(*gate_proj), su(*up_proj);
+      std::vector<at::Tensor> w{gate_proj->weight(), up_proj->weight()}, bias;
+      if (gate_proj->has_bias()) bias = {gate_proj->param("bias"), up_proj->param("bias")};
+      h = kernels::swiglu_packed(kernels::linear_concat(x, w, bias));
+    }
+    return down_proj->forward(h);
+  }
   at::Tensor gate = gate_proj->forward(x), up = up_proj->forward(x);
-  return down_proj->forward(use_fused(gate) ? kernels::swiglu(gate, up) : at::silu(gate) * up);
+  return down_proj->forward(at::silu(gate) * up);
 }
 
 DecoderLayer::DecoderLayer(const ModelConfig& cfg, int64_t layer_idx, const at::TensorOptions& opts)

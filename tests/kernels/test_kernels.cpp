@@ -216,6 +216,79 @@ TEST(SwiGLU, ForwardAndBackwardMatchReference) {
   }
 }
 
+// Packed gate/up: the same values as swiglu on the two halves, gradient packed.
+TEST(SwiGLU, PackedEqualsSwiGLUOfTheHalves) {
+  for (auto dt : kTypes) {
+    at::manual_seed(8);
+    const int64_t f = 1411;  // odd: no vector path on a GPU, nothing special here
+    at::Tensor gu0 = (at::randn({2, 9, 2 * f}) * 3).to(dt), dy = at::randn({2, 9, f}).to(dt);
+    at::Tensor gu = gu0.clone().requires_grad_(true);
+    at::Tensor y = K::swiglu_packed(gu);
+    at::Tensor dgu = torch::autograd::grad({y}, {gu}, {dy})[0];
+    at::Tensor g = gu0.narrow(-1, 0, f).clone().requires_grad_(true);
+    at::Tensor u = gu0.narrow(-1, f, f).clone().requires_grad_(true);
+    at::Tensor yh = K::swiglu(g, u);
+    auto [dg, du] = grads_of(yh, dy, g, u);
+    EXPECT_TRUE(at::equal(y, yh)) << c10::toString(dt);
+    EXPECT_TRUE(at::equal(dgu, at::cat({dg, du}, -1))) << c10::toString(dt);
+    // And the ATen composite, within swiglu's contract.
+    at::Tensor gr = gu0.clone().requires_grad_(true);
+    at::Tensor yr = K::swiglu_packed_reference(gr);
+    at::Tensor dgr = torch::autograd::grad({yr}, {gr}, {dy})[0];
+    const double tol = dt == at::kFloat ? 8 * ulp(dt) : ulp(dt);
+    EXPECT_LE(excess(y, yr, tol, 1e-30), 1.0);
+    EXPECT_LE(excess(dgu, dgr, tol, ulp(dt) * max_abs(dgr)), 1.0);
+    at::NoGradGuard ng;
+    EXPECT_TRUE(at::equal(K::swiglu_packed(gu0), y));
+  }
+  EXPECT_THROW(K::swiglu_packed(at::randn({4, 7})), InputError);  // odd last dim
+}
+
+// ---- Concatenated linear ----
+TEST(LinearConcat, EqualsSeparateLinearsAndTheirGradients) {
+  for (bool bias : {false, true}) {
+    at::manual_seed(9);
+    at::Tensor x0 = at::randn({3, 5, 24});
+    std::vector<at::Tensor> w0{at::randn({16, 24}), at::randn({4, 24}), at::randn({4, 24})}, b0;
+    if (bias) b0 = {at::randn({16}), at::randn({4}), at::randn({4})};
+    auto leaves = [](const std::vector<at::Tensor>& ts) {
+      std::vector<at::Tensor> out;
+      for (const auto& t : ts) out.push_back(t.clone().requires_grad_(true));
+      return out;
+    };
+    at::Tensor x = x0.clone().requires_grad_(true), xr = x0.clone().requires_grad_(true);
+    std::vector<at::Tensor> w = leaves(w0), wr = leaves(w0), b = leaves(b0), br = leaves(b0);
+    at::Tensor y = K::linear_concat(x, w, b), yr = K::linear_concat_reference(xr, wr, br);
+    ASSERT_EQ(y.sizes(), (std::vector<int64_t>{3, 5, 24}));
+    EXPECT_LE(excess(y, yr, 1e-5, 1e-5), 1.0);
+    at::Tensor dy = at::randn(y.sizes());
+    std::vector<at::Tensor> in{x}, inr{xr};
+    for (size_t i = 0; i < w.size(); ++i) in.push_back(w[i]), inr.push_back(wr[i]);
+    for (size_t i = 0; i < b.size(); ++i) in.push_back(b[i]), inr.push_back(br[i]);
+    auto g = torch::autograd::grad({y}, in, {dy}), gr = torch::autograd::grad({yr}, inr, {dy});
+    ASSERT_EQ(g.size(), gr.size());
+    for (size_t i = 0; i < g.size(); ++i) {
+      ASSERT_EQ(g[i].sizes(), gr[i].sizes()) << "input " << i;
+      EXPECT_LE(excess(g[i], gr[i], 1e-5, 1e-5), 1.0) << "input " << i << " bias " << bias;
+    }
+  }
+  // A frozen weight gets no gradient and the others are still right.
+  at::Tensor x = at::randn({6, 8}).requires_grad_(true);
+  at::Tensor w1 = at::randn({3, 8}), w2 = at::randn({5, 8}).requires_grad_(true);
+  at::Tensor y = K::linear_concat(x, {w1, w2});
+  at::Tensor dw2 = torch::autograd::grad({y.sum()}, {w2})[0];
+  EXPECT_TRUE(at::allclose(dw2, at::ones({6, 5}).t().mm(x.detach())));
+  // Errors name the argument.
+  try {
+    K::linear_concat(at::randn({2, 8}), {at::randn({3, 8}), at::randn({3, 7})});
+    ADD_FAILURE() << "no error";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("weights[1]"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(K::linear_concat(at::randn({2, 8}), {at::randn({3, 8})}, {at::randn({3}), at::randn({3})}),
+               InputError);
+}
+
 // ---- AdamW ----
 namespace {
 struct AdamState {

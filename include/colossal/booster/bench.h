@@ -22,6 +22,10 @@ struct BenchConfig {
   std::string attn_backend = "auto";   // SDPA backend: auto | flash | cudnn | efficient | math
   bool fused_kernels = true;           // kernels/fused.h (RMSNorm, rotary, SwiGLU, AdamW)
   bool cuda_graph = false;             // replay forward + backward as one CUDA graph
+  // --profile: one extra, untimed step recorded by the Kineto profiler; kernel table in the
+  // report, Chrome trace in profile_dir/rank<r>.json.
+  bool profile = false;
+  std::string profile_dir = "profile";
   // gemini / gemini_auto (ColossalAI's flags): static placement fractions, chunk prefetch and
   // auto's warm-up share of non-model memory (-w).
   double shard_param_frac = 1.0, offload_optim_frac = 0.0, offload_param_frac = 0.0;
@@ -65,6 +69,8 @@ struct BenchReport {
   double peak_memory_mib = 0;    // max over ranks
   std::string peak_memory_kind;  // "cuda max_memory_allocated" | "cpu peak RSS (process)"
   double final_loss = 0;
+  std::string profile_text;  // --profile: where the profiled step's device time went
+  json::Value profile;       // the same, as {"step_ms", "busy_ms", "categories": {...}, ...}
 
   json::Value to_json() const;
   std::string to_text() const;  // the human-readable report

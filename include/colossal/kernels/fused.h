@@ -38,6 +38,24 @@ at::Tensor apply_rotary_reference(const at::Tensor& x, const at::Tensor& cos, co
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
 at::Tensor swiglu_reference(const at::Tensor& gate, const at::Tensor& up);
 
+// ---- Packed SwiGLU -------------------------------------------------------------------------
+// gu [..., 2F] (gate in the first F columns, up in the last F, e.g. linear_concat's output of
+// gate_proj and up_proj): y = silu(gate) * up, [..., F]. The gradient comes back packed in one
+// [..., 2F] tensor, which is what linear_concat's backward reads (no split/cat copies).
+at::Tensor swiglu_packed(const at::Tensor& gu);
+at::Tensor swiglu_packed_reference(const at::Tensor& gu);
+
+// ---- Concatenated linear (one GEMM for layers that read the same input) ---------------------
+// y = cat([x·W1ᵀ + b1, x·W2ᵀ + b2, ...], -1) as one GEMM against the concatenated weight, e.g.
+// q/k/v or gate/up. The concatenated weight exists only during the forward GEMM and is rebuilt
+// for backward (never saved: no second copy of the weights lives until backward); the weight
+// gradients are row blocks of one GEMM, dx one GEMM. biases: empty, or one per weight.
+// An ATen composite (cuBLAS / CPU BLAS), so it runs on any device.
+at::Tensor linear_concat(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                         const std::vector<at::Tensor>& biases = {});
+at::Tensor linear_concat_reference(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                                   const std::vector<at::Tensor>& biases = {});
+
 // ---- Multi-tensor AdamW on fp32 masters ------------------------------------------------------
 // torch.optim.AdamW semantics (decoupled weight decay, bias-corrected), one step for every
 // tensor of the lists, in as few launches as the sizes allow (one per ~chunk of tensors):
