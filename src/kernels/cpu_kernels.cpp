@@ -357,4 +357,35 @@ void adamw(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const 
   });
 }
 
+// ---- Softmax cross-entropy gradient (in place) ----
+void cross_entropy_grad(at::Tensor& logits, const at::Tensor& targets, at::Tensor& row_loss,
+                        float scale, int64_t ignore_index) {
+  const int64_t rows = logits.size(0), V = logits.size(1);
+  dispatch(logits.scalar_type(), "cross_entropy_grad", [&](auto tag) {
+    using T = decltype(tag);
+    T* xp = logits.mutable_data_ptr<T>();
+    const int64_t* tp = targets.const_data_ptr<int64_t>();
+    float* lp = row_loss.mutable_data_ptr<float>();
+    parallel(rows, threads_for(rows * V, kGrain), [&](int, int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        T* x = xp + r * V;
+        const int64_t tgt = tp[r];
+        const bool valid = tgt != ignore_index;
+        float m = -INFINITY;
+        for (int64_t j = 0; j < V; ++j) m = std::max(m, static_cast<float>(x[j]));
+        float sum = 0.f;
+        for (int64_t j = 0; j < V; ++j) sum += std::exp(static_cast<float>(x[j]) - m);
+        const float lse = m + std::log(sum);
+        lp[r] = valid ? lse - static_cast<float>(x[tgt]) : 0.f;
+        const float sc = valid ? scale : 0.f;
+        for (int64_t j = 0; j < V; ++j) {
+          float p = std::exp(static_cast<float>(x[j]) - lse);
+          if (j == tgt) p -= 1.f;
+          x[j] = static_cast<T>(p * sc);
+        }
+      }
+    });
+  });
+}
+
 }  // namespace colossal::kernels::cpu

@@ -25,4 +25,9 @@ void swiglu_bwd(const at::Tensor& dy, const at::Tensor& gate, const at::Tensor& 
 void adamw(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v,
            const at::Tensor& work, const AdamWStep& hyper);
 
+// logits [rows, V] (in place), targets [rows] int64 in range (checked by the caller) or
+// ignore_index -> row_loss [rows] fp32.
+void cross_entropy_grad(at::Tensor& logits, const at::Tensor& targets, at::Tensor& row_loss,
+                        float scale, int64_t ignore_index);
+
 }  // namespace colossal::kernels::cpu

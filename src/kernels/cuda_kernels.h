@@ -46,6 +46,12 @@ void swiglu_packed_fwd(const void* gu, void* y, int64_t rows, int64_t cols, DTyp
 void swiglu_packed_bwd(const void* dy, const void* gu, void* dgu, int64_t rows, int64_t cols,
                        DType dt, Stream stream);
 
+// ---- Softmax cross-entropy gradient, in place: logits [rows, V] contiguous; targets [rows]
+// (ignore_index rows: loss 0, gradient 0); scale: device fp32 scalar or nullptr (= 1). Writes
+// row_loss [rows] fp32 = logsumexp - logit[target] and logits := (softmax - onehot) * scale. ----
+void cross_entropy_grad(void* logits, const int64_t* targets, float* row_loss, const float* scale,
+                        int64_t rows, int64_t V, int64_t ignore_index, DType dt, Stream stream);
+
 // ---- Multi-tensor AdamW: fp32 p/m/v, grads of `grad_dt`, optional working copies of
 // `work_dt` (work == nullptr entries: none). One launch per group of up to kAdamWMaxTensors
 // tensors. Numerics follow ATen's CUDA fused AdamW (fp32 scalars, fma moments). ----

@@ -25,6 +25,7 @@ COLOSSAL_REGISTER_CUDA_KERNEL("rms_norm");
 COLOSSAL_REGISTER_CUDA_KERNEL("apply_rotary");
 COLOSSAL_REGISTER_CUDA_KERNEL("swiglu");
 COLOSSAL_REGISTER_CUDA_KERNEL("swiglu_packed");
+COLOSSAL_REGISTER_CUDA_KERNEL("cross_entropy_grad");
 COLOSSAL_REGISTER_CUDA_KERNEL("fused_adamw");
 #endif
 
@@ -473,6 +474,68 @@ at::Tensor linear_concat(const at::Tensor& x, const std::vector<at::Tensor>& wei
                          const std::vector<at::Tensor>& biases) {
   check_linear_concat(x, weights, biases);
   return LinearConcatFn::apply(x, at::TensorList(weights), at::TensorList(biases));
+}
+
+// ---- Softmax cross-entropy gradient ----
+namespace {
+void check_xent(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& scale) {
+  check_dtype("cross_entropy_grad_", "logits", logits);
+  COLOSSAL_CHECK_INPUT(logits.dim() == 2 && logits.is_contiguous(),
+                       "cross_entropy_grad_: logits must be a contiguous [n, V] tensor, got ",
+                       logits.sizes(), logits.is_contiguous() ? "" : " (not contiguous)");
+  COLOSSAL_CHECK_INPUT(targets.defined() && targets.scalar_type() == at::kLong &&
+                           targets.dim() == 1 && targets.size(0) == logits.size(0),
+                       "cross_entropy_grad_: targets must be int64 [", logits.size(0), "], got ",
+                       targets.defined() ? targets.sizes() : at::IntArrayRef{});
+  COLOSSAL_CHECK_INPUT(targets.device() == logits.device(), "cross_entropy_grad_: targets is on ",
+                       targets.device(), " but logits is on ", logits.device());
+  if (scale.defined())
+    COLOSSAL_CHECK_INPUT(scale.numel() == 1 && scale.scalar_type() == at::kFloat &&
+                             scale.device() == logits.device(),
+                         "cross_entropy_grad_: scale must be one fp32 element on ",
+                         logits.device(), ", got ", scale.scalar_type(), " ", scale.sizes(),
+                         " on ", scale.device());
+}
+}  // namespace
+
+at::Tensor cross_entropy_grad_reference_(at::Tensor& logits, const at::Tensor& targets,
+                                         int64_t ignore_index, const at::Tensor& scale) {
+  at::Tensor valid = targets != ignore_index;
+  at::Tensor tc = at::where(valid, targets, 0).unsqueeze(1);
+  at::Tensor logp = at::log_softmax(logits.to(at::kFloat), 1);
+  at::Tensor loss = -logp.gather(1, tc).squeeze(1) * valid;
+  at::Tensor vf = valid.to(at::kFloat).unsqueeze(1);
+  logp.exp_();
+  logp.scatter_add_(1, tc, -vf);
+  logp.mul_(scale.defined() ? vf * scale : vf);
+  logits.copy_(logp);
+  return loss;
+}
+
+at::Tensor cross_entropy_grad_(at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index,
+                               const at::Tensor& scale) {
+  check_xent(logits, targets, scale);
+  const Path path = path_for(logits);
+  if (path == Path::Reference) return cross_entropy_grad_reference_(logits, targets, ignore_index, scale);
+  at::Tensor loss = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
+  if (path == Path::Cpu) {
+    const int64_t V = logits.size(1);
+    at::Tensor bad = (targets != ignore_index) & ((targets < 0) | (targets >= V));
+    COLOSSAL_CHECK_INPUT(!bad.any().item<bool>(), "cross_entropy_grad_: a target is outside [0, ",
+                         V, ") (and not ignore_index ", ignore_index, ")");
+    cpu::cross_entropy_grad(logits, targets, loss,
+                            scale.defined() ? scale.item<float>() : 1.f, ignore_index);
+    return loss;
+  }
+#ifdef COLOSSAL_WITH_CUDA
+  c10::DeviceGuard guard(logits.device());
+  cuda::cross_entropy_grad(logits.mutable_data_ptr(), targets.const_data_ptr<int64_t>(),
+                           loss.mutable_data_ptr<float>(),
+                           scale.defined() ? scale.const_data_ptr<float>() : nullptr,
+                           logits.size(0), logits.size(1), ignore_index,
+                           cuda_dtype(logits.scalar_type()), stream_of(logits));
+#endif
+  return loss;
 }
 
 // ---- AdamW ----

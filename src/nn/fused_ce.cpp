@@ -8,6 +8,7 @@
 #include <algorithm>
 
 #include "colossal/core/error.h"
+#include "colossal/kernels/fused.h"
 
 namespace colossal::nn {
 
@@ -42,6 +43,25 @@ struct FusedLinearCE : public torch::autograd::Function<FusedLinearCE> {
       at::Tensor vc = valid.narrow(0, s, n);
       at::Tensor tc = at::where(vc, t.narrow(0, s, n), 0).unsqueeze(1);  // ignored rows -> 0
       at::Tensor logits = at::mm(hc, w.t());                             // [n, V] working dtype
+      if ((need_h || need_w) && h.is_cuda() && kernels::enabled() &&
+          kernels::has_fused_kernels(logits)) {
+        // One kernel: the row's loss and (softmax - onehot) * scale written over the logits,
+        // in the working dtype (what the code below computes in several fp32 passes).
+        at::Tensor rows = kernels::cross_entropy_grad_(logits, t.narrow(0, s, n), ignore_index,
+                                                       defer ? at::Tensor() : inv);
+        loss_sum.add_(rows.sum());
+        if (need_h) {
+          at::Tensor out = grad_h.narrow(0, s, n);
+          at::mm_out(out, logits, w);
+        }
+        if (need_w) {
+          if (fp32)
+            grad_w32.addmm_(logits.t(), hc);
+          else
+            at::addmm_out(grad_w32, grad_w32, logits.t(), hc, at::kFloat);
+        }
+        continue;
+      }
       if (!fp32) logits = logits.to(at::kFloat);
       // log-softmax in one pass (fp32), reused in place for the gradient.
       at::Tensor logp = at::log_softmax(logits, 1);

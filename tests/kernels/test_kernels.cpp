@@ -244,6 +244,37 @@ TEST(SwiGLU, PackedEqualsSwiGLUOfTheHalves) {
   EXPECT_THROW(K::swiglu_packed(at::randn({4, 7})), InputError);  // odd last dim
 }
 
+// ---- Softmax cross-entropy gradient ----
+TEST(CrossEntropyGrad, MatchesTheComposite) {
+  for (auto dt : kTypes) {
+    for (bool with_scale : {false, true}) {
+      at::manual_seed(10);
+      const int64_t n = 37, V = 1003;
+      at::Tensor x0 = (at::randn({n, V}) * 4).to(dt);
+      at::Tensor t = at::randint(0, V, {n}, at::kLong);
+      t.index_put_({at::arange(0, n, 5)}, -100);  // some ignored rows
+      at::Tensor scale = with_scale ? at::full({}, 1.0 / 29, at::kFloat) : at::Tensor();
+      at::Tensor x = x0.clone(), xr = x0.clone();
+      at::Tensor loss = K::cross_entropy_grad_(x, t, -100, scale);
+      at::Tensor lr = K::cross_entropy_grad_reference_(xr, t, -100, scale);
+      const std::string what = std::string(c10::toString(dt)) + (with_scale ? " scaled" : "");
+      // fp32 statistics both ways (max, sum of exp, log): a few fp32 ulp of the row's lse.
+      EXPECT_LE(max_abs(loss - lr), 1e-5 * max_abs(lr)) << what;
+      // The gradient differs only in the last rounding to the working dtype (exp(x - lse) vs
+      // exp(log_softmax)): one ulp of the dtype relative to the largest gradient of the row
+      // (the target's softmax - 1 is the largest in magnitude).
+      // fp32: p = exp(x - lse) carries lse's rounding (|lse| ~ 10-20, summed in another order
+      // than ATen's vectorised log_softmax): 8 ulp of lse, ~1e-5.
+      const double tol = dt == at::kFloat ? 1e-5 : ulp(dt);
+      EXPECT_LE(max_abs((x.to(at::kFloat) - xr.to(at::kFloat))), tol * max_abs(xr.to(at::kFloat)) + 1e-12) << what;
+      EXPECT_EQ(max_abs(x.index({at::arange(0, n, 5)}).to(at::kFloat)), 0.0) << "ignored rows";
+    }
+  }
+  at::Tensor x = at::randn({2, 5});
+  EXPECT_THROW(K::cross_entropy_grad_(x, at::tensor({1, 7}, at::kLong), -100, {}), InputError);
+  EXPECT_THROW(K::cross_entropy_grad_(x, at::tensor({1}, at::kLong), -100, {}), InputError);
+}
+
 // ---- Concatenated linear ----
 TEST(LinearConcat, EqualsSeparateLinearsAndTheirGradients) {
   for (bool bias : {false, true}) {

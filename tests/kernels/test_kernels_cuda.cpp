@@ -207,6 +207,33 @@ TEST(CudaKernels, SwiGLU) {
   }
 }
 
+TEST(CudaKernels, CrossEntropyGrad) {
+  REQUIRE_GPU();
+  for (auto dt : kTypes) {
+    for (int64_t V : {32000, 1003}) {  // 16-byte packs, and the scalar kernel
+      at::manual_seed(17);
+      const int64_t n = 300;
+      at::Tensor x0 = (at::randn({n, V}) * 4).to(dt);
+      at::Tensor t = at::randint(0, V, {n}, at::kLong);
+      t.index_put_({at::arange(0, n, 7)}, -100);
+      at::Tensor scale = at::full({}, 1.0 / 257, at::TensorOptions().device(gpu()));
+      at::Tensor x = x0.to(gpu()), xr = x0.to(gpu()), xc = x0.clone();
+      const std::string what = std::string(c10::toString(dt)) + " V " + std::to_string(V);
+      at::Tensor loss = K::cross_entropy_grad_(x, t.to(gpu()), -100, scale);
+      at::Tensor lr = K::cross_entropy_grad_reference_(xr, t.to(gpu()), -100, scale);
+      at::Tensor lc = K::cross_entropy_grad_(xc, t, -100, scale.cpu());
+      ASSERT_TRUE(all_finite(x)) << what;
+      EXPECT_LE(max_abs(loss - lr), 1e-5 * max_abs(lr)) << what;
+      EXPECT_LE(max_abs(loss.cpu() - lc), 1e-5 * max_abs(lc)) << what;
+      const double tol = dt == at::kFloat ? 1e-5 : ulp(dt);  // as in test_kernels.cpp
+      EXPECT_LE(max_abs(x.to(at::kFloat) - xr.to(at::kFloat)), tol * max_abs(xr.to(at::kFloat)) + 1e-12)
+          << what;
+      EXPECT_LE(max_abs(x.cpu().to(at::kFloat) - xc.to(at::kFloat)), tol * max_abs(xc.to(at::kFloat)) + 1e-12)
+          << what;
+    }
+  }
+}
+
 TEST(CudaKernels, SwiGLUPackedAndLinearConcat) {
   REQUIRE_GPU();
   for (auto dt : kTypes) {
