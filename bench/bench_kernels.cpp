@@ -37,6 +37,7 @@ struct Opts {
   int reps = 20, warmup = 5;
   std::string json;
   bool cpu = false;
+  bool copies_only = false;  // --copies: ceilings and host<->device copies only
 };
 
 struct Row {
@@ -113,6 +114,33 @@ void ceilings() {
   std::printf(
       "ceilings: device copy %.0f GB/s (read+write, %ld MiB), bf16 GEMM %ld^3 %.1f TFLOPS\n",
       g_copy_gbs, long(n >> 20), long(m), g_gemm_tflops);
+}
+
+// ---- host <-> device copies (the reference for Gemini's chunk traffic) ----
+// Pinned and pageable host buffers, both directions, at chunk-like sizes; GB/s = bytes / time.
+void host_copies() {
+  if (!g_cuda) return;
+  for (int64_t mib : {32, 128, 512}) {
+    const int64_t n = mib << 20;
+    at::Tensor dev = at::empty({n}, opts(at::kByte)).fill_(1);
+    for (bool pinned : {true, false}) {
+      at::Tensor host = at::empty({n}, at::TensorOptions().dtype(at::kByte).pinned_memory(pinned));
+      host.fill_(2);
+      const double up = median_ms([&] { dev.copy_(host, /*non_blocking=*/pinned); });
+      const double down = median_ms([&] { host.copy_(dev, /*non_blocking=*/pinned); });
+      std::printf("host copy %s %4ld MiB: host->device %.1f GB/s, device->host %.1f GB/s\n",
+                  pinned ? "pinned  " : "pageable", long(mib), double(n) / (up * 1e6),
+                  double(n) / (down * 1e6));
+      Row r("host_copy", pinned ? "pinned" : "pageable", std::to_string(mib) + "MiB", "h2d");
+      r.fused_ms = up;
+      r.bytes = double(n);
+      g_rows.push_back(r);
+      Row d("host_copy", pinned ? "pinned" : "pageable", std::to_string(mib) + "MiB", "d2h");
+      d.fused_ms = down;
+      d.bytes = double(n);
+      g_rows.push_back(d);
+    }
+  }
 }
 
 // ---- elementwise / row ops ----
@@ -386,8 +414,10 @@ int main(int argc, char** argv) {
       g_opts.json = next();
     else if (a == "--cpu")
       g_opts.cpu = true;
+    else if (a == "--copies")
+      g_opts.copies_only = true;
     else {
-      std::fprintf(stderr, "usage: bench_kernels [--reps N] [--warmup N] [--json FILE] [--cpu]\n");
+      std::fprintf(stderr, "usage: bench_kernels [--reps N] [--warmup N] [--json FILE] [--cpu] [--copies]\n");
       return 2;
     }
   }
@@ -403,6 +433,8 @@ int main(int argc, char** argv) {
   }
   at::manual_seed(0);
   ceilings();
+  host_copies();
+  if (g_opts.copies_only) return 0;  // the printed lines are the result
   if (g_cuda) {
     row_ops("1b", 16384, 2048, 5632, 32, 64);
     row_ops("7b", 4096, 4096, 11008, 32, 128);

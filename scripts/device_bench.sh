@@ -118,9 +118,13 @@ for phase in "$@"; do
     base w2_b4_ckpt --model 7b --bs 4 --seq 4096 --ckpt ;;
   gemini)
     step "Gemini on one GPU: 7b gemini 1/0/0 vs zero2; 13b gemini_auto"
+    timeout 120 "$BUILD/bench/bench_kernels" --copies --reps 10 > "$LOGS/copies.log" 2>&1
+    grep "host copy" "$LOGS/copies.log" | tee -a "$SUMMARY"
     ours g7_zero2 -c 7b -p zero2 -b 1 -l 4096 -s 6 -i 2
     ours g7_gemini -c 7b -p gemini -b 1 -l 4096 -s 6 -i 2
-    ours g13_auto -c 13b -p gemini_auto -b 1 -l 4096 -s 4 -i 1 -g ;;
+    ours g13_auto -c 13b -p gemini_auto -b 1 -l 4096 -s 4 -i 1 -g --profile --profile_dir "$LOGS/prof_g13"
+    grep -i "memory report\|placement\|chunk size" "$LOGS/g13_auto.log" | head -8 | cut -c1-400 | tee -a "$SUMMARY"
+    [ -f "$LOGS/prof_g13/rank0.json" ] && $PY scripts/trace_memcpy.py "$LOGS/prof_g13/rank0.json" | tee -a "$SUMMARY" ;;
   *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done
