@@ -51,8 +51,8 @@ void Optimizer::add_param_group(std::vector<NamedParam> params, GroupOptions opt
 }
 
 void Optimizer::step(double grad_divisor) {
-  COLOSSAL_CHECK(grad_divisor > 0 && std::isfinite(grad_divisor), "optimizer: grad_divisor must be finite and > 0, got ",
-                 grad_divisor);
+  COLOSSAL_CHECK(grad_divisor > 0 && std::isfinite(grad_divisor),
+                 "optimizer: grad_divisor must be finite and > 0, got ", grad_divisor);
   grad_divisor_ = grad_divisor;
   c10::NoGradGuard no_grad;
   for (auto& g : groups_) {
@@ -132,7 +132,8 @@ void Optimizer::adopt_masters(const std::vector<std::pair<std::string, at::Tenso
       auto it = by_name.find(g.names[i]);
       if (it == by_name.end() || !is_half(g.params[i])) continue;
       const at::Tensor& m = *it->second;
-      COLOSSAL_CHECK(m.sizes() == g.params[i].sizes(), "adopt_masters: shape of '", g.names[i], "' differs");
+      COLOSSAL_CHECK(m.sizes() == g.params[i].sizes(), "adopt_masters: shape of '", g.names[i],
+                     "' differs");
       masters_[g.names[i]] = m.detach().to(g.params[i].device(), at::kFloat, false, /*copy=*/true);
     }
 }
@@ -188,29 +189,29 @@ StateDict Optimizer::state_dict() const {
   return out;
 }
 
-void Optimizer::load_state_dict(const StateDict& sd) {
-  c10::NoGradGuard no_grad;
+std::vector<GroupOptions> read_state_groups(const StateDict& sd, const Optimizer& opt) {
   const auto& s = sd.scalars;
   COLOSSAL_CHECK_INPUT(s.is_object(), "optimizer state: scalars must be an object");
   const std::string& t = s.at("type").as_string("optimizer state 'type'");
-  COLOSSAL_CHECK_INPUT(t == type(), "optimizer state was saved by '", t,
-                       "' but this optimizer is '", type(), "'");
+  COLOSSAL_CHECK_INPUT(t == opt.type(), "optimizer state was saved by '", t,
+                       "' but this optimizer is '", opt.type(), "'");
+  const auto& groups = opt.param_groups();
   const auto& jgroups = s.at("param_groups").as_array("optimizer state 'param_groups'");
-  COLOSSAL_CHECK_INPUT(jgroups.size() == groups_.size(), "optimizer state has ", jgroups.size(),
-                       " param groups but this optimizer has ", groups_.size());
-  std::map<std::string, const at::Tensor*> by_name;
-  for (auto& [n, tensor] : sd.tensors) by_name[n] = &tensor;
-  const json::Value& steps = s.at("steps");
-  std::map<std::string, ParamState> new_state;
-  std::map<std::string, at::Tensor> new_masters = masters_;
-  std::vector<GroupOptions> new_opts;
-  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+  COLOSSAL_CHECK_INPUT(jgroups.size() == groups.size(), "optimizer state has ", jgroups.size(),
+                       " param groups but this optimizer has ", groups.size());
+  std::vector<GroupOptions> out;
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
     const auto& jg = jgroups[gi];
-    auto& g = groups_[gi];
     const auto& names = jg.at("params").as_array("param_groups.params");
-    COLOSSAL_CHECK_INPUT(names.size() == g.names.size(), "optimizer state group ", gi, " has ",
-                         names.size(), " params but this optimizer's group has ", g.names.size());
-    GroupOptions o;
+    COLOSSAL_CHECK_INPUT(names.size() == groups[gi].names.size(), "optimizer state group ", gi,
+                         " has ", names.size(), " params but this optimizer's group has ",
+                         groups[gi].names.size());
+    for (size_t k = 0; k < names.size(); ++k)
+      COLOSSAL_CHECK_INPUT(names[k].as_string("param name") == groups[gi].names[k],
+                           "optimizer state group ", gi, " param ", k, " is '",
+                           names[k].as_string(), "' but this optimizer has '", groups[gi].names[k],
+                           "'");
+    GroupOptions o = groups[gi].options;
     o.lr = jg.at("lr").as_double("lr");
     o.weight_decay = jg.at("weight_decay").as_double("weight_decay");
     o.beta1 = jg.at("beta1").as_double("beta1");
@@ -219,12 +220,24 @@ void Optimizer::load_state_dict(const StateDict& sd) {
     o.momentum = jg.at("momentum").as_double("momentum");
     o.dampening = jg.at("dampening").as_double("dampening");
     o.nesterov = jg.at("nesterov").as_bool("nesterov");
-    new_opts.push_back(o);
+    out.push_back(o);
+  }
+  return out;
+}
+
+void Optimizer::load_state_dict(const StateDict& sd) {
+  c10::NoGradGuard no_grad;
+  std::vector<GroupOptions> new_opts = read_state_groups(sd, *this);
+  const auto& s = sd.scalars;
+  std::map<std::string, const at::Tensor*> by_name;
+  for (auto& [n, tensor] : sd.tensors) by_name[n] = &tensor;
+  const json::Value& steps = s.at("steps");
+  std::map<std::string, ParamState> new_state;
+  std::map<std::string, at::Tensor> new_masters = masters_;
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    auto& g = groups_[gi];
     for (size_t i = 0; i < g.names.size(); ++i) {
       const std::string& n = g.names[i];
-      COLOSSAL_CHECK_INPUT(names[i].as_string("param name") == n, "optimizer state group ", gi,
-                           " param ", i, " is '", names[i].as_string(),
-                           "' but this optimizer has '", n, "'");
       const at::Tensor& p = g.params[i];
       auto m = new_masters.find(n);
       at::Tensor target = m != new_masters.end() ? m->second : p.detach();
@@ -249,7 +262,7 @@ void Optimizer::load_state_dict(const StateDict& sd) {
       if (!st) continue;  // never stepped
       ParamState ps;
       ps.step = st->as_int("steps." + n);
-      for (const auto& key : state_keys(o)) ps.tensors[key] = load(key, target);
+      for (const auto& key : state_keys(new_opts[gi])) ps.tensors[key] = load(key, target);
       new_state[n] = std::move(ps);
     }
   }

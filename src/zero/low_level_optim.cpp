@@ -359,34 +359,8 @@ void LowLevelZeroOptimizer::load_state_dict(const optim::StateDict& sd) {
   wait_all();  // a late gather must not overwrite the restored weights
   c10::NoGradGuard no_grad;
   const json::Value& s = sd.scalars;
-  COLOSSAL_CHECK_INPUT(s.is_object(), "optimizer state: scalars must be an object");
-  const std::string& t = s.at("type").as_string("optimizer state 'type'");
-  COLOSSAL_CHECK_INPUT(t == inner_->type(), "optimizer state was saved by '", t,
-                       "' but this optimizer is '", inner_->type(), "'");
+  std::vector<optim::GroupOptions> opts = optim::read_state_groups(sd, *inner_);
   auto& groups = inner_->param_groups();
-  const auto& jgroups = s.at("param_groups").as_array("optimizer state 'param_groups'");
-  COLOSSAL_CHECK_INPUT(jgroups.size() == groups.size(), "optimizer state has ", jgroups.size(),
-                       " param groups but this optimizer has ", groups.size());
-  std::vector<optim::GroupOptions> opts;
-  for (size_t gi = 0; gi < groups.size(); ++gi) {
-    const auto& jg = jgroups[gi];
-    const auto& names = jg.at("params").as_array("param_groups.params");
-    COLOSSAL_CHECK_INPUT(names.size() == groups[gi].names.size(), "optimizer state group ", gi,
-                         " has ", names.size(), " params but this optimizer's group has ",
-                         groups[gi].names.size());
-    for (size_t k = 0; k < names.size(); ++k)
-      COLOSSAL_CHECK_INPUT(names[k].as_string("param name") == groups[gi].names[k],
-                           "optimizer state group ", gi, " param ", k, " is '",
-                           names[k].as_string(), "' but this optimizer has '", groups[gi].names[k],
-                           "'");
-    optim::GroupOptions o = groups[gi].options;
-    o.lr = jg.at("lr").as_double("lr");
-    o.weight_decay = jg.at("weight_decay").as_double("weight_decay");
-    o.beta1 = jg.at("beta1").as_double("beta1");
-    o.beta2 = jg.at("beta2").as_double("beta2");
-    o.eps = jg.at("eps").as_double("eps");
-    opts.push_back(o);
-  }
   std::map<std::string, const at::Tensor*> by_name;
   for (auto& [n, tensor] : sd.tensors) by_name[n] = &tensor;
   const json::Value& steps = s.at("steps");

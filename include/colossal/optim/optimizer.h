@@ -59,6 +59,14 @@ struct OptimizerOptions {
   bool master_weights = true;
 };
 
+class Optimizer;
+
+// The header of a saved state checked against `opt`: the optimizer type, the number of param
+// groups and each group's parameter names in order (InputError naming the first mismatch).
+// Returns each group's saved hyper-parameters. Shared by Optimizer::load_state_dict and the
+// ZeRO / Gemini optimizers, which lay the state tensors out their own way.
+std::vector<GroupOptions> read_state_groups(const StateDict& sd, const Optimizer& opt);
+
 class Optimizer {
  public:
   explicit Optimizer(OptimizerOptions options = {}) : options_(options) {}
@@ -110,7 +118,8 @@ class Optimizer {
   // `masters` from `grads` in the parameters' own dtype (bf16/fp16/fp32, not upcast) and writes
   // `working` (the model's parameters) from the new masters. Returns false to take the generic
   // path instead (grads upcast to fp32, update(), working.copy_(master)).
-  virtual bool update_masters_fused(const GroupOptions& group, const std::vector<at::Tensor>& masters,
+  virtual bool update_masters_fused(const GroupOptions& group,
+                                    const std::vector<at::Tensor>& masters,
                                     const std::vector<at::Tensor>& grads,
                                     std::vector<ParamState*>& states,
                                     const std::vector<at::Tensor>& working) {
