@@ -183,9 +183,9 @@ GeminiOptimizerWrapper::GeminiOptimizerWrapper(std::shared_ptr<optim::Optimizer>
                                                std::shared_ptr<zero::gemini::ChunkManager> manager,
                                                Precision precision,
                                                const LossScaleOptions& loss_scale, double max_norm)
-    : OptimizerWrapper(std::move(optimizer), precision, loss_scale),
-      manager_(std::move(manager)),
-      default_max_norm_(max_norm) {}
+    : OptimizerWrapper(std::move(optimizer), precision, loss_scale), manager_(std::move(manager)) {
+  default_max_norm_ = max_norm;
+}
 
 void GeminiOptimizerWrapper::backward(const at::Tensor& loss) {
   manager_->set_in_backward(true);
@@ -198,43 +198,14 @@ void GeminiOptimizerWrapper::backward(const at::Tensor& loss) {
   manager_->set_in_backward(false);
 }
 
-double GeminiOptimizerWrapper::clip_grad_by_norm(double max_norm, double norm_type) {
-  COLOSSAL_CHECK_INPUT(norm_type == 2.0, "clip_grad_by_norm: only norm_type 2 is supported, got ",
-                       norm_type);
-  COLOSSAL_CHECK_INPUT(max_norm > 0, "clip_grad_by_norm: max_norm must be > 0, got ", max_norm);
-  max_norm_ = max_norm;
-  last_norm_ = manager_->grad_norm(loss_scale());
-  norm_valid_ = true;
-  return last_norm_;
-}
+double GeminiOptimizerWrapper::grad_norm_now() { return manager_->grad_norm(loss_scale()); }
+
+void GeminiOptimizerWrapper::apply_update(double divisor) { manager_->step(divisor); }
+
+void GeminiOptimizerWrapper::drop_grads() { manager_->zero_grad(); }
 
 bool GeminiOptimizerWrapper::step() {
-  if (!norm_valid_) last_norm_ = manager_->grad_norm(loss_scale());
-  norm_valid_ = false;
-  const double max_norm = max_norm_ > 0 ? max_norm_ : default_max_norm_;
-  max_norm_ = 0.0;
-  if (!std::isfinite(last_norm_)) {
-    last_skipped_ = true;
-    if (scaler_) {
-      double old = scaler_->scale();
-      scaler_->update(true);
-      log_warn("fp16 gradient overflow: step skipped on every rank, loss scale ", old, " -> ",
-               scaler_->scale());
-    } else {
-      log_warn("non-finite gradient norm (", last_norm_, ") in ", to_string(precision_),
-               ": step skipped");
-    }
-    manager_->zero_grad();
-    return false;
-  }
-  double divisor = loss_scale();
-  if (max_norm > 0) {
-    double coef = max_norm / (last_norm_ + 1e-6);
-    if (coef < 1.0) divisor /= coef;
-  }
-  manager_->step(divisor);
-  if (scaler_) scaler_->update(false);
-  last_skipped_ = false;
+  if (!OptimizerWrapper::step()) return false;
   if (++steps_ == 1 && (!dist::is_initialized() || dist::rank() == 0))
     log_info("gemini memory after warm-up: ", memory_report().dump());
   return true;

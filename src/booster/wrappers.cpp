@@ -53,16 +53,21 @@ double OptimizerWrapper::clip_grad_by_norm(double max_norm, double norm_type) {
   COLOSSAL_CHECK_INPUT(norm_type == 2.0, "clip_grad_by_norm: only norm_type 2 is supported, got ", norm_type);
   COLOSSAL_CHECK_INPUT(max_norm > 0, "clip_grad_by_norm: max_norm must be > 0, got ", max_norm);
   max_norm_ = max_norm;
-  last_norm_ = compute_grad_norm();
+  last_norm_ = grad_norm_now();
   norm_valid_ = true;
   return last_norm_;
 }
 
+void OptimizerWrapper::apply_update(double divisor) { optimizer_->step(divisor); }
+
+void OptimizerWrapper::drop_grads() { optimizer_->zero_grad(true); }
+
 bool OptimizerWrapper::step() {
-  if (!norm_valid_) last_norm_ = compute_grad_norm();
+  if (!norm_valid_) last_norm_ = grad_norm_now();
   norm_valid_ = false;
-  bool overflow = !std::isfinite(last_norm_);
-  if (overflow) {
+  const double max_norm = max_norm_ > 0 ? max_norm_ : default_max_norm_;
+  max_norm_ = 0.0;
+  if (!std::isfinite(last_norm_)) {
     last_skipped_ = true;
     if (scaler_) {
       double old = scaler_->scale();
@@ -71,20 +76,18 @@ bool OptimizerWrapper::step() {
     } else {
       log_warn("non-finite gradient norm (", last_norm_, ") in ", to_string(precision_), ": step skipped");
     }
-    optimizer_->zero_grad(true);
-    max_norm_ = 0.0;
+    drop_grads();
     return false;
   }
   // Unscaling and clipping are one divisor applied inside the update pass.
   double divisor = loss_scale();
-  if (max_norm_ > 0) {
-    double coef = max_norm_ / (last_norm_ + 1e-6);
+  if (max_norm > 0) {
+    double coef = max_norm / (last_norm_ + 1e-6);
     if (coef < 1.0) divisor /= coef;
   }
-  optimizer_->step(divisor);
+  apply_update(divisor);
   if (scaler_) scaler_->update(false);
   last_skipped_ = false;
-  max_norm_ = 0.0;
   return true;
 }
 

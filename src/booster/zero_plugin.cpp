@@ -217,54 +217,18 @@ ZeroOptimizerWrapper::ZeroOptimizerWrapper(std::shared_ptr<optim::Optimizer> opt
                                            std::shared_ptr<zero::LowLevelZeroOptimizer> zero,
                                            Precision precision, const LossScaleOptions& loss_scale,
                                            double max_norm)
-    : OptimizerWrapper(std::move(optimizer), precision, loss_scale),
-      zero_(std::move(zero)),
-      default_max_norm_(max_norm) {}
+    : OptimizerWrapper(std::move(optimizer), precision, loss_scale), zero_(std::move(zero)) {
+  default_max_norm_ = max_norm;
+}
 
-double ZeroOptimizerWrapper::norm_now() {
+double ZeroOptimizerWrapper::grad_norm_now() {
   zero_->take_full_grads();  // stage 1 (and anything left on .grad); a no-op for stage 2
   return zero_->grad_norm(loss_scale());
 }
 
-double ZeroOptimizerWrapper::clip_grad_by_norm(double max_norm, double norm_type) {
-  COLOSSAL_CHECK_INPUT(norm_type == 2.0, "clip_grad_by_norm: only norm_type 2 is supported, got ",
-                       norm_type);
-  COLOSSAL_CHECK_INPUT(max_norm > 0, "clip_grad_by_norm: max_norm must be > 0, got ", max_norm);
-  max_norm_ = max_norm;
-  last_norm_ = norm_now();
-  norm_valid_ = true;
-  return last_norm_;
-}
+void ZeroOptimizerWrapper::apply_update(double divisor) { zero_->step(divisor); }
 
-bool ZeroOptimizerWrapper::step() {
-  if (!norm_valid_) last_norm_ = norm_now();
-  norm_valid_ = false;
-  const double max_norm = max_norm_ > 0 ? max_norm_ : default_max_norm_;
-  max_norm_ = 0.0;
-  if (!std::isfinite(last_norm_)) {
-    last_skipped_ = true;
-    if (scaler_) {
-      double old = scaler_->scale();
-      scaler_->update(true);
-      log_warn("fp16 gradient overflow: step skipped on every rank, loss scale ", old, " -> ",
-               scaler_->scale());
-    } else {
-      log_warn("non-finite gradient norm (", last_norm_, ") in ", to_string(precision_),
-               ": step skipped");
-    }
-    zero_->zero_grad();
-    return false;
-  }
-  double divisor = loss_scale();
-  if (max_norm > 0) {
-    double coef = max_norm / (last_norm_ + 1e-6);
-    if (coef < 1.0) divisor /= coef;
-  }
-  zero_->step(divisor);
-  if (scaler_) scaler_->update(false);
-  last_skipped_ = false;
-  return true;
-}
+void ZeroOptimizerWrapper::drop_grads() { zero_->zero_grad(); }
 
 void ZeroOptimizerWrapper::zero_grad(bool set_to_none) {
   (void)set_to_none;  // shards are zeroed in place; working .grad always dropped

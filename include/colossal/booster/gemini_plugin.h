@@ -88,8 +88,7 @@ class GeminiOptimizerWrapper : public OptimizerWrapper {
                          std::shared_ptr<zero::gemini::ChunkManager> manager, Precision precision,
                          const LossScaleOptions& loss_scale, double max_norm);
   void backward(const at::Tensor& loss) override;
-  double clip_grad_by_norm(double max_norm, double norm_type = 2.0) override;
-  bool step() override;
+  bool step() override;  // the base sequence; logs the memory report after the first step
   void zero_grad(bool set_to_none = true) override;
   optim::StateDict full_state_dict() override;
   void load_full_state_dict(const optim::StateDict& state) override;
@@ -99,9 +98,13 @@ class GeminiOptimizerWrapper : public OptimizerWrapper {
   // utilisation and the peak device memory seen (logged by rank 0 after the first step).
   json::Value memory_report() const;
 
+ protected:
+  double grad_norm_now() override;
+  void apply_update(double divisor) override;
+  void drop_grads() override;
+
  private:
   std::shared_ptr<zero::gemini::ChunkManager> manager_;
-  double default_max_norm_;
   int64_t steps_ = 0;
 };
 

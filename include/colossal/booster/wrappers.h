@@ -91,6 +91,12 @@ class OptimizerWrapper {
 
  protected:
   double compute_grad_norm();  // global, unscaled, fp64
+  // The parts of clip_grad_by_norm/step that depend on where gradients and states live; the
+  // skip-on-overflow, clipping-divisor and loss-scaler sequence around them is this class's.
+  // Defaults: the wrapped optimizer over full gradients on .grad.
+  virtual double grad_norm_now() { return compute_grad_norm(); }
+  virtual void apply_update(double divisor);
+  virtual void drop_grads();
 
   std::shared_ptr<optim::Optimizer> optimizer_;
   Precision precision_;
@@ -99,6 +105,7 @@ class OptimizerWrapper {
   // strategies wire it to their group so norms and overflow are global.
   amp::GradReducer reducer_;
   double max_norm_ = 0.0;
+  double default_max_norm_ = 0.0;  // clipping when the step was not preceded by clip_grad_by_norm
   bool norm_valid_ = false;
   double last_norm_ = 0.0;
   bool last_skipped_ = false;

@@ -95,18 +95,19 @@ class ZeroOptimizerWrapper : public OptimizerWrapper {
   ZeroOptimizerWrapper(std::shared_ptr<optim::Optimizer> optimizer,
                        std::shared_ptr<zero::LowLevelZeroOptimizer> zero, Precision precision,
                        const LossScaleOptions& loss_scale, double max_norm);
-  double clip_grad_by_norm(double max_norm, double norm_type = 2.0) override;
-  bool step() override;
   void zero_grad(bool set_to_none = true) override;
   optim::StateDict full_state_dict() override;
   void load_full_state_dict(const optim::StateDict& state) override;
   void sync_masters_from_params() override;
   zero::LowLevelZeroOptimizer& zero() { return *zero_; }
 
+ protected:
+  double grad_norm_now() override;
+  void apply_update(double divisor) override;
+  void drop_grads() override;
+
  private:
-  double norm_now();
   std::shared_ptr<zero::LowLevelZeroOptimizer> zero_;
-  double default_max_norm_;
 };
 
 }  // namespace colossal::booster
