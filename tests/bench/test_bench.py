@@ -81,6 +81,22 @@ def test_tiny_report_complete(tmp_path):
     check_flops(r, c["n_params"], c["num_layers"], c["hidden_size"], c["vocab_size"], 2, 64, 0)
 
 
+def test_profile_writes_a_trace_and_a_table(tmp_path):
+    d = tmp_path / "prof"
+    p, r = bench(["-c", "tiny", "-s", "3", "-i", "1", "-b", "1", "-l", "32", "--profile", "--profile_dir", str(d)],
+                 tmp_path)
+    # The profiled step is extra: the timed steps are unchanged.
+    assert len(r["step_seconds"]) == 2
+    prof = r["profile"]
+    assert prof["step_ms"] > 0 and prof["trace"] == str(d / "rank0.json")
+    trace = json.loads((d / "rank0.json").read_text())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert any(n.startswith("aten::") for n in names), "no operators in the trace"
+    assert "profile of one step" in p.stdout and "Chrome trace: " + str(d / "rank0.json") in p.stdout
+    # A CPU run records no device activity and says so (no empty table pretending to be one).
+    assert "no device activity recorded" in p.stdout
+
+
 def hf_param_count(path):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig.from_pretrained(str(path))
@@ -169,6 +185,7 @@ def test_two_ranks_per_gpu_figures(tmp_path, hf_config):
     (["--fused_kernels", "maybe"], "--fused_kernels"),
     (["--cuda_graph"], "--cuda_graph needs --device cuda"),
     (["--attn_backend", "fa9"], "--attn_backend must be"),
+    (["--profile_dir", "x"], "--profile_dir needs --profile"),
     (["--ckpt_layers", "1"], "--ckpt_layers needs -g"),
     (["-g", "--ckpt_layers", "9"], "owns only 4 decoder layers"),
     (["-g", "--ckpt_layers", "-2"], "--ckpt_layers must be"),
