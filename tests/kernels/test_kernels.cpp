@@ -266,7 +266,9 @@ TEST(CrossEntropyGrad, MatchesTheComposite) {
       // fp32: p = exp(x - lse) carries lse's rounding (|lse| ~ 10-20, summed in another order
       // than ATen's vectorised log_softmax): 8 ulp of lse, ~1e-5.
       const double tol = dt == at::kFloat ? 1e-5 : ulp(dt);
-      EXPECT_LE(max_abs((x.to(at::kFloat) - xr.to(at::kFloat))), tol * max_abs(xr.to(at::kFloat)) + 1e-12) << what;
+      EXPECT_LE(max_abs((x.to(at::kFloat) - xr.to(at::kFloat))),
+                tol * max_abs(xr.to(at::kFloat)) + 1e-12)
+          << what;
       EXPECT_EQ(max_abs(x.index({at::arange(0, n, 5)}).to(at::kFloat)), 0.0) << "ignored rows";
     }
   }
@@ -277,11 +279,14 @@ TEST(CrossEntropyGrad, MatchesTheComposite) {
 
 // ---- Concatenated linear ----
 TEST(LinearConcat, EqualsSeparateLinearsAndTheirGradients) {
-  for (bool bias : {false, true}) {
+  // Thin weights run as one GEMM against the concatenation; wide ones (>= 1024 rows) as one
+  // GEMM per weight into column blocks of the output: both paths.
+  for (auto [bias, wide] : {std::pair{false, false}, {true, false}, {false, true}, {true, true}}) {
     at::manual_seed(9);
+    const int64_t r0 = wide ? 1100 : 16, r1 = wide ? 1030 : 4;
     at::Tensor x0 = at::randn({3, 5, 24});
-    std::vector<at::Tensor> w0{at::randn({16, 24}), at::randn({4, 24}), at::randn({4, 24})}, b0;
-    if (bias) b0 = {at::randn({16}), at::randn({4}), at::randn({4})};
+    std::vector<at::Tensor> w0{at::randn({r0, 24}), at::randn({r1, 24}), at::randn({r1, 24})}, b0;
+    if (bias) b0 = {at::randn({r0}), at::randn({r1}), at::randn({r1})};
     auto leaves = [](const std::vector<at::Tensor>& ts) {
       std::vector<at::Tensor> out;
       for (const auto& t : ts) out.push_back(t.clone().requires_grad_(true));
@@ -290,7 +295,7 @@ TEST(LinearConcat, EqualsSeparateLinearsAndTheirGradients) {
     at::Tensor x = x0.clone().requires_grad_(true), xr = x0.clone().requires_grad_(true);
     std::vector<at::Tensor> w = leaves(w0), wr = leaves(w0), b = leaves(b0), br = leaves(b0);
     at::Tensor y = K::linear_concat(x, w, b), yr = K::linear_concat_reference(xr, wr, br);
-    ASSERT_EQ(y.sizes(), (std::vector<int64_t>{3, 5, 24}));
+    ASSERT_EQ(y.sizes(), (std::vector<int64_t>{3, 5, r0 + 2 * r1}));
     EXPECT_LE(excess(y, yr, 1e-5, 1e-5), 1.0);
     at::Tensor dy = at::randn(y.sizes());
     std::vector<at::Tensor> in{x}, inr{xr};
@@ -300,7 +305,8 @@ TEST(LinearConcat, EqualsSeparateLinearsAndTheirGradients) {
     ASSERT_EQ(g.size(), gr.size());
     for (size_t i = 0; i < g.size(); ++i) {
       ASSERT_EQ(g[i].sizes(), gr[i].sizes()) << "input " << i;
-      EXPECT_LE(excess(g[i], gr[i], 1e-5, 1e-5), 1.0) << "input " << i << " bias " << bias;
+      EXPECT_LE(excess(g[i], gr[i], 1e-5, 1e-5), 1.0)
+          << "input " << i << " bias " << bias << " wide " << wide;
     }
   }
   // A frozen weight gets no gradient and the others are still right.
@@ -316,8 +322,9 @@ TEST(LinearConcat, EqualsSeparateLinearsAndTheirGradients) {
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("weights[1]"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(K::linear_concat(at::randn({2, 8}), {at::randn({3, 8})}, {at::randn({3}), at::randn({3})}),
-               InputError);
+  EXPECT_THROW(
+      K::linear_concat(at::randn({2, 8}), {at::randn({3, 8})}, {at::randn({3}), at::randn({3})}),
+      InputError);
 }
 
 // ---- AdamW ----

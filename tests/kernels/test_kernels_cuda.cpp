@@ -226,9 +226,11 @@ TEST(CudaKernels, CrossEntropyGrad) {
       EXPECT_LE(max_abs(loss - lr), 1e-5 * max_abs(lr)) << what;
       EXPECT_LE(max_abs(loss.cpu() - lc), 1e-5 * max_abs(lc)) << what;
       const double tol = dt == at::kFloat ? 1e-5 : ulp(dt);  // as in test_kernels.cpp
-      EXPECT_LE(max_abs(x.to(at::kFloat) - xr.to(at::kFloat)), tol * max_abs(xr.to(at::kFloat)) + 1e-12)
+      EXPECT_LE(max_abs(x.to(at::kFloat) - xr.to(at::kFloat)),
+                tol * max_abs(xr.to(at::kFloat)) + 1e-12)
           << what;
-      EXPECT_LE(max_abs(x.cpu().to(at::kFloat) - xc.to(at::kFloat)), tol * max_abs(xc.to(at::kFloat)) + 1e-12)
+      EXPECT_LE(max_abs(x.cpu().to(at::kFloat) - xc.to(at::kFloat)),
+                tol * max_abs(xc.to(at::kFloat)) + 1e-12)
           << what;
     }
   }
@@ -256,26 +258,30 @@ TEST(CudaKernels, SwiGLUPackedAndLinearConcat) {
     }
   }
   // linear_concat on cuBLAS: the same as separate linears (bf16 outputs within one ulp: the
-  // GEMMs may pick other tilings), gradients too.
-  at::manual_seed(16);
-  at::Tensor x0 = at::randn({4, 64, 256}).to(at::kBFloat16);
-  std::vector<at::Tensor> w0{at::randn({256, 256}) * 0.05, at::randn({64, 256}) * 0.05,
-                             at::randn({64, 256}) * 0.05};
-  std::vector<at::Tensor> w, wr;
-  for (auto& t : w0) {
-    w.push_back(t.to(gpu(), at::kBFloat16).requires_grad_(true));
-    wr.push_back(t.to(gpu(), at::kBFloat16).requires_grad_(true));
+  // GEMMs may pick other tilings), gradients too; thin weights (one concatenated GEMM) and wide
+  // ones (a GEMM per column block).
+  for (int64_t r : {64, 1024}) {
+    at::manual_seed(16);
+    at::Tensor x0 = at::randn({4, 64, 256}).to(at::kBFloat16);
+    std::vector<at::Tensor> w0{at::randn({1024, 256}) * 0.05, at::randn({r, 256}) * 0.05,
+                               at::randn({r, 256}) * 0.05};
+    std::vector<at::Tensor> w, wr;
+    for (auto& t : w0) {
+      w.push_back(t.to(gpu(), at::kBFloat16).requires_grad_(true));
+      wr.push_back(t.to(gpu(), at::kBFloat16).requires_grad_(true));
+    }
+    at::Tensor x = x0.to(gpu()).requires_grad_(true), xr = x0.to(gpu()).requires_grad_(true);
+    at::Tensor y = K::linear_concat(x, w), yr = K::linear_concat_reference(xr, wr);
+    at::Tensor dy = at::randn(y.sizes(), y.options());
+    auto gs = torch::autograd::grad({y}, {x, w[0], w[1], w[2]}, {dy});
+    auto gsr = torch::autograd::grad({yr}, {xr, wr[0], wr[1], wr[2]}, {dy});
+    EXPECT_LE(excess(y, yr, ulp(at::kBFloat16), ulp(at::kBFloat16) * max_abs(yr)), 1.0);
+    for (size_t i = 0; i < gs.size(); ++i)
+      EXPECT_LE(
+          excess(gs[i], gsr[i], 2 * ulp(at::kBFloat16), 2 * ulp(at::kBFloat16) * max_abs(gsr[i])),
+          1.0)
+          << "input " << i << " rows " << r;
   }
-  at::Tensor x = x0.to(gpu()).requires_grad_(true), xr = x0.to(gpu()).requires_grad_(true);
-  at::Tensor y = K::linear_concat(x, w), yr = K::linear_concat_reference(xr, wr);
-  at::Tensor dy = at::randn(y.sizes(), y.options());
-  auto gs = torch::autograd::grad({y}, {x, w[0], w[1], w[2]}, {dy});
-  auto gsr = torch::autograd::grad({yr}, {xr, wr[0], wr[1], wr[2]}, {dy});
-  EXPECT_LE(excess(y, yr, ulp(at::kBFloat16), ulp(at::kBFloat16) * max_abs(yr)), 1.0);
-  for (size_t i = 0; i < gs.size(); ++i)
-    EXPECT_LE(excess(gs[i], gsr[i], 2 * ulp(at::kBFloat16), 2 * ulp(at::kBFloat16) * max_abs(gsr[i])),
-              1.0)
-        << "input " << i;
 }
 
 namespace {
