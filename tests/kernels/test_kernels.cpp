@@ -11,46 +11,12 @@
 
 #include "colossal/core/error.h"
 #include "colossal/kernels/fused.h"
+#include "kernels/numerics.h"
 
 using namespace colossal;
 namespace K = colossal::kernels;
 
-namespace {
-
-// Largest |a - b| / (atol + rtol * |b|) over the elements (<= 1 passes).
-double excess(const at::Tensor& a, const at::Tensor& b, double rtol, double atol) {
-  at::Tensor x = a.to(at::kDouble), y = b.to(at::kDouble);
-  return ((x - y).abs() / (atol + rtol * y.abs())).max().item<double>();
-}
-double frac_equal(const at::Tensor& a, const at::Tensor& b) {
-  return a.eq(b).to(at::kDouble).mean().item<double>();
-}
-double max_abs(const at::Tensor& t) {
-  return t.abs().max().to(at::kDouble).item<double>();
-}
-
-// One unit in the last place of each dtype (relative): the contract's tolerance for outputs
-// that the composite rounds at more points than the fused kernel.
-double ulp(at::ScalarType st) {
-  switch (st) {
-    case at::kBFloat16:
-      return std::ldexp(1.0, -7);
-    case at::kHalf:
-      return std::ldexp(1.0, -10);
-    default:
-      return std::ldexp(1.0, -23);
-  }
-}
-
-const at::ScalarType kTypes[] = {at::kFloat, at::kBFloat16, at::kHalf};
-
-std::pair<at::Tensor, at::Tensor> grads_of(const at::Tensor& y, const at::Tensor& dy,
-                                           const at::Tensor& a, const at::Tensor& b) {
-  auto g = torch::autograd::grad({y}, {a, b}, {dy});
-  return {g[0], g[1]};
-}
-
-}  // namespace
+using namespace colossal::test;
 
 // ---- RMSNorm ----
 TEST(RmsNorm, ForwardMatchesReference) {

@@ -15,9 +15,11 @@
 #include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
 #include "colossal/kernels/fused.h"
+#include "kernels/numerics.h"
 
 using namespace colossal;
 namespace K = colossal::kernels;
+using namespace colossal::test;
 
 namespace {
 
@@ -31,31 +33,9 @@ at::Device gpu() {
   return at::Device(at::kCUDA, 0);
 }
 
-double excess(const at::Tensor& a, const at::Tensor& b, double rtol, double atol) {
-  at::Tensor x = a.cpu().to(at::kDouble), y = b.cpu().to(at::kDouble);
-  return ((x - y).abs() / (atol + rtol * y.abs())).max().item<double>();
-}
-double frac_equal(const at::Tensor& a, const at::Tensor& b) {
-  return a.cpu().eq(b.cpu()).to(at::kDouble).mean().item<double>();
-}
-double max_abs(const at::Tensor& t) {
-  return t.abs().max().cpu().to(at::kDouble).item<double>();
-}
 bool all_finite(const at::Tensor& t) {
   return at::isfinite(t).all().item<bool>();
 }
-
-double ulp(at::ScalarType st) {
-  switch (st) {
-    case at::kBFloat16:
-      return std::ldexp(1.0, -7);
-    case at::kHalf:
-      return std::ldexp(1.0, -10);
-    default:
-      return std::ldexp(1.0, -23);
-  }
-}
-const at::ScalarType kTypes[] = {at::kFloat, at::kBFloat16, at::kHalf};
 
 // Fill freed caching-allocator blocks with NaN: outputs allocated next reuse them, so an
 // element a kernel never writes stays NaN and fails all_finite.
@@ -65,12 +45,6 @@ void poison() {
     keep.push_back(at::full({1 << 17}, NAN, at::TensorOptions().device(gpu())));  // small pool
   keep.push_back(at::full({int64_t(1) << 26}, NAN, at::TensorOptions().device(gpu())));
   Accelerator::cuda().synchronize();
-}
-
-std::pair<at::Tensor, at::Tensor> grads_of(const at::Tensor& y, const at::Tensor& dy,
-                                           const at::Tensor& a, const at::Tensor& b) {
-  auto g = torch::autograd::grad({y}, {a, b}, {dy});
-  return {g[0], g[1]};
 }
 
 // A [rows, h] tensor whose data pointer is 2 bytes off 16-byte alignment (scalar kernels).
