@@ -8,72 +8,19 @@ reduce-scatter), one process sums all rows at once: only the summation order dif
 The same holds after a resume on another rank count: the restored state is the same fp32 values,
 only the order of the gradient sums changes."""
 import json
-import os
+import pathlib
 import shutil
-import subprocess
+import sys
 
-import numpy as np
 import pytest
-from safetensors.torch import load_file
 
-BIN = os.environ["COLOSSAL_BIN"]
-MODEL = {
-    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 64,
-    "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "initializer_range": 0.02,
-    "tie_word_embeddings": False, "hidden_act": "silu",
-}
-SEQ = 16
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from train_helpers import assert_runs_close, final_weights, make_work, metrics, run_train  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    d = tmp_path_factory.mktemp("train_zero")
-    (d / "model.json").write_text(json.dumps(MODEL))
-    rng = np.random.default_rng(0)
-    base = np.tile(np.arange(3, 60, dtype=np.uint16), 200)
-    noise = rng.integers(0, 96, size=base.size, dtype=np.uint16)
-    np.where(rng.random(base.size) < 0.2, noise, base).astype(np.uint16).tofile(d / "tokens.bin")
-    return d
-
-
-def run_train(work, name, nproc, extra):
-    out = work / name
-    args = [BIN, "train", "--model", str(work / "model.json"), "--data", str(work / "tokens.bin"),
-            "--seq_len", str(SEQ), "--steps", "10", "--lr", "3e-3", "--schedule", "cosine", "--warmup", "2",
-            "--weight_decay", "0.1", "--max_grad_norm", "1.0", "--seed", "7", "--shuffle", "true",
-            "--metrics_file", str(out / "metrics.jsonl"), "--save_dir", str(out / "ckpt")] + extra
-    if nproc > 0:
-        args = [BIN, "run", "--nproc_per_node", str(nproc), "--master_port", "0"] + args
-    out.mkdir(exist_ok=True)
-    p = subprocess.run(args, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return out
-
-
-def metrics(out):
-    return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def final_weights(out, step=10):
-    return load_file(str(out / "ckpt" / f"step-{step:08d}" / "model" / "model.safetensors"))
-
-
-def rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-12)
-
-
-def assert_runs_close(a_out, b_out, tol=1e-5, first=0):
-    a, b = metrics(a_out), metrics(b_out)
-    assert [m["step"] for m in a] == list(range(1, 11))
-    for x, y in zip(a[first:], b[first:]):
-        assert rel(x["loss"], y["loss"]) <= tol, (x, y)
-        assert rel(x["grad_norm"], y["grad_norm"]) <= 10 * tol, (x, y)
-    wa, wb = final_weights(a_out), final_weights(b_out)
-    assert wa.keys() == wb.keys()
-    for k in wa:  # norm-wise, as tests/booster/test_train.py explains
-        d = ((wa[k] - wb[k]).norm() / wb[k].norm().clamp_min(1e-12)).item()
-        assert d <= tol, (k, d)
+    return make_work(tmp_path_factory.mktemp("train_zero"))
 
 
 @pytest.fixture(scope="module")
