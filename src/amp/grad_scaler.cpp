@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "colossal/core/error.h"
+#include "colossal/kernels/fused.h"
 
 namespace colossal::amp {
 
@@ -90,7 +91,11 @@ at::Tensor local_sum_sq(const std::vector<at::Tensor>& grads) {
   }
   at::Tensor total;
   for (auto& [dev, list] : by_device) {
-    at::Tensor part = at::stack(at::_foreach_norm(list, 2, at::kDouble)).square().sum();
+    // On CUDA one multi-tensor kernel reads each gradient once at the bandwidth ceiling (fp32
+    // squares within blocks, fp64 across them); elsewhere ATen's fp64 foreach norm.
+    at::Tensor part = dev.is_cuda() && kernels::enabled()
+                          ? kernels::sum_squares(list)
+                          : at::stack(at::_foreach_norm(list, 2, at::kDouble)).square().sum();
     total = total.defined() ? total + part.to(total.device()) : part;
   }
   return total;

@@ -46,6 +46,14 @@ void swiglu_packed_fwd(const void* gu, void* y, int64_t rows, int64_t cols, DTyp
 void swiglu_packed_bwd(const void* dy, const void* gu, void* dgu, int64_t rows, int64_t cols,
                        DType dt, Stream stream);
 
+// ---- Sum of squares of a tensor list (contiguous tensors of one dtype): one fp32 partial per
+// block of 65536 elements written to `partials` (sum_squares_blocks(numels) of them), summed
+// in fp64 by the caller. Up to kSqMaxTensors tensors per launch. ----
+constexpr int kSqMaxTensors = 64;
+int64_t sum_squares_blocks(const int64_t* numels, int count);
+void sum_squares(const void* const* tensors, const int64_t* numels, int count, DType dt,
+                 float* partials, Stream stream);
+
 // ---- Softmax cross-entropy gradient, in place: logits [rows, V] contiguous; targets [rows]
 // (ignore_index rows: loss 0, gradient 0); scale: device fp32 scalar or nullptr (= 1). Writes
 // row_loss [rows] fp32 = logsumexp - logit[target] and logits := (softmax - onehot) * scale. ----

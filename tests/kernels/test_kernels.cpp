@@ -243,6 +243,22 @@ TEST(CrossEntropyGrad, MatchesTheComposite) {
   EXPECT_THROW(K::cross_entropy_grad_(x, at::tensor({1}, at::kLong), -100, {}), InputError);
 }
 
+// ---- Sum of squares (CPU: the ATen composite) ----
+TEST(SumSquares, MatchesTheSumOfSquaresAndNamesBadArguments) {
+  at::manual_seed(11);
+  std::vector<at::Tensor> ts{at::randn({1000}), at::randn({7, 9}).to(at::kBFloat16),
+                             at::randn({33}).to(at::kHalf)};
+  double expect = 0;
+  for (const auto& t : ts) expect += t.to(at::kDouble).square().sum().item<double>();
+  EXPECT_NEAR(K::sum_squares(ts).item<double>(), expect, 1e-12 * expect);
+  try {
+    K::sum_squares({at::randn({3}), at::ones({2}, at::kLong)});
+    ADD_FAILURE() << "no error";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("tensors[1]"), std::string::npos) << e.what();
+  }
+}
+
 // ---- Concatenated linear ----
 TEST(LinearConcat, EqualsSeparateLinearsAndTheirGradients) {
   // Thin weights run as one GEMM against the concatenation; wide ones (>= 1024 rows) as one

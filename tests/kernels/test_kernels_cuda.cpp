@@ -181,6 +181,27 @@ TEST(CudaKernels, SwiGLU) {
   }
 }
 
+TEST(CudaKernels, SumSquares) {
+  REQUIRE_GPU();
+  at::manual_seed(18);
+  std::vector<at::Tensor> ts;
+  for (int i = 0; i < 150; ++i) {  // > one launch, three dtypes, odd sizes, one misaligned
+    const int64_t n = 1 + (i * 104729) % 300000;
+    at::Tensor t = at::randn({n}).to(kTypes[i % 3]).to(gpu());
+    ts.push_back(i == 7 ? misaligned(t.view({1, n})).view({n}) : t);
+  }
+  ts.push_back(at::randn({64, 96}).to(gpu()).t());  // strided
+  const double ours = K::sum_squares(ts).item<double>();
+  const double ref = K::sum_squares_reference(ts).item<double>();
+  // fp32 sums of <= 65536 squares per block, fp64 across blocks: ~1e-6 relative.
+  EXPECT_NEAR(ours, ref, 1e-5 * ref);
+  ts[3][5] = INFINITY;
+  EXPECT_FALSE(std::isfinite(K::sum_squares(ts).item<double>()));
+  ts[3][5] = NAN;
+  EXPECT_TRUE(std::isnan(K::sum_squares(ts).item<double>()));
+  EXPECT_EQ(K::sum_squares({}).item<double>(), 0.0);
+}
+
 TEST(CudaKernels, CrossEntropyGrad) {
   REQUIRE_GPU();
   for (auto dt : kTypes) {

@@ -69,6 +69,14 @@ at::Tensor cross_entropy_grad_(at::Tensor& logits, const at::Tensor& targets,
 at::Tensor cross_entropy_grad_reference_(at::Tensor& logits, const at::Tensor& targets,
                                          int64_t ignore_index, const at::Tensor& scale);
 
+// ---- Sum of squares of a tensor list (the gradient norm's pass) ------------------------------
+// fp64 scalar tensor on the tensors' device: sum over every element of every tensor of x^2
+// (inf/nan propagate). All tensors on one device; any float dtypes (grouped per dtype). On
+// CUDA: squares summed in fp32 within blocks of 65536 elements, the block partials in fp64.
+// Elsewhere (CPU included) the ATen composite: fp64 _foreach_norm, squared and summed.
+at::Tensor sum_squares(const std::vector<at::Tensor>& tensors);
+at::Tensor sum_squares_reference(const std::vector<at::Tensor>& tensors);
+
 // ---- Multi-tensor AdamW on fp32 masters ------------------------------------------------------
 // torch.optim.AdamW semantics (decoupled weight decay, bias-corrected), one step for every
 // tensor of the lists, in as few launches as the sizes allow (one per ~chunk of tensors):
