@@ -58,7 +58,7 @@ for phase in "$@"; do
     ;&
   build)
     step build
-    if ! TARGETS="colossal_cli test_kernels test_kernels_cuda test_model_cuda bench_kernels" BUILD=$BUILD \
+    if ! TARGETS="colossal_cli test_kernels test_kernels_cuda test_model_cuda test_gemini_1rank bench_kernels" BUILD=$BUILD \
          scripts/device_build.sh -DCOLOSSAL_WERROR=OFF > "$LOGS/build.log" 2>&1; then
       tail -40 "$LOGS/build.log"; exit 1
     fi
@@ -70,6 +70,11 @@ for phase in "$@"; do
       if timeout 300 "$BUILD/tests/kernels/$t" > "$LOGS/$t.log" 2>&1; then note "PASS $t: $(grep -E 'PASSED|SKIPPED' "$LOGS/$t.log" | tr '\n' ' ')"
       else note "FAIL $t"; grep -E -A6 "Failure" "$LOGS/$t.log" | head -60; fi
     done
+    # Gemini on the GPU (one rank under the launcher): half the chunks offloaded trains as ddp.
+    if timeout 300 "$C" run --nproc_per_node 1 --master_port 0 "$BUILD/tests/zero/test_gemini_1rank" \
+         --gtest_filter='GeminiCuda*' > "$LOGS/test_gemini_cuda.log" 2>&1; then
+      note "PASS test_gemini_1rank GeminiCuda*: $(grep -E 'PASSED|SKIPPED' "$LOGS/test_gemini_cuda.log" | head -2 | tr '\n' ' ')"
+    else note "FAIL test_gemini_1rank GeminiCuda*"; grep -E -A6 "Failure|error" "$LOGS/test_gemini_cuda.log" | head -30; fi
     [ "$phase" = ktests ] && continue
     step kernel micro-benchmarks
     timeout 400 "$BUILD/bench/bench_kernels" --json "$OUT/bench_kernels.json" > "$LOGS/bench_kernels.log" 2>&1
