@@ -28,20 +28,29 @@ def make_work(d):
     return d
 
 
-def run_train(work, name, nproc, extra):
-    """10 steps of `colossal train` (under `colossal run` when nproc > 0); stderr kept in out/log."""
+def train(work, name, nproc, extra, shuffle=True, expect_ok=True):
+    """10 steps of `colossal train` (under `colossal run` when nproc > 0); stderr kept in out/log.
+    shuffle: True/False pass --shuffle, None leaves the flag to `extra`. Returns (out, process)."""
     out = work / name
     args = [BIN, "train", "--model", str(work / "model.json"), "--data", str(work / "tokens.bin"),
             "--seq_len", str(SEQ), "--steps", "10", "--lr", "3e-3", "--schedule", "cosine", "--warmup", "2",
-            "--weight_decay", "0.1", "--max_grad_norm", "1.0", "--seed", "7", "--shuffle", "true",
-            "--metrics_file", str(out / "metrics.jsonl"), "--save_dir", str(out / "ckpt")] + list(extra)
+            "--weight_decay", "0.1", "--max_grad_norm", "1.0", "--seed", "7"]
+    if shuffle is not None:
+        args += ["--shuffle", "true" if shuffle else "false"]
+    args += ["--metrics_file", str(out / "metrics.jsonl"), "--save_dir", str(out / "ckpt")] + list(extra)
     if nproc > 0:
         args = [BIN, "run", "--nproc_per_node", str(nproc), "--master_port", "0"] + args
     out.mkdir(exist_ok=True)
     p = subprocess.run(args, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    if expect_ok:
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (out / "log").write_text(p.stderr)
-    return out
+    return out, p
+
+
+def run_train(work, name, nproc, extra):
+    """train() with --shuffle true; returns the output folder."""
+    return train(work, name, nproc, extra)[0]
 
 
 def metrics(out):

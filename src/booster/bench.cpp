@@ -363,24 +363,9 @@ BenchReport run_bench(const BenchConfig& c) {
     Profiler profiler(device.is_cuda());
     const double dt = step(c.steps);
     ProfileSummary ps = profiler.stop(trace);
-    profile_text = ps.to_text(dt * 1e3, 40) + "  Chrome trace: " + trace + "\n";
-    profile_json = json::Value::object();
-    profile_json.set("step_ms", dt * 1e3);
-    profile_json.set("busy_ms", ps.busy_ms);
-    profile_json.set("kernel_ms", ps.kernel_ms);
-    json::Value cats = json::Value::object();
-    for (const KernelStat& k : ps.categories) cats.set(k.category, k.total_ms);
-    profile_json.set("categories_ms", cats);
-    json::Value top = json::Value::array();
-    for (size_t i = 0; i < ps.kernels.size() && i < 40; ++i) {
-      json::Value k = json::Value::object();
-      k.set("name", ps.kernels[i].name);
-      k.set("category", ps.kernels[i].category);
-      k.set("count", ps.kernels[i].count);
-      k.set("total_ms", ps.kernels[i].total_ms);
-      top.push_back(k);
-    }
-    profile_json.set("top_kernels", top);
+    constexpr size_t kTopKernels = 40;
+    profile_text = ps.to_text(dt * 1e3, kTopKernels) + "  Chrome trace: " + trace + "\n";
+    profile_json = ps.to_json(dt * 1e3, kTopKernels);
     profile_json.set("trace", trace);
   }
 

@@ -127,6 +127,27 @@ ProfileSummary Profiler::stop(const std::string& trace_path) {
   return s;
 }
 
+json::Value ProfileSummary::to_json(double step_ms, size_t top) const {
+  json::Value j = json::Value::object();
+  j.set("step_ms", step_ms);
+  j.set("busy_ms", busy_ms);
+  j.set("kernel_ms", kernel_ms);
+  json::Value cats = json::Value::object();
+  for (const KernelStat& c : categories) cats.set(c.category, c.total_ms);
+  j.set("categories_ms", cats);
+  json::Value list = json::Value::array();
+  for (size_t i = 0; i < kernels.size() && i < top; ++i) {
+    json::Value k = json::Value::object();
+    k.set("name", kernels[i].name);
+    k.set("category", kernels[i].category);
+    k.set("count", kernels[i].count);
+    k.set("total_ms", kernels[i].total_ms);
+    list.push_back(k);
+  }
+  j.set("top_kernels", list);
+  return j;
+}
+
 std::string ProfileSummary::to_text(double step_ms, size_t top) const {
   std::string out;
   char line[512];

@@ -443,6 +443,20 @@ __global__ void swiglu_bwd_kernel(const T* __restrict__ dy, const T* __restrict_
   }
 }
 
+// Multi-tensor launches: block_start[i] is the first block of tensor i (ascending, count
+// entries); returns the tensor whose block range holds blockIdx.x.
+__device__ __forceinline__ int tensor_of_block(const int64_t* block_start, int count) {
+  int lo = 0, hi = count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (block_start[mid] <= int64_t(blockIdx.x))
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
 // ---- Sum of squares over a tensor list ----
 constexpr int kSqBlock = 512;
 constexpr int64_t kSqChunk = 65536;  // elements per block
@@ -459,14 +473,7 @@ struct SqBatch {
 template <typename T>
 __global__ void __launch_bounds__(kSqBlock) sq_sum_kernel(SqBatch batch, float* partials) {
   __shared__ float red[32];
-  int lo = 0, hi = batch.count - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (batch.block_start[mid] <= int64_t(blockIdx.x))
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
+  const int lo = tensor_of_block(batch.block_start, batch.count);
   const T* x = static_cast<const T*>(batch.p[lo]);
   const int64_t begin = (int64_t(blockIdx.x) - batch.block_start[lo]) * kSqChunk;
   const int64_t end = batch.n[lo] < begin + kSqChunk ? batch.n[lo] : begin + kSqChunk;
@@ -536,14 +543,7 @@ __device__ __forceinline__ void adam_elem(float& p, float& m, float& v, float g,
 template <typename G, typename W>
 __global__ void __launch_bounds__(kAdamBlock) adamw_kernel(AdamWBatch batch, AdamWScalars s) {
   constexpr bool kWork = !std::is_same_v<W, void>;
-  int lo = 0, hi = batch.count - 1;  // the tensor whose block range holds blockIdx.x
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (batch.block_start[mid] <= int64_t(blockIdx.x))
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
+  const int lo = tensor_of_block(batch.block_start, batch.count);
   const AdamWTensor& t = batch.t[lo];
   const AdamWBias bias = adam_bias(s);
   const int64_t begin = (int64_t(blockIdx.x) - batch.block_start[lo]) * kAdamChunk;

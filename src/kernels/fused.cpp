@@ -288,22 +288,27 @@ void check_swiglu_packed(const at::Tensor& gu) {
                        "swiglu_packed: gu must be [..., 2F] (gate then up), got ", gu.sizes());
 }
 
+// y = silu(gate) * up for a contiguous packed gu [.., 2F].
+at::Tensor swiglu_packed_fwd(const at::Tensor& gu) {
+  const int64_t f = gu.size(-1) / 2;
+  if (path_for(gu) == Path::Cpu)
+    return swiglu_fwd(gu.narrow(-1, 0, f).contiguous(), gu.narrow(-1, f, f).contiguous());
+  std::vector<int64_t> shape = gu.sizes().vec();
+  shape.back() = f;
+  at::Tensor y = at::empty(shape, gu.options());
+#ifdef COLOSSAL_WITH_CUDA
+  c10::DeviceGuard guard(gu.device());
+  cuda::swiglu_packed_fwd(gu.const_data_ptr(), y.mutable_data_ptr(), f == 0 ? 0 : y.numel() / f, f,
+                          cuda_dtype(gu.scalar_type()), stream_of(gu));
+#endif
+  return y;
+}
+
 struct SwiGLUPackedFn : torch::autograd::Function<SwiGLUPackedFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gu_in) {
     at::Tensor gu = gu_in.contiguous();
     ctx->save_for_backward({gu});
-    const int64_t f = gu.size(-1) / 2;
-    if (path_for(gu) == Path::Cpu)
-      return swiglu_fwd(gu.narrow(-1, 0, f).contiguous(), gu.narrow(-1, f, f).contiguous());
-    std::vector<int64_t> shape = gu.sizes().vec();
-    shape.back() = f;
-    at::Tensor y = at::empty(shape, gu.options());
-#ifdef COLOSSAL_WITH_CUDA
-    c10::DeviceGuard guard(gu.device());
-    cuda::swiglu_packed_fwd(gu.const_data_ptr(), y.mutable_data_ptr(), f == 0 ? 0 : y.numel() / f,
-                            f, cuda_dtype(gu.scalar_type()), stream_of(gu));
-#endif
-    return y;
+    return swiglu_packed_fwd(gu);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grad) {
     auto saved = ctx->get_saved_variables();
@@ -500,8 +505,7 @@ at::Tensor swiglu_packed(const at::Tensor& gu) {
   check_swiglu_packed(gu);
   if (!has_fused_kernels(gu)) return swiglu_packed_reference(gu);
   if (needs_grad({&gu})) return SwiGLUPackedFn::apply(gu);
-  at::NoGradGuard ng;
-  return SwiGLUPackedFn::apply(gu);
+  return swiglu_packed_fwd(gu.contiguous());
 }
 
 // ---- Concatenated linear ----

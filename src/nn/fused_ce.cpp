@@ -37,12 +37,27 @@ struct FusedLinearCE : public torch::autograd::Function<FusedLinearCE> {
     at::Tensor grad_h = need_h ? at::empty_like(h, at::MemoryFormat::Contiguous) : at::Tensor();
     at::Tensor grad_w32 =
         need_w ? at::zeros(w.sizes(), w.options().dtype(at::kFloat)) : at::Tensor();
+    // One chunk's dL/dlogits dl [n, V] (working dtype) into dL/dh rows [s, s + n) and dL/dW.
+    auto accumulate = [&](const at::Tensor& dl, const at::Tensor& hc, int64_t s, int64_t n) {
+      if (need_h) {
+        at::Tensor out = grad_h.narrow(0, s, n);
+        at::mm_out(out, dl, w);
+      }
+      if (!need_w) return;
+      if (fp32)
+        grad_w32.addmm_(dl.t(), hc);
+      else if (h.is_cuda())
+        // cuBLAS accumulates the 16-bit product straight into the fp32 sum (beta = 1): no
+        // 16-bit rounding of each chunk's product and no separate fp32 add pass.
+        at::addmm_out(grad_w32, grad_w32, dl.t(), hc, at::kFloat);
+      else
+        grad_w32.add_(at::mm(dl.t(), hc));  // per-chunk product, fp32 accumulation
+    };
     for (int64_t s = 0; s < n_tok; s += chunk) {
       const int64_t n = std::min(chunk, n_tok - s);
       at::Tensor hc = h.narrow(0, s, n);
       at::Tensor vc = valid.narrow(0, s, n);
-      at::Tensor tc = at::where(vc, t.narrow(0, s, n), 0).unsqueeze(1);  // ignored rows -> 0
-      at::Tensor logits = at::mm(hc, w.t());                             // [n, V] working dtype
+      at::Tensor logits = at::mm(hc, w.t());  // [n, V] working dtype
       if ((need_h || need_w) && h.is_cuda() && kernels::enabled() &&
           kernels::has_fused_kernels(logits)) {
         // One kernel: the row's loss and (softmax - onehot) * scale written over the logits,
@@ -50,18 +65,10 @@ struct FusedLinearCE : public torch::autograd::Function<FusedLinearCE> {
         at::Tensor rows = kernels::cross_entropy_grad_(logits, t.narrow(0, s, n), ignore_index,
                                                        defer ? at::Tensor() : inv);
         loss_sum.add_(rows.sum());
-        if (need_h) {
-          at::Tensor out = grad_h.narrow(0, s, n);
-          at::mm_out(out, logits, w);
-        }
-        if (need_w) {
-          if (fp32)
-            grad_w32.addmm_(logits.t(), hc);
-          else
-            at::addmm_out(grad_w32, grad_w32, logits.t(), hc, at::kFloat);
-        }
+        accumulate(logits, hc, s, n);
         continue;
       }
+      at::Tensor tc = at::where(vc, t.narrow(0, s, n), 0).unsqueeze(1);  // ignored rows -> 0
       if (!fp32) logits = logits.to(at::kFloat);
       // log-softmax in one pass (fp32), reused in place for the gradient.
       at::Tensor logp = at::log_softmax(logits, 1);
@@ -75,20 +82,7 @@ struct FusedLinearCE : public torch::autograd::Function<FusedLinearCE> {
       logp.mul_(defer ? vf : vf * inv);
       at::Tensor dl = fp32 ? logp : logp.to(dtype);
       logp = at::Tensor();  // the fp32 chunk is not needed past this point
-      if (need_h) {
-        at::Tensor out = grad_h.narrow(0, s, n);
-        at::mm_out(out, dl, w);
-      }
-      if (need_w) {
-        if (fp32)
-          grad_w32.addmm_(dl.t(), hc);
-        else if (h.is_cuda())
-          // cuBLAS accumulates the 16-bit product straight into the fp32 sum (beta = 1): no
-          // 16-bit rounding of each chunk's product and no separate fp32 add pass.
-          at::addmm_out(grad_w32, grad_w32, dl.t(), hc, at::kFloat);
-        else
-          grad_w32.add_(at::mm(dl.t(), hc));  // per-chunk product, fp32 accumulation
-      }
+      accumulate(dl, hc, s, n);
     }
     at::Tensor grad_w = need_w && !fp32 && !defer ? grad_w32.to(w.scalar_type()) : grad_w32;
     ctx->save_for_backward({grad_h, grad_w, inv});

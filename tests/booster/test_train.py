@@ -8,6 +8,7 @@ and loss implementation (HF's), whose logits differ from ours by <= 1e-5 (tests/
 is looser (see test_matches_torch_ddp)."""
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -15,57 +16,19 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
-BIN = os.environ["COLOSSAL_BIN"]
-MODEL = {
-    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 64,
-    "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "initializer_range": 0.02,
-    "tie_word_embeddings": False, "hidden_act": "silu",
-}
-SEQ = 16
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from train_helpers import BIN, MODEL, SEQ, final_weights, make_work, metrics, rel, train  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    d = tmp_path_factory.mktemp("train")
-    (d / "model.json").write_text(json.dumps(MODEL))
-    rng = np.random.default_rng(0)
     # A learnable stream: a noisy repeating pattern, so losses fall and gradients are non-trivial.
-    base = np.tile(np.arange(3, 60, dtype=np.uint16), 200)
-    noise = rng.integers(0, 96, size=base.size, dtype=np.uint16)
-    toks = np.where(rng.random(base.size) < 0.2, noise, base).astype(np.uint16)
-    toks.tofile(d / "tokens.bin")
-    return d
+    return make_work(tmp_path_factory.mktemp("train"))
 
 
 def run_train(work, name, nproc, extra, expect_ok=True):
-    out = work / name
-    args = [BIN, "train", "--model", str(work / "model.json"), "--data", str(work / "tokens.bin"),
-            "--seq_len", str(SEQ), "--steps", "10", "--lr", "3e-3", "--schedule", "cosine", "--warmup", "2",
-            "--weight_decay", "0.1", "--max_grad_norm", "1.0", "--seed", "7",
-            "--metrics_file", str(out / "metrics.jsonl"), "--save_dir", str(out / "ckpt")] + extra
-    if nproc > 0:
-        args = [BIN, "run", "--nproc_per_node", str(nproc), "--master_port", "0"] + args
-    out.mkdir(exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
-    if expect_ok:
-        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return out, p
-
-
-def metrics(out):
-    return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def final_weights(out, step=10):
-    return load_file(str(out / "ckpt" / f"step-{step:08d}" / "model" / "model.safetensors"))
-
-
-def rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-12)
+    return train(work, name, nproc, extra, shuffle=None, expect_ok=expect_ok)
 
 
 def assert_weights_close(a, b, tol):

@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "colossal/core/json.h"
+
 namespace colossal {
 
 struct KernelStat {
@@ -23,6 +25,8 @@ struct ProfileSummary {
   double busy_ms = 0;    // union of device-activity intervals (time the GPU was doing something)
   double span_ms = 0;    // first device activity start to last end
   std::string to_text(double step_ms, size_t top) const;
+  // {"step_ms", "busy_ms", "kernel_ms", "categories_ms": {category: ms}, "top_kernels": [...]}
+  json::Value to_json(double step_ms, size_t top) const;
 };
 
 // Which bucket a kernel name falls in (by substrings of cuBLAS/cuDNN/ATen/our kernel names).
