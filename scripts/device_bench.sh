@@ -130,6 +130,12 @@ for phase in "$@"; do
     ours g13_auto -c 13b -p gemini_auto -b 1 -l 4096 -s 4 -i 1 -g --profile --profile_dir "$LOGS/prof_g13"
     grep -i "memory report\|placement\|chunk size" "$LOGS/g13_auto.log" | head -8 | cut -c1-400 | tee -a "$SUMMARY"
     [ -f "$LOGS/prof_g13/rank0.json" ] && $PY scripts/trace_memcpy.py "$LOGS/prof_g13/rank0.json" | tee -a "$SUMMARY" ;;
+  g13)
+    # The 13b gemini_auto measurement alone (issue 7), with Gemini's chunk traffic from the trace.
+    step "13b gemini_auto, profiled"
+    ours g13_auto -c 13b -p gemini_auto -b ${G13_BATCH:-1} -l 4096 -s ${G13_STEPS:-4} -i 1 -g --profile --profile_dir "$LOGS/prof_g13"
+    grep -i "memory report\|placement\|chunk size\|offload\|evict" "$LOGS/g13_auto.log" | head -12 | cut -c1-400 | tee -a "$SUMMARY"
+    [ -f "$LOGS/prof_g13/rank0.json" ] && $PY scripts/trace_memcpy.py "$LOGS/prof_g13/rank0.json" | tee -a "$SUMMARY" ;;
   *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done

@@ -134,8 +134,10 @@ constexpr int kRmsBlock = 256;
 
 template <typename T, int VEC, int CHUNKS>
 __global__ void __launch_bounds__(kRmsBlock)
-    rms_fwd_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
-                   float* __restrict__ rstd, int h, float eps) {
+    rms_fwd_kernel(const T* __restrict__ x, const T* __restrict__ res, const T* __restrict__ w,
+                   T* __restrict__ y, T* __restrict__ hout, float* __restrict__ rstd, int h,
+                   float eps) {
+  // res != nullptr: the row normalised is hout = x + res, rounded to T (ATen's add), written out.
   __shared__ float red[32];
   const int64_t row = blockIdx.x;
   const T* xr = x + row * h;
@@ -147,6 +149,13 @@ __global__ void __launch_bounds__(kRmsBlock)
     const int col = (c * kRmsBlock + threadIdx.x) * VEC;
     if (col < h) {
       load<T, VEC>(xr + col, xv[c]);
+      if (res) {
+        float rv[VEC];
+        load<T, VEC>(res + row * h + col, rv);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) xv[c][i] = rnd<T>(__fadd_rn(xv[c][i], rv[i]));
+        store<T, VEC>(hout + row * h + col, xv[c]);
+      }
 #pragma unroll
       for (int i = 0; i < VEC; ++i) ss += __fmul_rn(xv[c][i], xv[c][i]);  // pow(2) in fp32
     }
@@ -170,8 +179,10 @@ __global__ void __launch_bounds__(kRmsBlock)
 template <typename T, int VEC, int CHUNKS>
 __global__ void __launch_bounds__(kRmsBlock)
     rms_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
-                   const float* __restrict__ rstd, T* __restrict__ dx, float* __restrict__ dwp,
-                   int64_t rows, int h) {
+                   const float* __restrict__ rstd, const T* __restrict__ dres, T* __restrict__ dx,
+                   float* __restrict__ dwp, int64_t rows, int h) {
+  // dres != nullptr: dx = rounded(norm's dx) + dres, rounded (autograd's sum of the two
+  // gradients of the residual stream, in T).
   __shared__ float red[32];
   float wv[CHUNKS][VEC], acc[CHUNKS][VEC];
 #pragma unroll
@@ -210,6 +221,12 @@ __global__ void __launch_bounds__(kRmsBlock)
         float out[VEC];
 #pragma unroll
         for (int i = 0; i < VEC; ++i) out[i] = r * (dn[c][i] - n[c][i] * mean);
+        if (dres) {
+          float dr[VEC];
+          load<T, VEC>(dres + row * h + col, dr);
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) out[i] = __fadd_rn(rnd<T>(out[i]), dr[i]);
+        }
         store<T, VEC>(dx + row * h + col, out);
       }
     }
@@ -607,18 +624,20 @@ bool rms_norm_supported(int64_t h, DType dt) {
   return ok;
 }
 
-void rms_norm_fwd(const void* x, const void* w, void* y, float* rstd, int64_t rows, int64_t h,
-                  double eps, DType dt, Stream stream) {
+void rms_norm_fwd(const void* x, const void* res, const void* w, void* y, void* hout,
+                  float* rstd, int64_t rows, int64_t h, double eps, DType dt, Stream stream) {
   if (rows == 0) return;
   dispatch(dt, [&](auto tag) {
     using T = decltype(tag);
-    const RmsPlan p = rms_plan<T>(h, aligned(x, 16) && aligned(w, 16) && aligned(y, 16));
+    const bool al = aligned(x, 16) && aligned(w, 16) && aligned(y, 16) &&
+                    (!res || (aligned(res, 16) && aligned(hout, 16)));
+    const RmsPlan p = rms_plan<T>(h, al);
     if (p.chunks == 0) throw std::runtime_error("colossal kernels: rms_norm row too long");
     with_rms_kernel<T>(p, [&](auto vec, auto chunks) {
       rms_fwd_kernel<T, decltype(vec)::value, decltype(chunks)::value>
-          <<<unsigned(rows), kRmsBlock, 0, stream>>>(static_cast<const T*>(x),
-                                                     static_cast<const T*>(w), static_cast<T*>(y),
-                                                     rstd, int(h), float(eps));
+          <<<unsigned(rows), kRmsBlock, 0, stream>>>(
+              static_cast<const T*>(x), static_cast<const T*>(res), static_cast<const T*>(w),
+              static_cast<T*>(y), static_cast<T*>(hout), rstd, int(h), float(eps));
     });
   });
   check_launch("rms_norm forward");
@@ -639,19 +658,22 @@ int64_t rms_norm_bwd_blocks(int64_t rows, int64_t h, DType dt) {
   return std::max<int64_t>(1, std::min<int64_t>(rows, int64_t(sm_count()) * std::max(1, per_sm)));
 }
 
-void rms_norm_bwd(const void* dy, const void* x, const void* w, const float* rstd, void* dx,
-                  float* dw_partial, void* dw, int64_t rows, int64_t h, DType dt, Stream stream) {
+void rms_norm_bwd(const void* dy, const void* x, const void* w, const float* rstd,
+                  const void* dres, void* dx, float* dw_partial, void* dw, int64_t rows,
+                  int64_t h, DType dt, Stream stream) {
   const int blocks = int(rms_norm_bwd_blocks(rows, h, dt));
   dispatch(dt, [&](auto tag) {
     using T = decltype(tag);
-    const bool al = aligned(x, 16) && aligned(w, 16) && aligned(dy, 16) && aligned(dx, 16);
+    const bool al = aligned(x, 16) && aligned(w, 16) && aligned(dy, 16) && aligned(dx, 16) &&
+                    (!dres || aligned(dres, 16));
     const RmsPlan p = rms_plan<T>(h, al);
     if (p.chunks == 0) throw std::runtime_error("colossal kernels: rms_norm row too long");
     if (rows > 0) {
       with_rms_kernel<T>(p, [&](auto vec, auto chunks) {
         rms_bwd_kernel<T, decltype(vec)::value, decltype(chunks)::value>
             <<<blocks, kRmsBlock, 0, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(x),
-                                               static_cast<const T*>(w), rstd, static_cast<T*>(dx),
+                                               static_cast<const T*>(w), rstd,
+                                               static_cast<const T*>(dres), static_cast<T*>(dx),
                                                dw_partial, rows, int(h));
       });
       check_launch("rms_norm backward");

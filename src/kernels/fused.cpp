@@ -114,32 +114,48 @@ bool cuda_rms_ok(const at::Tensor& x) {
 }
 #endif
 
-// y and the fp32 rstd [rows] for contiguous x.
-std::pair<at::Tensor, at::Tensor> rms_fwd(const at::Tensor& x, const at::Tensor& w, double eps) {
+// y and the fp32 rstd [rows] for contiguous x. With res (contiguous, x's shape) the row
+// normalised is h = x + res, returned third (undefined without res).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_fwd(const at::Tensor& x, const at::Tensor& w,
+                                                       double eps,
+                                                       const at::Tensor& res = at::Tensor()) {
   const int64_t h = x.size(-1), rows = h ? x.numel() / h : 0;
   at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
   at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+  at::Tensor sum;
   if (path_for(x) == Path::Cpu) {
-    cpu::rms_norm_fwd(x, w, y, rstd, eps);
+    // The CPU path is the composite's add (one ATen op) and the fused norm of its result.
+    if (res.defined()) sum = at::add(x, res);
+    cpu::rms_norm_fwd(res.defined() ? sum : x, w, y, rstd, eps);
   } else {
 #ifdef COLOSSAL_WITH_CUDA
     c10::DeviceGuard guard(x.device());
     const at::Tensor xa = aligned16(x), wa = aligned16(w);
-    cuda::rms_norm_fwd(xa.const_data_ptr(), wa.const_data_ptr(), y.mutable_data_ptr(),
+    at::Tensor ra;
+    if (res.defined()) {
+      ra = aligned16(res);
+      sum = at::empty_like(x, at::MemoryFormat::Contiguous);
+    }
+    cuda::rms_norm_fwd(xa.const_data_ptr(), ra.defined() ? ra.const_data_ptr() : nullptr,
+                       wa.const_data_ptr(), y.mutable_data_ptr(),
+                       sum.defined() ? sum.mutable_data_ptr() : nullptr,
                        rstd.mutable_data_ptr<float>(), rows, h, eps, cuda_dtype(x.scalar_type()),
                        stream_of(x));
 #endif
   }
-  return {y, rstd};
+  return {y, rstd, sum};
 }
 
+// dx (plus dres when given: the other gradient of a residual stream) and dweight.
 std::pair<at::Tensor, at::Tensor> rms_bwd(const at::Tensor& dy, const at::Tensor& x,
-                                          const at::Tensor& w, const at::Tensor& rstd) {
+                                          const at::Tensor& w, const at::Tensor& rstd,
+                                          const at::Tensor& dres = at::Tensor()) {
   const int64_t h = x.size(-1), rows = h ? x.numel() / h : 0;
   at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
   at::Tensor dw = at::empty_like(w, at::MemoryFormat::Contiguous);
   if (path_for(x) == Path::Cpu) {
     cpu::rms_norm_bwd(dy, x, w, rstd, dx, dw);
+    if (dres.defined()) dx.add_(dres);
   } else {
 #ifdef COLOSSAL_WITH_CUDA
     c10::DeviceGuard guard(x.device());
@@ -147,8 +163,10 @@ std::pair<at::Tensor, at::Tensor> rms_bwd(const at::Tensor& dy, const at::Tensor
         at::empty({cuda::rms_norm_bwd_blocks(rows, h, cuda_dtype(x.scalar_type())), h},
                   x.options().dtype(at::kFloat));
     const at::Tensor dya = aligned16(dy), xa = aligned16(x), wa = aligned16(w);
+    const at::Tensor dra = dres.defined() ? aligned16(dres) : at::Tensor();
     cuda::rms_norm_bwd(dya.const_data_ptr(), xa.const_data_ptr(), wa.const_data_ptr(),
-                       rstd.const_data_ptr<float>(), dx.mutable_data_ptr(),
+                       rstd.const_data_ptr<float>(),
+                       dra.defined() ? dra.const_data_ptr() : nullptr, dx.mutable_data_ptr(),
                        part.mutable_data_ptr<float>(), dw.mutable_data_ptr(), rows, h,
                        cuda_dtype(x.scalar_type()), stream_of(x));
 #endif
@@ -160,7 +178,7 @@ struct RmsNormFn : torch::autograd::Function<RmsNormFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
                             double eps) {
     at::Tensor xc = x.contiguous(), wc = w.contiguous();
-    auto [y, rstd] = rms_fwd(xc, wc, eps);
+    auto [y, rstd, unused] = rms_fwd(xc, wc, eps);
     ctx->save_for_backward({xc, wc, rstd});  // x, weight and the fp32 rstd only
     return y;
   }
@@ -169,6 +187,26 @@ struct RmsNormFn : torch::autograd::Function<RmsNormFn> {
     if (!grad[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
     auto [dx, dw] = rms_bwd(grad[0].contiguous(), saved[0], saved[1], saved[2]);
     return {dx, dw, at::Tensor()};
+  }
+};
+
+// Outputs {h = x + r, y = rms_norm(h)}; h's gradient and the norm's input gradient are summed
+// in the backward kernel and given to both x and r.
+struct AddRmsNormFn : torch::autograd::Function<AddRmsNormFn> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& r,
+                               const at::Tensor& w, double eps) {
+    at::Tensor wc = w.contiguous();
+    auto [y, rstd, h] = rms_fwd(x.contiguous(), wc, eps, r.contiguous());
+    ctx->save_for_backward({h, wc, rstd});
+    return {h, y};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &dh = grad[0], &dy = grad[1];
+    if (!dy.defined()) return {dh, dh, at::Tensor(), at::Tensor()};
+    auto [dx, dw] = rms_bwd(dy.contiguous(), saved[0], saved[1], saved[2],
+                            dh.defined() ? dh.contiguous() : at::Tensor());
+    return {dx, dx, dw, at::Tensor()};
   }
 };
 
@@ -462,7 +500,35 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 #endif
   if (!fused) return rms_norm_reference(x, weight, eps);
   if (needs_grad({&x, &weight})) return RmsNormFn::apply(x, weight, eps);
-  return rms_fwd(x.contiguous(), weight.contiguous(), eps).first;
+  return std::get<0>(rms_fwd(x.contiguous(), weight.contiguous(), eps));
+}
+
+// ---- Residual add + RMSNorm ----
+std::pair<at::Tensor, at::Tensor> add_rms_norm_reference(const at::Tensor& x, const at::Tensor& r,
+                                                         const at::Tensor& weight, double eps) {
+  at::Tensor h = x + r;
+  return {h, rms_norm_reference(h, weight, eps)};
+}
+
+std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& r,
+                                               const at::Tensor& weight, double eps) {
+  check_rms(x, weight);
+  check_dtype("add_rms_norm", "r", r);
+  COLOSSAL_CHECK_INPUT(r.sizes() == x.sizes() && r.scalar_type() == x.scalar_type() &&
+                           r.device() == x.device(),
+                       "add_rms_norm: r is ", r.scalar_type(), " ", r.sizes(), " on ", r.device(),
+                       "; x is ", x.scalar_type(), " ", x.sizes(), " on ", x.device());
+  bool fused = has_fused_kernels(x);
+#ifdef COLOSSAL_WITH_CUDA
+  if (fused && path_for(x) == Path::Cuda) fused = cuda_rms_ok(x);
+#endif
+  if (!fused) return add_rms_norm_reference(x, r, weight, eps);
+  if (needs_grad({&x, &r, &weight})) {
+    variable_list out = AddRmsNormFn::apply(x, r, weight, eps);
+    return {out[0], out[1]};
+  }
+  auto [y, rstd, h] = rms_fwd(x.contiguous(), weight.contiguous(), eps, r.contiguous());
+  return {h, y};
 }
 
 // ---- Rotary ----

@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <utility>
+
 #include "colossal/core/error.h"
 #include "colossal/nn/fused_ce.h"
 
@@ -122,6 +124,13 @@ at::Tensor build_mask(int64_t past, int64_t s, std::optional<int64_t> window,
   return m;
 }
 
+// Whether the layer runs forward_deferred (its residual adds fused into the next norms): with
+// the fused kernels, and not under activation checkpointing (whose recompute takes one tensor).
+bool deferred_residual(const DecoderLayer& layer, const at::Tensor& x, const KVCache* cache) {
+  return use_fused_kernels(x) &&
+         (cache || layer.checkpointing == CheckpointMode::None || !at::GradMode::is_enabled());
+}
+
 }  // namespace
 
 at::Tensor CausalLM::forward(const at::Tensor& input, const ForwardOptions& opts) {
@@ -160,6 +169,7 @@ at::Tensor CausalLM::forward_blocks(const at::Tensor& input, const ForwardOption
                          "], got ", opts.attention_mask.sizes());
   }
   at::Tensor x = input;
+  at::Tensor delta;  // the residual add left pending by forward_deferred: the state is x + delta
   at::Tensor cos, sin;
   AttentionMask full, sliding;
   bool masks_ready = false;
@@ -168,12 +178,10 @@ at::Tensor CausalLM::forward_blocks(const at::Tensor& input, const ForwardOption
       x = model->embed_tokens->forward(x);
     } else if (i <= L) {
       if (!masks_ready) {
-        at::Tensor pos =
+        std::tie(cos, sin) =
             opts.position_ids.defined()
-                ? opts.position_ids.to(x.device())
-                : at::arange(past, kv, at::TensorOptions().dtype(at::kLong).device(x.device()))
-                      .unsqueeze(0);
-        std::tie(cos, sin) = model->rotary_emb->forward(pos, x.scalar_type());
+                ? model->rotary_emb->forward(opts.position_ids.to(x.device()), x.scalar_type())
+                : model->rotary_emb->forward_range(past, kv, x.device(), x.scalar_type());
         const bool explicit_full = opts.attention_mask.defined() || (past > 0 && s > 1);
         if (explicit_full)
           full.mask = build_mask(past, s, std::nullopt, opts.attention_mask, x.device());
@@ -188,14 +196,21 @@ at::Tensor CausalLM::forward_blocks(const at::Tensor& input, const ForwardOption
         masks_ready = true;
       }
       auto& layer = model->layers->layers[i - 1];
-      x = layer->forward(x, cos, sin, layer->sliding() ? sliding : full, opts.cache);
+      const AttentionMask& m = layer->sliding() ? sliding : full;
+      if (deferred_residual(*layer, x, opts.cache)) {
+        std::tie(x, delta) = layer->forward_deferred(x, delta, cos, sin, m, opts.cache);
+      } else {
+        if (delta.defined()) x = x + std::exchange(delta, at::Tensor());
+        x = layer->forward(x, cos, sin, m, opts.cache);
+      }
     } else if (i == L + 1) {
-      x = model->norm->forward(x);
+      x = delta.defined() ? model->norm->forward_add(x, std::exchange(delta, at::Tensor())).second
+                          : model->norm->forward(x);
     } else {
       x = lm_head ? lm_head->forward(x) : at::linear(x, head_weight());
     }
   }
-  return x;
+  return delta.defined() ? x + delta : x;  // a stage ending after a layer returns the sum
 }
 
 at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels) {

@@ -9,6 +9,7 @@
 
 #include "colossal/core/error.h"
 #include "colossal/kernels/fused.h"
+#include "colossal/nn/layers.h"
 
 namespace colossal::nn {
 
@@ -58,8 +59,7 @@ struct FusedLinearCE : public torch::autograd::Function<FusedLinearCE> {
       at::Tensor hc = h.narrow(0, s, n);
       at::Tensor vc = valid.narrow(0, s, n);
       at::Tensor logits = at::mm(hc, w.t());  // [n, V] working dtype
-      if ((need_h || need_w) && h.is_cuda() && kernels::enabled() &&
-          kernels::has_fused_kernels(logits)) {
+      if ((need_h || need_w) && use_fused_kernels(logits)) {
         // One kernel: the row's loss and (softmax - onehot) * scale written over the logits,
         // in the working dtype (what the code below computes in several fp32 passes).
         at::Tensor rows = kernels::cross_entropy_grad_(logits, t.narrow(0, s, n), ignore_index,

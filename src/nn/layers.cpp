@@ -11,11 +11,13 @@
 #include "colossal/kernels/fused.h"
 
 namespace colossal::nn {
+
+bool use_fused_kernels(const at::Tensor& x) {
+  return x.is_cuda() && kernels::enabled() && kernels::has_fused_kernels(x);
+}
+
 namespace {
-// The fused kernels where they pay: on CUDA. On the CPU the ATen composites are vectorised and
-// multi-threaded, while the fused CPU loops (kept for tests and devices without ATen kernels)
-// are scalar, so the composites are faster there (docs/kernels.md).
-bool use_fused(const at::Tensor& x) { return x.is_cuda() && kernels::enabled(); }
+bool use_fused(const at::Tensor& x) { return use_fused_kernels(x); }
 
 
 void check_shard(const ShardSpec& s, int64_t size, const std::string& what) {
@@ -121,6 +123,15 @@ RMSNorm::RMSNorm(int64_t dim, double eps, const at::TensorOptions& opts) : eps_(
   register_parameter("weight", at::empty({dim}, opts));
 }
 
+std::pair<at::Tensor, at::Tensor> RMSNorm::forward_add(const at::Tensor& x, const at::Tensor& r) {
+  ForwardScope scope(*this);
+  if (use_fused(x) && x.scalar_type() == weight().scalar_type() &&
+      r.scalar_type() == x.scalar_type() && r.sizes() == x.sizes())
+    return kernels::add_rms_norm(x, r, weight(), eps_);
+  at::Tensor h = x + r;
+  return {h, forward(h)};
+}
+
 at::Tensor RMSNorm::forward(const at::Tensor& x) {
   ForwardScope scope(*this);
   if (use_fused(x) && x.scalar_type() == weight().scalar_type())
@@ -223,6 +234,22 @@ std::pair<at::Tensor, at::Tensor> RotaryEmbedding::forward(const at::Tensor& pos
                          .transpose(1, 2);
   at::Tensor emb = at::cat({freqs, freqs}, -1);
   return {emb.cos().to(dtype), emb.sin().to(dtype)};
+}
+
+std::pair<at::Tensor, at::Tensor> RotaryEmbedding::forward_range(int64_t start, int64_t end,
+                                                                  at::Device device,
+                                                                  at::ScalarType dtype) {
+  auto positions = [&] {
+    return at::arange(start, end, at::TensorOptions().dtype(at::kLong).device(device)).unsqueeze(0);
+  };
+  if (cfg_.rope.type == "dynamic") return forward(positions(), dtype);
+  Cached& c = cached_;
+  if (c.start != start || c.end != end || c.device != device || c.dtype != dtype ||
+      !c.cos.defined()) {
+    auto [cos, sin] = forward(positions(), dtype);
+    c = Cached{start, end, device, dtype, cos, sin};
+  }
+  return {c.cos, c.sin};
 }
 
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
@@ -359,6 +386,27 @@ DecoderLayer::DecoderLayer(const ModelConfig& cfg, int64_t layer_idx, const at::
   post_attention_layernorm =
       register_module("post_attention_layernorm",
                       std::make_shared<RMSNorm>(cfg.hidden_size, cfg.rms_norm_eps, opts));
+}
+
+std::pair<at::Tensor, at::Tensor> DecoderLayer::forward_deferred(const at::Tensor& x,
+                                                                  const at::Tensor& delta,
+                                                                  const at::Tensor& cos,
+                                                                  const at::Tensor& sin,
+                                                                  const AttentionMask& mask,
+                                                                  KVCache* cache) {
+  ForwardScope scope(*this);
+  COLOSSAL_CHECK(cache || checkpointing == CheckpointMode::None || !at::GradMode::is_enabled(),
+                 "DecoderLayer::forward_deferred: layers with activation checkpointing take "
+                 "forward()");
+  at::Tensor h, n;
+  if (delta.defined()) {
+    std::tie(h, n) = input_layernorm->forward_add(x, delta);
+  } else {
+    h = x;
+    n = input_layernorm->forward(x);
+  }
+  auto [h2, n2] = post_attention_layernorm->forward_add(h, self_attn->forward(n, cos, sin, mask, cache));
+  return {h2, mlp->forward(n2)};
 }
 
 at::Tensor DecoderLayer::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,

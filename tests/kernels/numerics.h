@@ -45,4 +45,32 @@ inline std::pair<at::Tensor, at::Tensor> grads_of(const at::Tensor& y, const at:
   return {g[0], g[1]};
 }
 
+// add_rms_norm against the two ops it fuses, both through `rms_norm` (the fused norm of the same
+// device): outputs {h, y} and the gradients of x, r and weight for upstream gradients dh, dy,
+// fused first, then the pair. Bitwise equality is the contract (the kernel adds in fp32 and
+// rounds as ATen's add and autograd's gradient sum do).
+struct AddRmsResult {
+  at::Tensor h, y, dx, dr, dw;
+};
+template <typename Fused, typename Norm>
+std::pair<AddRmsResult, AddRmsResult> add_rms_cases(const at::Tensor& x0, const at::Tensor& r0,
+                                                    const at::Tensor& w0, const at::Tensor& dh,
+                                                    const at::Tensor& dy, Fused fused, Norm norm) {
+  auto run = [&](bool use_fused) {
+    at::Tensor x = x0.detach().clone().requires_grad_(true),
+               r = r0.detach().clone().requires_grad_(true),
+               w = w0.detach().clone().requires_grad_(true);
+    at::Tensor h, y;
+    if (use_fused) {
+      std::tie(h, y) = fused(x, r, w);
+    } else {
+      h = x + r;
+      y = norm(h, w);
+    }
+    auto g = torch::autograd::grad({h, y}, {x, r, w}, {dh, dy});
+    return AddRmsResult{h.detach(), y.detach(), g[0], g[1], g[2]};
+  };
+  return {run(true), run(false)};
+}
+
 }  // namespace colossal::test

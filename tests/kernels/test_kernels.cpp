@@ -88,6 +88,42 @@ TEST(RmsNorm, StridedInputAndNoGrad) {
             1.0);
 }
 
+TEST(AddRmsNorm, EqualsTheAddThenTheNormAndItsGradients) {
+  for (auto dt : kTypes) {
+    at::manual_seed(4);
+    const int64_t h = 2049;
+    at::Tensor x = (at::randn({3, 5, h}) * 2).to(dt), r = at::randn({3, 5, h}).to(dt);
+    at::Tensor w = (at::rand({h}) + 0.5).to(dt);
+    at::Tensor dh = at::randn({3, 5, h}).to(dt), dy = at::randn({3, 5, h}).to(dt);
+    auto [f, p] = add_rms_cases(
+        x, r, w, dh, dy, [](auto& a, auto& b, auto& c) { return K::add_rms_norm(a, b, c, 1e-5); },
+        [](auto& a, auto& c) { return K::rms_norm(a, c, 1e-5); });
+    const char* n = c10::toString(dt);
+    EXPECT_TRUE(at::equal(f.h, p.h)) << n;
+    EXPECT_TRUE(at::equal(f.y, p.y)) << n;
+    EXPECT_TRUE(at::equal(f.dx, p.dx)) << n;
+    EXPECT_TRUE(at::equal(f.dr, p.dr)) << n;
+    EXPECT_TRUE(at::equal(f.dw, p.dw)) << n;
+    // and the reference composite (ATen add + ATen norm) within the norm's own contract
+    auto [hr, yr] = K::add_rms_norm_reference(x, r, w, 1e-5);
+    EXPECT_TRUE(at::equal(f.h, hr)) << n;
+    EXPECT_LE(excess(f.y, yr, dt == at::kFloat ? 4 * ulp(dt) : ulp(dt), 1e-30), 1.0) << n;
+  }
+  // Only one of the two outputs used: the other gradient is absent, not zero-filled garbage.
+  at::Tensor x = at::randn({4, 64}).requires_grad_(true), r = at::randn({4, 64});
+  at::Tensor w = at::ones({64});
+  auto [hh, yy] = K::add_rms_norm(x, r, w, 1e-6);
+  auto g = torch::autograd::grad({hh.sum()}, {x});
+  EXPECT_TRUE(at::equal(g[0], at::ones({4, 64})));
+  // bad shapes name the argument
+  try {
+    K::add_rms_norm(at::randn({4, 64}), at::randn({4, 63}), w, 1e-6);
+    ADD_FAILURE() << "expected an InputError";
+  } catch (const colossal::InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("add_rms_norm: r"), std::string::npos) << e.what();
+  }
+}
+
 // ---- Rotary ----
 namespace {
 struct RotaryCase {

@@ -119,6 +119,33 @@ TEST(CudaKernels, RmsNorm) {
   }
 }
 
+TEST(CudaKernels, AddRmsNorm) {
+  REQUIRE_GPU();
+  for (auto dt : kTypes) {
+    for (int64_t h : {int64_t(2048), int64_t(4096), int64_t(2049)}) {  // 16-byte and scalar kernels
+      at::manual_seed(12);
+      auto o = at::TensorOptions().device(gpu());
+      at::Tensor x = (at::randn({1000, h}, o) * 2).to(dt), r = at::randn({1000, h}, o).to(dt);
+      at::Tensor w = (at::rand({h}, o) + 0.5).to(dt);
+      at::Tensor dh = at::randn({1000, h}, o).to(dt), dy = at::randn({1000, h}, o).to(dt);
+      poison();
+      auto [f, p] = add_rms_cases(
+          x, r, w, dh, dy,
+          [](auto& a, auto& b, auto& c) { return K::add_rms_norm(a, b, c, 1e-5); },
+          [](auto& a, auto& c) { return K::rms_norm(a, c, 1e-5); });
+      const std::string what = std::string(c10::toString(dt)) + " h " + std::to_string(h);
+      ASSERT_TRUE(all_finite(f.h) && all_finite(f.y) && all_finite(f.dx)) << what;
+      EXPECT_TRUE(at::equal(f.h, p.h)) << what;
+      EXPECT_TRUE(at::equal(f.y, p.y)) << what;
+      EXPECT_TRUE(at::equal(f.dx, p.dx)) << what;
+      EXPECT_TRUE(at::equal(f.dr, p.dr)) << what;
+      EXPECT_TRUE(at::equal(f.dw, p.dw)) << what;
+      std::printf("add_rms_norm %s: h, y, dx, dr, dw bitwise equal to add + rms_norm\n",
+                  what.c_str());
+    }
+  }
+}
+
 TEST(CudaKernels, Rotary) {
   REQUIRE_GPU();
   for (auto dt : kTypes) {

@@ -112,6 +112,45 @@ TEST(Checkpointing, FullAndAttentionEqualNoRecompute) {
   }
 }
 
+// forward_deferred (the fused-kernel path's layer form: residual adds left to the next norm's
+// forward_add) computes the same function as forward(): chained over the layers into the final
+// norm, outputs and weight gradients equal the plain chain (on CPU forward_add is the add and
+// the norm, so bitwise; on CUDA tests/kernels/test_model_cuda.cpp compares the fused model).
+TEST(Checkpointing, DeferredResidualEqualsForward) {
+  at::manual_seed(5);
+  auto m = make_model(small_config());
+  at::Tensor x0 = at::randn({2, 16, 32});
+  auto [cos, sin] = m->model->rotary_emb->forward_range(0, 16, at::kCPU, at::kFloat);
+  AttentionMask causal;
+  auto run = [&](bool deferred) {
+    m->zero_grad();
+    at::Tensor x = x0, delta;
+    for (auto& layer : m->model->layers->layers) {
+      if (deferred) {
+        std::tie(x, delta) = layer->forward_deferred(x, delta, cos, sin, causal, nullptr);
+      } else {
+        x = layer->forward(x, cos, sin, causal, nullptr);
+      }
+    }
+    at::Tensor y = deferred ? m->model->norm->forward_add(x, delta).second : m->model->norm->forward(x);
+    (y * y).sum().backward();
+    std::map<std::string, at::Tensor> g;
+    for (const auto& p : m->named_parameters())
+      if (p.value().grad().defined()) g[p.key()] = p.value().grad().clone();
+    return std::make_pair(y.detach(), g);
+  };
+  auto [y_plain, g_plain] = run(false);
+  auto [y_def, g_def] = run(true);
+  EXPECT_TRUE(at::equal(y_plain, y_def));
+  ASSERT_EQ(g_plain.size(), g_def.size());
+  for (const auto& [name, g] : g_plain) EXPECT_TRUE(at::equal(g, g_def.at(name))) << name;
+  // The rotary tables of a fixed range are built once and reused.
+  auto again = m->model->rotary_emb->forward_range(0, 16, at::kCPU, at::kFloat);
+  EXPECT_TRUE(again.first.is_same(cos));
+  auto other = m->model->rotary_emb->forward_range(1, 17, at::kCPU, at::kFloat);
+  EXPECT_TRUE(at::equal(other.first.narrow(1, 0, 15), cos.narrow(1, 1, 15)));
+}
+
 TEST(Checkpointing, ReplaysRngOfRandomBlocks) {
   at::Tensor w = at::randn({8, 8}).requires_grad_(true);
   at::Tensor x = at::randn({4, 8}).requires_grad_(true);

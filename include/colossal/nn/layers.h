@@ -59,10 +59,19 @@ class Embedding : public Module {
 };
 
 // HF's LlamaRMSNorm: normalise in fp32, cast back, then scale.
+// Whether the model runs the fused kernels (kernels/fused.h) for tensors like x: on CUDA, when
+// the build has them and they are enabled. On the CPU the ATen composites are vectorised and
+// multi-threaded while the fused CPU loops (kept for tests and devices without ATen kernels)
+// are scalar, so the composites are faster there (docs/kernels.md).
+bool use_fused_kernels(const at::Tensor& x);
+
 class RMSNorm : public Module {
  public:
   RMSNorm(int64_t dim, double eps, const at::TensorOptions& opts);
   at::Tensor forward(const at::Tensor& x);
+  // {h = x + r, forward(h)}: the residual add of a pre-norm block fused into the norm (one
+  // kernel each way on CUDA, kernels::add_rms_norm), else the two ops.
+  std::pair<at::Tensor, at::Tensor> forward_add(const at::Tensor& x, const at::Tensor& r);
   const at::Tensor& weight() const { return param("weight"); }
   double eps() const { return eps_; }
 
@@ -81,8 +90,20 @@ class RotaryEmbedding : public Module {
   explicit RotaryEmbedding(const ModelConfig& cfg);
   // positions [B, S] (int64) -> cos, sin [B, S, head_dim] in `dtype` on positions' device.
   std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& positions, at::ScalarType dtype);
+  // The tables of positions [start, end) shared by the batch ([1, S, head_dim]), as forward()
+  // computes them; kept for the last (start, end, device, dtype) so a training step of fixed
+  // length builds them once (not for `dynamic`, whose frequencies follow the length).
+  std::pair<at::Tensor, at::Tensor> forward_range(int64_t start, int64_t end, at::Device device,
+                                                  at::ScalarType dtype);
 
  private:
+  struct Cached {
+    int64_t start = -1, end = -1;
+    at::Device device{at::kCPU};
+    at::ScalarType dtype = at::kFloat;
+    at::Tensor cos, sin;
+  };
+  Cached cached_;
   ModelConfig cfg_;
   at::Tensor inv_freq_, original_inv_freq_;  // CPU fp32 (not parameters nor buffers)
   // inv_freq_ on the device of the last forward (no host-to-device copy per step, which would
@@ -142,6 +163,13 @@ class DecoderLayer : public Module {
   DecoderLayer(const ModelConfig& cfg, int64_t layer_idx, const at::TensorOptions& opts);
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                      const AttentionMask& mask, KVCache* cache);
+  // The same layer with its input and output residual adds left to the neighbouring norms:
+  // the input is x + delta (delta undefined: x alone), the output {h, m} means h + m, the
+  // next layer's (or the final norm's) forward_add. Not for checkpointed layers (their
+  // recompute takes one tensor): the model calls forward() for those.
+  std::pair<at::Tensor, at::Tensor> forward_deferred(const at::Tensor& x, const at::Tensor& delta,
+                                                     const at::Tensor& cos, const at::Tensor& sin,
+                                                     const AttentionMask& mask, KVCache* cache);
   std::shared_ptr<Attention> self_attn;
   std::shared_ptr<MLP> mlp;
   std::shared_ptr<RMSNorm> input_layernorm, post_attention_layernorm;
