@@ -158,6 +158,21 @@ void GradSync::launch_reduce_scatter(size_t bi) {
   // bucket, so one reduce-scatter leaves this rank exactly its slices, back to back.
   Bucket& b = buckets_[bi];
   const int64_t w = comm_.size();
+  if (w == 1) {
+    // One rank: the reduce-scatter is the identity. Each gradient goes to the owner as it is
+    // and is dropped at once: no staging copy, and nothing of full size waits for the end of
+    // backward (at 7B on one GPU the staged buckets were 13 GB). Used == had a gradient here.
+    for (size_t k : b.params) {
+      at::Tensor& p = params_[k].second;
+      const at::Tensor& g = p.grad();
+      had_grad_[k] = g.defined();
+      if (!g.defined()) continue;
+      options_.on_shard(k, g.reshape({-1}));
+      p.mutable_grad() = at::Tensor();
+    }
+    b.launched = true;  // b.work stays a completed no-op; b.out stays empty
+    return;
+  }
   int64_t cols = 0;
   for (size_t k : b.params) cols += shard_numel(params_[k].second);
   const at::Tensor& first = params_[b.params.front()].second;
@@ -203,6 +218,7 @@ void GradSync::finish() {
   if (options_.on_shard) {
     for (auto& b : buckets_) {
       b.work.wait();
+      if (!b.out.defined()) continue;  // one rank: delivered at launch
       int64_t off = 0;
       for (size_t k : b.params) {
         const int64_t s = shard_numel(params_[k].second);

@@ -175,7 +175,13 @@ void LowLevelZeroOptimizer::add_grad_shard(size_t i, const at::Tensor& slice) {
   wait_all();
   c10::NoGradGuard no_grad;
   Param& p = params_[i];
-  p.grad.add_(slice.to(shard_device_, at::kFloat));
+  // The first gradient of a step is copied (converted in the copy), later ones added: the
+  // shard is never zeroed between steps (zero_grad only clears has_grad).
+  if (p.has_grad) {
+    p.grad.add_(slice.to(shard_device_, at::kFloat));
+  } else {
+    p.grad.copy_(slice);
+  }
   p.has_grad = true;
 }
 
@@ -188,8 +194,13 @@ void LowLevelZeroOptimizer::take_full_grads() {
     const at::Tensor& g = p.param.grad();
     if (!g.defined()) continue;
     at::Tensor part = local_part(g.reshape({-1}), i);
-    if (part.numel() > 0)
-      p.grad.narrow(0, 0, part.numel()).add_(part.to(shard_device_, at::kFloat));
+    at::Tensor dst = p.grad.narrow(0, 0, part.numel());
+    if (!p.has_grad) {
+      // The padding past `part` holds zeros: written only by add_grad_shard's zero-padded slices.
+      dst.copy_(part);
+    } else if (part.numel() > 0) {
+      dst.add_(part.to(shard_device_, at::kFloat));
+    }
     p.has_grad = true;
     p.param.mutable_grad() = at::Tensor();
   }
@@ -322,8 +333,7 @@ void LowLevelZeroOptimizer::all_gather_params(std::vector<size_t> which) {
 
 void LowLevelZeroOptimizer::zero_grad() {  // touches no weight: in-flight gathers continue
   for (auto& p : params_) {
-    if (p.has_grad) p.grad.zero_();
-    p.has_grad = false;
+    p.has_grad = false;  // the next step's first gradient overwrites the shard (no memset)
     if (p.param.grad().defined()) p.param.mutable_grad() = at::Tensor();
   }
   grads_taken_ = false;

@@ -45,7 +45,7 @@ def zero_run(work, plugin, nproc, mb, overlap=False):
     return _runs[name]
 
 
-@pytest.mark.parametrize("plugin,nproc,mb", [("zero1", 2, 4), ("zero1", 4, 2), ("zero2", 2, 4)])
+@pytest.mark.parametrize("plugin,nproc,mb", [("zero1", 2, 4), ("zero1", 4, 2), ("zero2", 2, 4), ("zero2", 1, 8)])
 def test_zero_matches_single_process(work, single, plugin, nproc, mb):
     out = zero_run(work, plugin, nproc, mb)
     assert_runs_close(out, single)
@@ -58,9 +58,12 @@ def test_zero2_4_ranks_matches_ddp_and_single(work, single, zero2_4):
     assert_runs_close(zero2_4, single)
 
 
-def test_zero2_accumulation_equals_big_batch(work, single):
-    acc = run_train(work, "acc", 2, ["--plugin", "low_level_zero", "--stage", "2", "--micro_batch", "1",
-                                      "--accumulation", "4"])
+@pytest.mark.parametrize("nproc,mb", [(2, 1), (1, 2)])
+def test_zero2_accumulation_equals_big_batch(work, single, nproc, mb):
+    # One rank takes the gradients straight from backward (no reduce-scatter): the first
+    # micro-step's gradient is copied into the fp32 shard, the next three added.
+    acc = run_train(work, f"acc_{nproc}", nproc, ["--plugin", "low_level_zero", "--stage", "2",
+                                                   "--micro_batch", str(mb), "--accumulation", "4"])
     assert_runs_close(acc, single)
 
 

@@ -80,7 +80,8 @@ class LowLevelZeroOptimizer {
   // One AdamW update of the shards with every gradient divided by `divisor`, then the all-gather
   // of the working parameters. Parameters without a gradient (on every rank) are skipped.
   void step(double divisor);
-  // Clears gradient shards (and any .grad left on the working parameters).
+  // Marks the gradient shards empty (the next gradient overwrites them) and drops any .grad left
+  // on the working parameters.
   void zero_grad();
 
   // Overlapped all-gather (options.overlap_allgather). `position[i]`: order in which parameter i
