@@ -26,7 +26,7 @@ step() { echo; echo "=== [$(( $(date +%s) - t0 ))s] $*"; }
 note() { echo "$*" | tee -a "$SUMMARY"; }
 ours() {  # ours NAME colossal-bench-args...
   local name=$1; shift
-  if $C bench --device cuda --json "$LOGS/$name.json" "$@" > "$LOGS/$name.log" 2>&1; then
+  if timeout "${G13_TIMEOUT:-600}" $C bench --device cuda --json "$LOGS/$name.json" "$@" > "$LOGS/$name.log" 2>&1; then
     note "ours $name: $($PY -c 'import json,sys; r=json.load(open(sys.argv[1])); print("%.0f tok/s/GPU, %.1f TFLOPS, MFU %.3f, step %.4f s, peak %.1f GiB, loss %.4f" % (r["tokens_per_s_per_gpu"], r["model_tflops_per_gpu"], r["mfu_989"], r["median_step_s"], r["peak_memory_mib"] / 1024, r["final_loss"]))' "$LOGS/$name.json") | $*"
   else
     note "ours $name: FAILED ($*): $(grep -v '^\s*$' "$LOGS/$name.log" | tail -2 | tr '\n' ' ' | cut -c1-300)"
@@ -138,8 +138,9 @@ for phase in "$@"; do
   g13)
     # The 13b gemini_auto measurement alone (issue 7), with Gemini's chunk traffic from the trace.
     step "13b gemini_auto, profiled"
-    ours g13_auto -c 13b -p gemini_auto -b ${G13_BATCH:-1} -l 4096 -s ${G13_STEPS:-4} -i 1 -g --profile --profile_dir "$LOGS/prof_g13"
-    grep -i "memory report\|placement\|chunk size\|offload\|evict" "$LOGS/g13_auto.log" | head -12 | cut -c1-400 | tee -a "$SUMMARY"
+    G13_TIMEOUT=${G13_TIMEOUT:-400} ours g13_auto -c 13b -p gemini_auto -b ${G13_BATCH:-4} -l 4096 -s ${G13_STEPS:-4} -i 1 -g --profile --profile_dir "$LOGS/prof_g13"
+    grep -i "memory report\|placement\|chunk size\|offload\|evict\|gemini" "$LOGS/g13_auto.log" | head -16 | cut -c1-400 | tee -a "$SUMMARY"
+    tail -5 "$LOGS/g13_auto.log" | cut -c1-300 | tee -a "$SUMMARY"
     [ -f "$LOGS/prof_g13/rank0.json" ] && $PY scripts/trace_memcpy.py "$LOGS/prof_g13/rank0.json" | tee -a "$SUMMARY" ;;
   *) echo "unknown phase $phase"; exit 2 ;;
   esac

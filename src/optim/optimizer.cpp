@@ -70,10 +70,10 @@ void Optimizer::step(double grad_divisor) {
       if (m != masters_.end()) {
         masters.push_back(m->second);
         master_grads.push_back(grad);
-        working.push_back(p.detach());
+        working.push_back(p);  // written in place under NoGradGuard (no detach per step)
         master_states.push_back(&st);
       } else {
-        params.push_back(p.detach());
+        params.push_back(p);
         grads.push_back(grad.scalar_type() == p.scalar_type() ? grad : grad.to(p.scalar_type()));
         states.push_back(&st);
       }
