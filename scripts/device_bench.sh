@@ -138,7 +138,10 @@ for phase in "$@"; do
   g13)
     # The 13b gemini_auto measurement alone (issue 7), with Gemini's chunk traffic from the trace.
     step "13b gemini_auto, profiled"
-    G13_TIMEOUT=${G13_TIMEOUT:-400} ours g13_auto -c 13b -p gemini_auto -b ${G13_BATCH:-4} -l 4096 -s ${G13_STEPS:-4} -i 1 -g --profile --profile_dir "$LOGS/prof_g13"
+    for b13 in ${G13_BATCH:-8 4}; do  # the first batch that trains
+      G13_TIMEOUT=${G13_TIMEOUT:-400} ours g13_auto -c 13b -p gemini_auto -b $b13 -l 4096 -s ${G13_STEPS:-4} -i 1 -g --profile --profile_dir "$LOGS/prof_g13"
+      [ -s "$LOGS/g13_auto.json" ] && break
+    done
     grep -i "memory report\|placement\|chunk size\|offload\|evict\|gemini" "$LOGS/g13_auto.log" | head -16 | cut -c1-400 | tee -a "$SUMMARY"
     tail -5 "$LOGS/g13_auto.log" | cut -c1-300 | tee -a "$SUMMARY"
     [ -f "$LOGS/prof_g13/rank0.json" ] && $PY scripts/trace_memcpy.py "$LOGS/prof_g13/rank0.json" | tee -a "$SUMMARY" ;;
