@@ -34,6 +34,8 @@ void GeminiPluginOptions::register_options(OptionSet& set) {
            "gemini auto: share of device memory model + non-model data may use after warm-up")
       .add("plugin", "device_capacity_mb", &device_capacity_mb,
            "gemini auto: device memory to plan for, MB (0: the GPU's total)")
+      .add("plugin", "host_capacity_mb", &host_capacity_mb,
+           "gemini auto: host memory the host-placed chunks may take, MB (0: 85 % of the RAM)")
       .add("plugin", "max_prefetch", &max_prefetch,
            "gemini: chunks gathered ahead in compute order")
       .add("plugin", "search_range_m", &search_range_m,
@@ -50,6 +52,7 @@ void GeminiPluginOptions::register_options(OptionSet& set) {
       .min("warmup_non_model_data_ratio", 0)
       .max("warmup_non_model_data_ratio", 1);
   set.min("device_capacity_mb", 0)
+      .min("host_capacity_mb", 0)
       .min("max_prefetch", 0)
       .min("search_range_m", 0)
       .min("min_chunk_size_m", 1e-9);
@@ -152,6 +155,7 @@ std::shared_ptr<ModelWrapper> GeminiPlugin::configure_model(
   go.warmup_non_model_data_ratio = options_.warmup_non_model_data_ratio;
   go.steady_cuda_cap_ratio = options_.steady_cuda_cap_ratio;
   go.device_capacity_mb = options_.device_capacity_mb;
+  go.host_capacity_mb = options_.host_capacity_mb;
   go.max_prefetch = options_.max_prefetch;
   go.search.search_range_m = options_.search_range_m;
   go.search.min_chunk_size_m = options_.min_chunk_size_m;

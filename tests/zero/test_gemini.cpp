@@ -248,6 +248,47 @@ TEST(GeminiPlugin, TrainsAsDdpAndHoldsOnlyShardsBetweenSteps) {
   }
 }
 
+// auto placement never plans more host memory than host_capacity_mb: what the host cannot hold
+// goes to the device already in warm-up (whose own budget would have sent it to the host), and
+// a model that fits neither side is refused at boost with both sizes named, before it allocates.
+TEST(GeminiPlugin, AutoPlacementRespectsTheHostCapacity) {
+  const double W = dist::world_size();  // each rank holds 1/W of the sharded chunk data
+  auto plugin = [W](double device_mb, double host_mb) {
+    device_mb /= W;
+    host_mb /= W;
+    booster::GeminiPluginOptions o;
+    o.precision = "fp32";
+    o.placement_policy = "auto";
+    o.min_chunk_size_m = 0.005;
+    o.search_range_m = 0.01;
+    o.device_capacity_mb = device_mb;
+    o.host_capacity_mb = host_mb;
+    return std::make_shared<booster::GeminiPlugin>(o);
+  };
+  auto host_bytes = [](TrainRun& r) {
+    auto& m = dynamic_cast<booster::GeminiOptimizerWrapper&>(*r.b.optimizer).manager();
+    auto rep = m.memory_report();
+    return rep.param_host + rep.master_host;
+  };
+  // Warm-up keeps 80 % of a 6 MB "device" for non-model data: 1.2 MB, less than the chunks'
+  // 2.3 MB (parameters, masters, moments and gradients of the tiny model).
+  TrainRun roomy = boosted(plugin(6, 0));
+  EXPECT_GT(host_bytes(roomy), 0);
+  TrainRun tight = boosted(plugin(6, 0.05));  // the host holds ~52 KB: the rest goes up
+  EXPECT_LE(host_bytes(tight), static_cast<int64_t>(0.05 * 1024 * 1024 / W));
+  EXPECT_LT(host_bytes(tight), host_bytes(roomy));
+  train(tight, 2);
+  EXPECT_LE(host_bytes(tight), static_cast<int64_t>(0.05 * 1024 * 1024 / W));
+  try {
+    boosted(plugin(0.2, 0.05));
+    ADD_FAILURE() << "expected an InputError";
+  } catch (const InputError& e) {
+    const std::string w = e.what();
+    EXPECT_NE(w.find("host_capacity_mb"), std::string::npos) << w;
+    EXPECT_NE(w.find("steady_cuda_cap_ratio"), std::string::npos) << w;
+  }
+}
+
 TEST(GeminiPlugin, NoGradForwardReleasesEverySharedChunk) {
   TrainRun g = boosted(gemini());
   auto& m = dynamic_cast<booster::GeminiOptimizerWrapper&>(*g.b.optimizer).manager();

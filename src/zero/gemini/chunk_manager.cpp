@@ -686,7 +686,7 @@ void ChunkManager::auto_place(bool warmup) {
   if (!warmup && device_.is_cuda())
     non_model =
         std::max<int64_t>(0, Accelerator::cuda().memory_stats().peak_allocated - peak_device_);
-  const double budget =
+  double budget =
       warmup ? capacity * (1.0 - options_.warmup_non_model_data_ratio)
              : capacity * options_.steady_cuda_cap_ratio - static_cast<double>(non_model);
   std::vector<int> order = order_;
@@ -696,29 +696,65 @@ void ChunkManager::auto_place(bool warmup) {
   // buffer: its parameters are on the device whatever the plan, so they are charged up front and
   // only its optimizer data can move.
   auto movable_params = [&](size_t i) { return chunks_[i]->sharded(); };
+  // The gradient shard is kept in the reduce's dtype (fp32 only when micro-steps accumulate).
   auto need = [&](size_t i) {
     const Chunk& c = *chunks_[i];
     int64_t b = movable_params(i) ? c.shard_bytes() : 0;
-    if (optim_[i].master.defined()) b += 16 * c.shard_size();  // master, grad, two moments
+    const int64_t grad_elem = at::elementSize(options_.communication_dtype.value_or(c.dtype()));
+    if (optim_[i].master.defined()) b += (12 + grad_elem) * c.shard_size();  // master, moments, grad
     return b;
   };
+  const double ram =
+      static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGESIZE));
+  const double host_cap =
+      options_.host_capacity_mb > 0 ? options_.host_capacity_mb * kM : 0.85 * ram;
   double used = static_cast<double>(transient_peak_);
   if (warmup)
     used = static_cast<double>(chunk_size_) * 4.0 * 2.0;  // one gathered chunk + its grads, roughly
   for (size_t i = 0; i < chunks_.size(); ++i)
     if (!movable_params(i)) used += static_cast<double>(chunks_[i]->shard_bytes());
   const double fixed = used;
+  double total = 0;
+  for (int c : order) total += static_cast<double>(need(static_cast<size_t>(c)));
+  // What the host cannot hold must be on the device, warm-up or not; a model that fits neither
+  // side is refused before anything is allocated.
+  const double steady = capacity * options_.steady_cuda_cap_ratio;
+  const double forced = fixed + total - host_cap;
+  COLOSSAL_CHECK_INPUT(
+      forced <= steady, "gemini auto placement: the chunks need ", static_cast<int64_t>(total),
+      " bytes (parameter shards, fp32 masters, moments, gradients) plus ",
+      static_cast<int64_t>(fixed), " of gathered buffers, more than the device budget ",
+      static_cast<int64_t>(steady), " (capacity x steady_cuda_cap_ratio) and the host's ",
+      static_cast<int64_t>(host_cap), " (host_capacity_mb; default 85 % of RAM) together: use ",
+      "more ranks, a smaller model or more host memory");
+  // In warm-up a chunk the host cannot take goes to the device while the steady budget allows.
+  const double hard = warmup ? std::max(budget, steady) : budget;
   int64_t on_device = 0, on_host = 0;
   double host_bytes = 0;
+  std::vector<std::pair<size_t, Place>> plan;
   for (int c : order) {
     const size_t i = static_cast<size_t>(c);
     const double b = static_cast<double>(need(i));
-    const Place p = used + b <= budget ? Place::Device : Place::Host;
+    const bool fits = used + b <= budget || (host_bytes + b > host_cap && used + b <= hard);
+    const Place p = fits ? Place::Device : Place::Host;
     (p == Place::Device ? used : host_bytes) += b;
-    chunks_[i]->move_param_shard(p);
-    if (optim_[i].master.defined()) move_optim(i, p);
+    plan.emplace_back(i, p);
     (p == Place::Device ? on_device : on_host) += 1;
   }
+  // The host side must fit too (this rank's share when ranks share the host is not known here;
+  // the check catches plans that cannot fit at all), checked before anything moves.
+  COLOSSAL_CHECK_INPUT(host_bytes <= host_cap, "gemini auto placement: ",
+                       static_cast<int64_t>(host_bytes), " bytes of chunk data would go to the host, ",
+                       "more than its ", static_cast<int64_t>(host_cap),
+                       " (host_capacity_mb; default 85 % of RAM), with the device budget ",
+                       static_cast<int64_t>(budget), " full: use more ranks or a smaller model");
+  // Device-bound chunks last: what leaves the device first makes room for what arrives.
+  for (const Place want : {Place::Host, Place::Device})
+    for (auto [i, p] : plan) {
+      if (p != want) continue;
+      chunks_[i]->move_param_shard(p);
+      if (optim_[i].master.defined()) move_optim(i, p);
+    }
   if (!warmup) {
     COLOSSAL_CHECK_INPUT(
         fixed <= budget, "gemini auto placement: the gathered chunks and gradient buffers (",
@@ -729,14 +765,6 @@ void ChunkManager::auto_place(bool warmup) {
         "); use smaller chunks, more ranks or activation checkpointing");
     warmed_up_ = true;
   }
-  // The host side must fit too (a whole process's RAM; this rank's share when ranks share it is
-  // not known here, so this only catches plans that cannot fit at all).
-  const double ram =
-      static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGESIZE));
-  if (ram > 0 && host_bytes > 0.9 * ram)
-    log_warn("gemini auto placement: ", static_cast<int64_t>(host_bytes),
-             " bytes of chunk data go to the host, more than 90% of its ",
-             static_cast<int64_t>(ram), " bytes of RAM: expect swapping or an out-of-memory kill");
   if (rank_ == 0)
     log_info("gemini auto placement (", warmup ? "warm-up" : "after warm-up", "): budget ",
              static_cast<int64_t>(budget), " bytes, non-model ", non_model, ", transient ",
@@ -851,6 +879,12 @@ void ChunkManager::step(double divisor) {
         out = oc.host_working;
         copies.emplace_back(c.shard(), out);
       }
+    } else if (c.shard().device() != oc.master.device()) {
+      // Optimizer data on the device, parameter shard on the host (static offload_param_frac
+      // beyond offload_optim_frac): the fused kernel writes a device staging shard, copied down.
+      out = at::empty({c.shard_size()}, oc.master.options().dtype(c.dtype()));
+      d2h_bytes_ += c.shard_bytes();
+      copies.emplace_back(c.shard(), out);
     }
     for (size_t k = 0; k < c.tensors().size(); ++k) {
       TensorInfo& ti = info_[i][k];
@@ -864,7 +898,7 @@ void ChunkManager::step(double divisor) {
       l.G.push_back(oc.grad.narrow(0, s, n));
       l.M.push_back(oc.exp_avg.narrow(0, s, n));
       l.V.push_back(oc.exp_avg_sq.narrow(0, s, n));
-      l.W.push_back(host ? out.narrow(0, s, n) : c.shard().narrow(0, s, n));
+      l.W.push_back(out.defined() ? out.narrow(0, s, n) : c.shard().narrow(0, s, n));
     }
   }
   for (auto& [key, l] : work) {
@@ -878,7 +912,9 @@ void ChunkManager::step(double divisor) {
       kernels::fused_adamw(l.P, l.G, l.M, l.V, l.W, k);
     }
   }
-  for (auto& [dst, src] : copies) dst.copy_(src, /*non_blocking=*/pin_);
+  // Up (pinned host -> device) without a host wait: later device work is stream-ordered after
+  // it. Down (device -> host) blocking: the host shard may be read by the CPU (a checkpoint).
+  for (auto& [dst, src] : copies) dst.copy_(src, /*non_blocking=*/pin_ && src.is_cpu());
   zero_grad();
   update_peak();
 }

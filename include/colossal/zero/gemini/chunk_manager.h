@@ -75,6 +75,9 @@ struct GeminiOptions {
       0.8;                             // auto: share of the device for non-model data in warm-up
   double steady_cuda_cap_ratio = 0.9;  // auto: device budget after warm-up
   double device_capacity_mb = 0;       // auto: device memory (0: the GPU's total; CPU: the RAM)
+  // auto: host memory the host-placed chunks may take (0: 85 % of the physical RAM). Chunks the
+  // host cannot hold go to the device even in warm-up; a plan that fits neither is an error.
+  double host_capacity_mb = 0;
   int64_t max_prefetch = 0;            // chunks gathered ahead in the recorded compute order
   ChunkSearchOptions search;
   // Gradients are reduced in this dtype (unset: the chunk's dtype).
