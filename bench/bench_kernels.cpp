@@ -38,6 +38,7 @@ struct Opts {
   std::string json;
   bool cpu = false;
   bool copies_only = false;  // --copies: ceilings and host<->device copies only
+  bool rows_only = false;    // --rows: ceilings and the row ops (RMSNorm, rotary, SwiGLU) only
 };
 
 struct Row {
@@ -416,8 +417,12 @@ int main(int argc, char** argv) {
       g_opts.cpu = true;
     else if (a == "--copies")
       g_opts.copies_only = true;
+    else if (a == "--rows")
+      g_opts.rows_only = true;
     else {
-      std::fprintf(stderr, "usage: bench_kernels [--reps N] [--warmup N] [--json FILE] [--cpu] [--copies]\n");
+      std::fprintf(stderr,
+                   "usage: bench_kernels [--reps N] [--warmup N] [--json FILE] [--cpu] [--copies] "
+                   "[--rows]\n");
       return 2;
     }
   }
@@ -433,12 +438,16 @@ int main(int argc, char** argv) {
   }
   at::manual_seed(0);
   ceilings();
-  host_copies();
+  if (!g_opts.rows_only) host_copies();
   if (g_opts.copies_only) return 0;  // the printed lines are the result
   if (g_cuda) {
     row_ops("1b", 16384, 2048, 5632, 32, 64);
     row_ops("7b", 4096, 4096, 11008, 32, 128);
     row_ops("7b", 16384, 4096, 11008, 32, 128);
+    if (g_opts.rows_only) {
+      print_and_save();
+      return 0;
+    }
     Accelerator::cuda().empty_cache();  // the 7b AdamW case needs ~135 GB
     adamw("1b", llama_params(22, 2048, 5632, 32, 4, 32000));
     Accelerator::cuda().empty_cache();

@@ -84,6 +84,9 @@ for phase in "$@"; do
     ours w1 -c 1b -p ddp -b 8 -l 2048 -s 15 -i 3
     ours w1_unfused -c 1b -p ddp -b 8 -l 2048 -s 15 -i 3 --fused_kernels false
     [ -n "${QUICK:-}" ] || ours w1_flash -c 1b -p ddp -b 8 -l 2048 -s 15 -i 3 --attn_backend flash ;;
+  w1only)
+    step "W1 ours only"
+    ours w1 -c 1b -p ddp -b 8 -l 2048 -s 15 -i 3 ;;
   w1prof)
     step "W1 ours under the profiler (one extra untimed step, kernel table)"
     ours w1_prof -c 1b -p ddp -b 8 -l 2048 -s 6 -i 3 --profile --profile_dir "$LOGS/prof_w1"
@@ -130,11 +133,15 @@ for phase in "$@"; do
     ours g13_auto -c 13b -p gemini_auto -b 1 -l 4096 -s 4 -i 1 -g --profile --profile_dir "$LOGS/prof_g13"
     grep -i "memory report\|placement\|chunk size" "$LOGS/g13_auto.log" | head -8 | cut -c1-400 | tee -a "$SUMMARY"
     [ -f "$LOGS/prof_g13/rank0.json" ] && $PY scripts/trace_memcpy.py "$LOGS/prof_g13/rank0.json" | tee -a "$SUMMARY" ;;
+  krows)
+    step "row-op micro-benchmarks (RMSNorm, rotary, SwiGLU)"
+    timeout 120 "$BUILD/bench/bench_kernels" --rows > "$LOGS/bench_rows.log" 2>&1
+    grep -E "rms_norm|rotary|swiglu|ceiling|copy" "$LOGS/bench_rows.log" | head -30 | tee -a "$SUMMARY" ;;
   g7)
     # Issue 7's "gemini static 1/0/0 vs zero2 within 5 %", side by side.
     step "7b gemini 1/0/0 vs zero2"
-    ours g7_zero2 -c 7b -p zero2 -b 1 -l 4096 -s 8 -i 2
-    ours g7_gemini -c 7b -p gemini -b 1 -l 4096 -s 8 -i 2 ;;
+    ours g7_zero2 -c 7b -p zero2 -b 1 -l 4096 -s 7 -i 2
+    ours g7_gemini -c 7b -p gemini -b 1 -l 4096 -s 7 -i 2 ;;
   g13)
     # The 13b gemini_auto measurement alone (issue 7), with Gemini's chunk traffic from the trace.
     step "13b gemini_auto, profiled"

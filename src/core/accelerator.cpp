@@ -447,6 +447,39 @@ void CudaGraph::replay() {
 
 bool CudaGraph::captured() const { return impl_->captured; }
 
+at::Tensor empty_pinned(at::IntArrayRef sizes, at::ScalarType dtype) {
+  const auto opts = at::TensorOptions().dtype(dtype);
+#ifdef COLOSSAL_TORCH_CUDA
+  if (Accelerator::cuda().available()) {
+    int64_t numel = 1;
+    for (int64_t s : sizes) numel *= s;
+    const size_t bytes = static_cast<size_t>(numel) * at::elementSize(dtype);
+    if (bytes == 0) return at::empty(sizes, opts);
+    void* ptr = nullptr;
+    const cudaError_t err = cudaHostAlloc(&ptr, bytes, cudaHostAllocDefault);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      throw Error(str("cannot allocate ", bytes, " bytes of page-locked host memory: ",
+                      cudaGetErrorString(err)));
+    }
+    return at::from_blob(
+        ptr, sizes,
+        [](void* p) {
+          (void)cudaDeviceSynchronize();  // an asynchronous copy may still read or write it
+          (void)cudaFreeHost(p);
+        },
+        opts);
+  }
+#endif
+  return at::empty(sizes, opts);
+}
+
+at::Tensor to_pinned(const at::Tensor& t) {
+  at::Tensor out = empty_pinned(t.sizes(), t.scalar_type());
+  out.copy_(t);
+  return out;
+}
+
 bool register_cuda_kernel(const char* name) {
   std::lock_guard<std::mutex> lock(kernels_mu());
   kernels().emplace_back(name);

@@ -176,6 +176,41 @@ __global__ void __launch_bounds__(kRmsBlock)
   }
 }
 
+// Sums of two values over the block at once (one pair of barriers for both); `red` is 64 floats.
+template <int BLOCK>
+__device__ void block_sum2(float& a, float& b, float* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, o);
+    b += __shfl_xor_sync(0xffffffffu, b, o);
+  }
+  __syncthreads();  // red may still be read by a previous call
+  if (threadIdx.x % 32 == 0) {
+    red[threadIdx.x / 32] = a;
+    red[32 + threadIdx.x / 32] = b;
+  }
+  __syncthreads();
+  const bool in = threadIdx.x % 32 < BLOCK / 32;
+  a = in ? red[threadIdx.x % 32] : 0.f;
+  b = in ? red[32 + threadIdx.x % 32] : 0.f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, o);
+    b += __shfl_xor_sync(0xffffffffu, b, o);
+  }
+}
+
+// Rows a backward block handles per iteration: two for rows held in one or two packs per thread
+// (both rows' loads are issued before either's reduction: twice the bytes in flight of a one-row
+// loop, which waited on memory latency at 34-55 % of the copy rate, and one pair of barriers
+// serves both); longer rows keep one (their registers would spill).
+template <int CHUNKS>
+constexpr int rms_bwd_rows() {
+  return CHUNKS <= 2 ? 2 : 1;
+}
+
+// Blocks stride over groups of R rows. The second row of an odd tail re-reads the first and is
+// neither stored nor counted in dweight.
 template <typename T, int VEC, int CHUNKS>
 __global__ void __launch_bounds__(kRmsBlock)
     rms_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
@@ -183,7 +218,7 @@ __global__ void __launch_bounds__(kRmsBlock)
                    float* __restrict__ dwp, int64_t rows, int h) {
   // dres != nullptr: dx = rounded(norm's dx) + dres, rounded (autograd's sum of the two
   // gradients of the residual stream, in T).
-  __shared__ float red[32];
+  __shared__ float red[64];
   float wv[CHUNKS][VEC], acc[CHUNKS][VEC];
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
@@ -192,42 +227,75 @@ __global__ void __launch_bounds__(kRmsBlock)
     for (int i = 0; i < VEC; ++i) acc[c][i] = 0.f;
     if (col < h) load<T, VEC>(w + col, wv[c]);
   }
+  constexpr int R = rms_bwd_rows<CHUNKS>();
   const float inv_h = 1.f / float(h);
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const float r = rstd[row];
-    float n[CHUNKS][VEC], dn[CHUNKS][VEC];
-    float dot = 0.f;
+  for (int64_t row0 = R * int64_t(blockIdx.x); row0 < rows; row0 += R * int64_t(gridDim.x)) {
+    const bool two = R == 2 && row0 + 1 < rows;
+    int64_t rw[R];
+    rw[0] = row0;
+    if constexpr (R == 2) rw[R - 1] = two ? row0 + 1 : row0;
+    float n[R][CHUNKS][VEC], g[R][CHUNKS][VEC];
 #pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) {
-      const int col = (c * kRmsBlock + threadIdx.x) * VEC;
-      if (col < h) {
-        float g[VEC];
-        load<T, VEC>(x + row * h + col, n[c]);
-        load<T, VEC>(dy + row * h + col, g);
+    for (int j = 0; j < R; ++j)
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          n[c][i] *= r;
-          dn[c][i] = g[i] * wv[c][i];
-          dot += dn[c][i] * n[c][i];
-          acc[c][i] += g[i] * rnd<T>(n[c][i]);  // the forward multiplied w by the rounded n
+      for (int c = 0; c < CHUNKS; ++c) {
+        const int col = (c * kRmsBlock + threadIdx.x) * VEC;
+        if (col < h) {
+          load<T, VEC>(x + rw[j] * h + col, n[j][c]);
+          load<T, VEC>(dy + rw[j] * h + col, g[j][c]);
         }
       }
+    float r[R], dot[R];
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      r[j] = rstd[rw[j]];
+      dot[j] = 0.f;
     }
-    const float mean = block_sum<kRmsBlock>(dot, red) * inv_h;
+    const float count2 = two ? 1.f : 0.f;
 #pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) {
-      const int col = (c * kRmsBlock + threadIdx.x) * VEC;
-      if (col < h) {
-        float out[VEC];
+    for (int j = 0; j < R; ++j)
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) out[i] = r * (dn[c][i] - n[c][i] * mean);
-        if (dres) {
-          float dr[VEC];
-          load<T, VEC>(dres + row * h + col, dr);
+      for (int c = 0; c < CHUNKS; ++c) {
+        const int col = (c * kRmsBlock + threadIdx.x) * VEC;
+        if (col < h) {
 #pragma unroll
-          for (int i = 0; i < VEC; ++i) out[i] = __fadd_rn(rnd<T>(out[i]), dr[i]);
+          for (int i = 0; i < VEC; ++i) {
+            n[j][c][i] *= r[j];
+            const float gi = g[j][c][i];
+            g[j][c][i] = gi * wv[c][i];  // now dn
+            dot[j] += g[j][c][i] * n[j][c][i];
+            // the forward multiplied w by the rounded n
+            const float term = gi * rnd<T>(n[j][c][i]);
+            acc[c][i] += j == 0 ? term : term * count2;
+          }
         }
-        store<T, VEC>(dx + row * h + col, out);
+      }
+    if constexpr (R == 2) {
+      block_sum2<kRmsBlock>(dot[0], dot[R - 1], red);
+    } else {
+      dot[0] = block_sum<kRmsBlock>(dot[0], red);
+    }
+    float mean[R];
+#pragma unroll
+    for (int j = 0; j < R; ++j) mean[j] = dot[j] * inv_h;
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      if (j == 1 && !two) break;
+#pragma unroll
+      for (int c = 0; c < CHUNKS; ++c) {
+        const int col = (c * kRmsBlock + threadIdx.x) * VEC;
+        if (col < h) {
+          float out[VEC];
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) out[i] = r[j] * (g[j][c][i] - n[j][c][i] * mean[j]);
+          if (dres) {  // loaded here, not with x and dy: its registers would halve occupancy
+            float dr[VEC];
+            load<T, VEC>(dres + rw[j] * h + col, dr);
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) out[i] = __fadd_rn(rnd<T>(out[i]), dr[i]);
+          }
+          store<T, VEC>(dx + rw[j] * h + col, out);
+        }
       }
     }
   }
@@ -644,18 +712,24 @@ void rms_norm_fwd(const void* x, const void* res, const void* w, void* y, void* 
 }
 
 int64_t rms_norm_bwd_blocks(int64_t rows, int64_t h, DType dt) {
-  // As many blocks as can be resident at once (each loops over rows), never more than rows.
+  // As many blocks as can be resident at once (each loops over groups of rows), never more than
+  // there are groups. (A launch that falls back to the scalar plan may group differently: a
+  // block without rows writes a zero dweight row, so any count is correct.)
   int per_sm = 1;
+  int64_t rows_per_iter = 1;
   dispatch(dt, [&](auto tag) {
     using T = decltype(tag);
     with_rms_kernel<T>(rms_plan<T>(h, true), [&](auto vec, auto chunks) {
+      rows_per_iter = rms_bwd_rows<decltype(chunks)::value>();
       check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
                 &per_sm, rms_bwd_kernel<T, decltype(vec)::value, decltype(chunks)::value>,
                 kRmsBlock, 0),
             "occupancy");
     });
   });
-  return std::max<int64_t>(1, std::min<int64_t>(rows, int64_t(sm_count()) * std::max(1, per_sm)));
+  return std::max<int64_t>(
+      1, std::min<int64_t>((rows + rows_per_iter - 1) / rows_per_iter,
+                           int64_t(sm_count()) * std::max(1, per_sm)));
 }
 
 void rms_norm_bwd(const void* dy, const void* x, const void* w, const float* rstd,

@@ -10,6 +10,7 @@
 #include <map>
 
 #include "colossal/amp/grad_scaler.h"
+#include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
 #include "colossal/optim/adamw.h"
@@ -140,9 +141,8 @@ int64_t LowLevelZeroOptimizer::shard_numel(size_t i) const {
 }
 
 at::Tensor LowLevelZeroOptimizer::new_shard(size_t i) const {
-  at::Tensor t =
-      at::zeros({shard_numel(i)}, at::TensorOptions().dtype(at::kFloat).device(shard_device_));
-  return pin_ ? t.pin_memory() : t;
+  if (pin_) return empty_pinned({shard_numel(i)}, at::kFloat).zero_();
+  return at::zeros({shard_numel(i)}, at::TensorOptions().dtype(at::kFloat).device(shard_device_));
 }
 
 at::Tensor LowLevelZeroOptimizer::local_part(const at::Tensor& flat, size_t i) const {
@@ -263,9 +263,9 @@ void LowLevelZeroOptimizer::step(double divisor) {
         for (size_t i : idx) {
           Param& p = params_[i];
           if (!p.working.defined()) {
-            p.working =
-                at::empty({shard_numel(i)}, at::TensorOptions().dtype(p.param.scalar_type()));
-            if (pin_) p.working = p.working.pin_memory();
+            p.working = pin_ ? empty_pinned({shard_numel(i)}, p.param.scalar_type())
+                             : at::empty({shard_numel(i)},
+                                         at::TensorOptions().dtype(p.param.scalar_type()));
           }
           W.push_back(p.working);
         }

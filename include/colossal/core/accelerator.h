@@ -96,6 +96,16 @@ class CudaGraph {
   std::unique_ptr<Impl> impl_;
 };
 
+// Page-locked host memory of exactly the requested size, for host<->device copies that run
+// asynchronously at full link speed. With a visible GPU it comes from cudaHostAlloc and is freed
+// (cudaFreeHost, after a device synchronisation: no copy may still read it) when the last tensor
+// using it dies; otherwise it is ordinary memory. Why not at::empty(.., pinned_memory(true)):
+// PyTorch's pinned allocator rounds every request up to a power of two and keeps freed blocks,
+// so a 671 MB Gemini chunk shard takes 1 GiB: 1.6x the planned host memory.
+at::Tensor empty_pinned(at::IntArrayRef sizes, at::ScalarType dtype);
+// A copy of `t` (any device) in new exact-size pinned memory, t's shape and dtype, contiguous.
+at::Tensor to_pinned(const at::Tensor& t);
+
 // Build and device facts for `colossal check`.
 struct CudaDeviceInfo {
   int index = 0;

@@ -7,6 +7,7 @@
 
 #include <limits>
 
+#include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
 
 namespace colossal::zero::gemini {
@@ -180,9 +181,7 @@ void Chunk::move_param_shard(Place to) {
   (to == Place::Host ? d2h_bytes_ : h2d_bytes_) += shard_bytes();
   const at::Device d = to == Place::Device ? device_ : at::Device(at::kCPU);
   if (shards_ > 1) {
-    at::Tensor moved = shard_.to(d);
-    if (to == Place::Host && device_.is_cuda()) moved = moved.pin_memory();
-    shard_ = moved;
+    shard_ = to == Place::Host && device_.is_cuda() ? to_pinned(shard_) : shard_.to(d);
     param_place_ = to;
     return;
   }
@@ -192,9 +191,8 @@ void Chunk::move_param_shard(Place to) {
                    describe(k), ": cannot move the chunk while the parameter is ",
                    to_string(tensors_[k].state));
   if (to == Place::Host) {
-    at::Tensor host = (full_.defined() ? full_ : shard_).to(d, dtype_, false, /*copy=*/true);
-    if (device_.is_cuda()) host = host.pin_memory();
-    shard_ = host;
+    const at::Tensor& src = full_.defined() ? full_ : shard_;
+    shard_ = device_.is_cuda() ? to_pinned(src) : src.to(d, dtype_, false, /*copy=*/true);
     param_place_ = Place::Host;
     if (full_.defined()) {
       set_all(TensorState::Hold, TensorState::Free);

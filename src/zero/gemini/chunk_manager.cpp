@@ -281,10 +281,7 @@ ChunkManager::ChunkManager(torch::nn::Module& model, dist::Communicator comm, Ge
       // fp32 masters from the values before the cast (or the parameters themselves).
       // Allocated where it will live: a model whose fp32 state does not fit the device never
       // has it there, even during construction.
-      oc.master =
-          at::zeros({chunk->shard_size()},
-                    at::TensorOptions().dtype(at::kFloat).device(place_device(*chunk, oc.place)));
-      if (oc.place == Place::Host && pin_) oc.master = oc.master.pin_memory();
+      oc.master = new_f32(*chunk, oc.place);
       // The fp32 gradient shard is allocated by the first reduction (construction peak).
       for (auto& t : chunk->tensors()) {
         auto [a, b] = own_range(*chunk, t);
@@ -361,10 +358,13 @@ at::Device ChunkManager::place_device(const Chunk& c, Place p) const {
 }
 
 at::Tensor ChunkManager::new_f32(size_t i, Place p) const {
-  at::Tensor t =
-      at::zeros({chunks_[i]->shard_size()},
-                at::TensorOptions().dtype(at::kFloat).device(place_device(*chunks_[i], p)));
-  return p == Place::Host && pin_ ? t.pin_memory() : t;
+  return new_f32(*chunks_[i], p);
+}
+
+at::Tensor ChunkManager::new_f32(const Chunk& c, Place p) const {
+  if (p == Place::Host && pin_) return empty_pinned({c.shard_size()}, at::kFloat).zero_();
+  return at::zeros({c.shard_size()},
+                   at::TensorOptions().dtype(at::kFloat).device(place_device(c, p)));
 }
 
 void ChunkManager::move_optim(size_t ci, Place to) {
@@ -377,11 +377,10 @@ void ChunkManager::move_optim(size_t ci, Place to) {
   (to == Place::Host ? d2h_bytes_ : h2d_bytes_) += moved;
   for (at::Tensor* t : {&oc.master, &oc.grad, &oc.exp_avg, &oc.exp_avg_sq}) {
     if (!t->defined()) continue;
-    at::Tensor moved = t->to(d);
-    if (to == Place::Host && pin_) moved = moved.pin_memory();
-    *t = moved;
+    *t = to == Place::Host && pin_ ? to_pinned(*t) : t->to(d);
   }
   oc.host_working = at::Tensor();
+  oc.host_grad = at::Tensor();
 }
 
 // ---- forward / backward -----------------------------------------------------------------------
@@ -524,15 +523,22 @@ void ChunkManager::finish_reduces(size_t keep) {
         // reduced buffer itself. Both Adams read bf16/fp16 gradients.
         if (part.device() == d) {
           oc.grad = part;
+        } else if (d.is_cpu() && pin_) {
+          // One exact-size pinned buffer per host chunk, kept across steps (no allocation, no
+          // power-of-two rounding per step).
+          if (!oc.host_grad.defined() || oc.host_grad.numel() != part.numel() ||
+              oc.host_grad.scalar_type() != part.scalar_type())
+            oc.host_grad = empty_pinned(part.sizes(), part.scalar_type());
+          oc.grad = oc.host_grad;
+          oc.grad.copy_(part);
         } else {
-          oc.grad =
-              at::empty(part.sizes(), part.options().device(d).pinned_memory(pin_ && d.is_cpu()));
+          oc.grad = at::empty(part.sizes(), part.options().device(d));
           oc.grad.copy_(part);
         }
       } else {
         // Accumulation (no_sync micro-steps): the sum is kept in fp32.
         if (oc.grad.scalar_type() != at::kFloat) {
-          at::Tensor f32 = new_f32(static_cast<size_t>(f.chunk), oc.place);
+          at::Tensor f32 = at::empty(oc.grad.sizes(), oc.grad.options().dtype(at::kFloat));
           f32.copy_(oc.grad);
           oc.grad = f32;
         }
@@ -646,6 +652,7 @@ MemoryReport ChunkManager::memory_report(bool device_stats) const {
     (odev ? r.master_device : r.master_host) += bytes_of(oc.master);
     (odev ? r.optim_device : r.optim_host) += bytes_of(oc.exp_avg) + bytes_of(oc.exp_avg_sq);
     if (oc.host_working.defined()) r.param_host += bytes_of(oc.host_working);
+    if (oc.host_grad.defined() && !oc.host_grad.is_same(oc.grad)) r.grad_host += bytes_of(oc.host_grad);
     r.chunk_elements += c.size();
     r.used_elements += c.used();
     r.num_chunks += 1;
@@ -873,8 +880,8 @@ void ChunkManager::step(double divisor) {
         out = c.shard();
       } else {
         if (!oc.host_working.defined()) {
-          oc.host_working = at::empty({c.shard_size()}, at::TensorOptions().dtype(c.dtype()));
-          if (pin_) oc.host_working = oc.host_working.pin_memory();
+          oc.host_working = pin_ ? empty_pinned({c.shard_size()}, c.dtype())
+                                 : at::empty({c.shard_size()}, at::TensorOptions().dtype(c.dtype()));
         }
         out = oc.host_working;
         copies.emplace_back(c.shard(), out);

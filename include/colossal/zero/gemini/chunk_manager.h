@@ -153,6 +153,7 @@ class ChunkManager {
     at::Tensor master, exp_avg, exp_avg_sq;  // fp32, shard_size
     at::Tensor grad;          // reduce -> step only: the reduced dtype, fp32 when accumulated
     at::Tensor host_working;  // host optim + device params: CPU Adam writes the cast here
+    at::Tensor host_grad;     // host optim on CUDA: the pinned buffer grad lives in, kept
   };
   struct TensorInfo {    // per (chunk, tensor)
     int64_t group = -1;  // optimizer group, -1: not in the optimizer
@@ -165,6 +166,7 @@ class ChunkManager {
   at::Device host_device() const { return at::Device(at::kCPU); }
   at::Device place_device(const Chunk& c, Place p) const;
   at::Tensor new_f32(size_t chunk, Place p) const;
+  at::Tensor new_f32(const Chunk& chunk, Place p) const;
   void record_access(int chunk);
   void prefetch_after(int chunk);
   void reduce_chunk(int chunk);
