@@ -15,7 +15,10 @@ LOGS=/tmp/cc_device_logs
 rm -rf "$LOGS"; mkdir -p "$LOGS"
 pack() { cp "$SUMMARY" "$OUT/summary.txt" 2>/dev/null; tar czf "$OUT/logs.tgz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")"; }
 trap pack EXIT
-trap 'exit 143' TERM INT
+# A TERM (the caller's timeout) stops the running benchmark too, so the logs still come back:
+# every command below runs in the background and is waited for (bash runs traps during `wait`,
+# never while a foreground child runs).
+trap 'pkill -TERM -P $$ 2>/dev/null; exit 143' TERM INT
 BUILD=${BUILD:-build-gpu}
 C=$BUILD/colossal
 PY=${COLOSSAL_PYTHON:-python3}
@@ -26,7 +29,8 @@ step() { echo; echo "=== [$(( $(date +%s) - t0 ))s] $*"; }
 note() { echo "$*" | tee -a "$SUMMARY"; }
 ours() {  # ours NAME colossal-bench-args...
   local name=$1; shift
-  if timeout "${G13_TIMEOUT:-600}" $C bench --device cuda --json "$LOGS/$name.json" "$@" > "$LOGS/$name.log" 2>&1; then
+  timeout "${G13_TIMEOUT:-600}" $C bench --device cuda --json "$LOGS/$name.json" "$@" > "$LOGS/$name.log" 2>&1 &
+  if wait $!; then
     note "ours $name: $($PY -c 'import json,sys; r=json.load(open(sys.argv[1])); print("%.0f tok/s/GPU, %.1f TFLOPS, MFU %.3f, step %.4f s, peak %.1f GiB, loss %.4f" % (r["tokens_per_s_per_gpu"], r["model_tflops_per_gpu"], r["mfu_989"], r["median_step_s"], r["peak_memory_mib"] / 1024, r["final_loss"]))' "$LOGS/$name.json") | $*"
   else
     note "ours $name: FAILED ($*): $(grep -v '^\s*$' "$LOGS/$name.log" | tail -2 | tr '\n' ' ' | cut -c1-300)"
@@ -34,7 +38,8 @@ ours() {  # ours NAME colossal-bench-args...
 }
 base() {  # base NAME baseline-args...
   local name=$1; shift
-  if $PY bench/baseline/hf_llama_baseline.py "$@" > "$LOGS/$name.log" 2>&1; then
+  $PY bench/baseline/hf_llama_baseline.py "$@" > "$LOGS/$name.log" 2>&1 &
+  if wait $!; then
     note "base $name: $(grep '^RESULT' "$LOGS/$name.log" | cut -c8-) | $*"
   else
     note "base $name: FAILED ($*): $(grep -v '^\s*$' "$LOGS/$name.log" | tail -2 | tr '\n' ' ' | cut -c1-300)"
