@@ -459,8 +459,8 @@ at::Tensor empty_pinned(at::IntArrayRef sizes, at::ScalarType dtype) {
     const cudaError_t err = cudaHostAlloc(&ptr, bytes, cudaHostAllocDefault);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
-      throw Error(str("cannot allocate ", bytes, " bytes of page-locked host memory: ",
-                      cudaGetErrorString(err)));
+      throw Error(str("cannot allocate ", bytes,
+                      " bytes of page-locked host memory: ", cudaGetErrorString(err)));
     }
     return at::from_blob(
         ptr, sizes,

@@ -692,8 +692,8 @@ bool rms_norm_supported(int64_t h, DType dt) {
   return ok;
 }
 
-void rms_norm_fwd(const void* x, const void* res, const void* w, void* y, void* hout,
-                  float* rstd, int64_t rows, int64_t h, double eps, DType dt, Stream stream) {
+void rms_norm_fwd(const void* x, const void* res, const void* w, void* y, void* hout, float* rstd,
+                  int64_t rows, int64_t h, double eps, DType dt, Stream stream) {
   if (rows == 0) return;
   dispatch(dt, [&](auto tag) {
     using T = decltype(tag);
@@ -727,14 +727,13 @@ int64_t rms_norm_bwd_blocks(int64_t rows, int64_t h, DType dt) {
             "occupancy");
     });
   });
-  return std::max<int64_t>(
-      1, std::min<int64_t>((rows + rows_per_iter - 1) / rows_per_iter,
-                           int64_t(sm_count()) * std::max(1, per_sm)));
+  return std::max<int64_t>(1, std::min<int64_t>((rows + rows_per_iter - 1) / rows_per_iter,
+                                                int64_t(sm_count()) * std::max(1, per_sm)));
 }
 
-void rms_norm_bwd(const void* dy, const void* x, const void* w, const float* rstd,
-                  const void* dres, void* dx, float* dw_partial, void* dw, int64_t rows,
-                  int64_t h, DType dt, Stream stream) {
+void rms_norm_bwd(const void* dy, const void* x, const void* w, const float* rstd, const void* dres,
+                  void* dx, float* dw_partial, void* dw, int64_t rows, int64_t h, DType dt,
+                  Stream stream) {
   const int blocks = int(rms_norm_bwd_blocks(rows, h, dt));
   dispatch(dt, [&](auto tag) {
     using T = decltype(tag);
@@ -745,10 +744,9 @@ void rms_norm_bwd(const void* dy, const void* x, const void* w, const float* rst
     if (rows > 0) {
       with_rms_kernel<T>(p, [&](auto vec, auto chunks) {
         rms_bwd_kernel<T, decltype(vec)::value, decltype(chunks)::value>
-            <<<blocks, kRmsBlock, 0, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(x),
-                                               static_cast<const T*>(w), rstd,
-                                               static_cast<const T*>(dres), static_cast<T*>(dx),
-                                               dw_partial, rows, int(h));
+            <<<blocks, kRmsBlock, 0, stream>>>(
+                static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(w), rstd,
+                static_cast<const T*>(dres), static_cast<T*>(dx), dw_partial, rows, int(h));
       });
       check_launch("rms_norm backward");
       rms_dw_kernel<T><<<unsigned((h + 255) / 256), 256, 0, stream>>>(

@@ -19,14 +19,14 @@ using Stream = CUstream_st*;
 // aligned (callers re-align misaligned inputs; otherwise they fall back to the composite).
 bool rms_norm_supported(int64_t h, DType dt);
 // res/hout (both null, or both [rows, h]): the row normalised is hout = x + res (add_rms_norm).
-void rms_norm_fwd(const void* x, const void* res, const void* w, void* y, void* hout,
-                  float* rstd, int64_t rows, int64_t h, double eps, DType dt, Stream stream);
+void rms_norm_fwd(const void* x, const void* res, const void* w, void* y, void* hout, float* rstd,
+                  int64_t rows, int64_t h, double eps, DType dt, Stream stream);
 // Number of fp32 partial rows of dweight the backward needs: dw_partial is [blocks, h].
 int64_t rms_norm_bwd_blocks(int64_t rows, int64_t h, DType dt);
 // dres (null or [rows, h]): added to dx (the residual stream's other gradient).
-void rms_norm_bwd(const void* dy, const void* x, const void* w, const float* rstd,
-                  const void* dres, void* dx, float* dw_partial, void* dw, int64_t rows,
-                  int64_t h, DType dt, Stream stream);
+void rms_norm_bwd(const void* dy, const void* x, const void* w, const float* rstd, const void* dres,
+                  void* dx, float* dw_partial, void* dw, int64_t rows, int64_t h, DType dt,
+                  Stream stream);
 
 // ---- Rotary: x [B, heads, S, D] with strides (sb, sh, ss) and unit last stride; cos/sin
 // [B, S, D] with strides (cb, cs); y [B, S, heads, D] contiguous. backward: y = the input

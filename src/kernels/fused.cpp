@@ -136,11 +136,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_fwd(const at::Tensor& x, cons
       ra = aligned16(res);
       sum = at::empty_like(x, at::MemoryFormat::Contiguous);
     }
-    cuda::rms_norm_fwd(xa.const_data_ptr(), ra.defined() ? ra.const_data_ptr() : nullptr,
-                       wa.const_data_ptr(), y.mutable_data_ptr(),
-                       sum.defined() ? sum.mutable_data_ptr() : nullptr,
-                       rstd.mutable_data_ptr<float>(), rows, h, eps, cuda_dtype(x.scalar_type()),
-                       stream_of(x));
+    cuda::rms_norm_fwd(
+        xa.const_data_ptr(), ra.defined() ? ra.const_data_ptr() : nullptr, wa.const_data_ptr(),
+        y.mutable_data_ptr(), sum.defined() ? sum.mutable_data_ptr() : nullptr,
+        rstd.mutable_data_ptr<float>(), rows, h, eps, cuda_dtype(x.scalar_type()), stream_of(x));
 #endif
   }
   return {y, rstd, sum};
@@ -165,10 +164,9 @@ std::pair<at::Tensor, at::Tensor> rms_bwd(const at::Tensor& dy, const at::Tensor
     const at::Tensor dya = aligned16(dy), xa = aligned16(x), wa = aligned16(w);
     const at::Tensor dra = dres.defined() ? aligned16(dres) : at::Tensor();
     cuda::rms_norm_bwd(dya.const_data_ptr(), xa.const_data_ptr(), wa.const_data_ptr(),
-                       rstd.const_data_ptr<float>(),
-                       dra.defined() ? dra.const_data_ptr() : nullptr, dx.mutable_data_ptr(),
-                       part.mutable_data_ptr<float>(), dw.mutable_data_ptr(), rows, h,
-                       cuda_dtype(x.scalar_type()), stream_of(x));
+                       rstd.const_data_ptr<float>(), dra.defined() ? dra.const_data_ptr() : nullptr,
+                       dx.mutable_data_ptr(), part.mutable_data_ptr<float>(), dw.mutable_data_ptr(),
+                       rows, h, cuda_dtype(x.scalar_type()), stream_of(x));
 #endif
   }
   return {dx, dw};
@@ -514,10 +512,10 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Te
                                                const at::Tensor& weight, double eps) {
   check_rms(x, weight);
   check_dtype("add_rms_norm", "r", r);
-  COLOSSAL_CHECK_INPUT(r.sizes() == x.sizes() && r.scalar_type() == x.scalar_type() &&
-                           r.device() == x.device(),
-                       "add_rms_norm: r is ", r.scalar_type(), " ", r.sizes(), " on ", r.device(),
-                       "; x is ", x.scalar_type(), " ", x.sizes(), " on ", x.device());
+  COLOSSAL_CHECK_INPUT(
+      r.sizes() == x.sizes() && r.scalar_type() == x.scalar_type() && r.device() == x.device(),
+      "add_rms_norm: r is ", r.scalar_type(), " ", r.sizes(), " on ", r.device(), "; x is ",
+      x.scalar_type(), " ", x.sizes(), " on ", x.device());
   bool fused = has_fused_kernels(x);
 #ifdef COLOSSAL_WITH_CUDA
   if (fused && path_for(x) == Path::Cuda) fused = cuda_rms_ok(x);

@@ -17,8 +17,9 @@ bool use_fused_kernels(const at::Tensor& x) {
 }
 
 namespace {
-bool use_fused(const at::Tensor& x) { return use_fused_kernels(x); }
-
+bool use_fused(const at::Tensor& x) {
+  return use_fused_kernels(x);
+}
 
 void check_shard(const ShardSpec& s, int64_t size, const std::string& what) {
   COLOSSAL_CHECK(s.world >= 1 && s.rank >= 0 && s.rank < s.world, "shard spec of ", what, ": rank ",
@@ -237,8 +238,8 @@ std::pair<at::Tensor, at::Tensor> RotaryEmbedding::forward(const at::Tensor& pos
 }
 
 std::pair<at::Tensor, at::Tensor> RotaryEmbedding::forward_range(int64_t start, int64_t end,
-                                                                  at::Device device,
-                                                                  at::ScalarType dtype) {
+                                                                 at::Device device,
+                                                                 at::ScalarType dtype) {
   auto positions = [&] {
     return at::arange(start, end, at::TensorOptions().dtype(at::kLong).device(device)).unsqueeze(0);
   };
@@ -388,12 +389,9 @@ DecoderLayer::DecoderLayer(const ModelConfig& cfg, int64_t layer_idx, const at::
                       std::make_shared<RMSNorm>(cfg.hidden_size, cfg.rms_norm_eps, opts));
 }
 
-std::pair<at::Tensor, at::Tensor> DecoderLayer::forward_deferred(const at::Tensor& x,
-                                                                  const at::Tensor& delta,
-                                                                  const at::Tensor& cos,
-                                                                  const at::Tensor& sin,
-                                                                  const AttentionMask& mask,
-                                                                  KVCache* cache) {
+std::pair<at::Tensor, at::Tensor> DecoderLayer::forward_deferred(
+    const at::Tensor& x, const at::Tensor& delta, const at::Tensor& cos, const at::Tensor& sin,
+    const AttentionMask& mask, KVCache* cache) {
   ForwardScope scope(*this);
   COLOSSAL_CHECK(cache || checkpointing == CheckpointMode::None || !at::GradMode::is_enabled(),
                  "DecoderLayer::forward_deferred: layers with activation checkpointing take "
@@ -405,7 +403,8 @@ std::pair<at::Tensor, at::Tensor> DecoderLayer::forward_deferred(const at::Tenso
     h = x;
     n = input_layernorm->forward(x);
   }
-  auto [h2, n2] = post_attention_layernorm->forward_add(h, self_attn->forward(n, cos, sin, mask, cache));
+  auto [h2, n2] =
+      post_attention_layernorm->forward_add(h, self_attn->forward(n, cos, sin, mask, cache));
   return {h2, mlp->forward(n2)};
 }
 

@@ -130,8 +130,7 @@ TEST(CudaKernels, AddRmsNorm) {
       at::Tensor dh = at::randn({1000, h}, o).to(dt), dy = at::randn({1000, h}, o).to(dt);
       poison();
       auto [f, p] = add_rms_cases(
-          x, r, w, dh, dy,
-          [](auto& a, auto& b, auto& c) { return K::add_rms_norm(a, b, c, 1e-5); },
+          x, r, w, dh, dy, [](auto& a, auto& b, auto& c) { return K::add_rms_norm(a, b, c, 1e-5); },
           [](auto& a, auto& c) { return K::rms_norm(a, c, 1e-5); });
       const std::string what = std::string(c10::toString(dt)) + " h " + std::to_string(h);
       ASSERT_TRUE(all_finite(f.h) && all_finite(f.y) && all_finite(f.dx)) << what;

@@ -132,7 +132,8 @@ TEST(Checkpointing, DeferredResidualEqualsForward) {
         x = layer->forward(x, cos, sin, causal, nullptr);
       }
     }
-    at::Tensor y = deferred ? m->model->norm->forward_add(x, delta).second : m->model->norm->forward(x);
+    at::Tensor y =
+        deferred ? m->model->norm->forward_add(x, delta).second : m->model->norm->forward(x);
     (y * y).sum().backward();
     std::map<std::string, at::Tensor> g;
     for (const auto& p : m->named_parameters())

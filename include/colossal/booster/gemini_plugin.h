@@ -55,8 +55,9 @@ struct GeminiPluginOptions {
 
   // Registers the Gemini fields under section "plugin" (placement_policy, shard_param_frac,
   // offload_optim_frac, offload_param_frac, warmup_non_model_data_ratio, steady_cuda_cap_ratio,
-  // device_capacity_mb, host_capacity_mb, max_prefetch, search_range_m, min_chunk_size_m, hidden_dim). Precision,
-  // loss scale and communication_dtype are shared with the ddp/zero options.
+  // device_capacity_mb, host_capacity_mb, max_prefetch, search_range_m, min_chunk_size_m,
+  // hidden_dim). Precision, loss scale and communication_dtype are shared with the ddp/zero
+  // options.
   void register_options(OptionSet& set);
 };
 

@@ -652,7 +652,8 @@ MemoryReport ChunkManager::memory_report(bool device_stats) const {
     (odev ? r.master_device : r.master_host) += bytes_of(oc.master);
     (odev ? r.optim_device : r.optim_host) += bytes_of(oc.exp_avg) + bytes_of(oc.exp_avg_sq);
     if (oc.host_working.defined()) r.param_host += bytes_of(oc.host_working);
-    if (oc.host_grad.defined() && !oc.host_grad.is_same(oc.grad)) r.grad_host += bytes_of(oc.host_grad);
+    if (oc.host_grad.defined() && !oc.host_grad.is_same(oc.grad))
+      r.grad_host += bytes_of(oc.host_grad);
     r.chunk_elements += c.size();
     r.used_elements += c.used();
     r.num_chunks += 1;
@@ -693,9 +694,9 @@ void ChunkManager::auto_place(bool warmup) {
   if (!warmup && device_.is_cuda())
     non_model =
         std::max<int64_t>(0, Accelerator::cuda().memory_stats().peak_allocated - peak_device_);
-  double budget =
-      warmup ? capacity * (1.0 - options_.warmup_non_model_data_ratio)
-             : capacity * options_.steady_cuda_cap_ratio - static_cast<double>(non_model);
+  double budget = warmup
+                      ? capacity * (1.0 - options_.warmup_non_model_data_ratio)
+                      : capacity * options_.steady_cuda_cap_ratio - static_cast<double>(non_model);
   std::vector<int> order = order_;
   for (size_t i = 0; i < chunks_.size(); ++i)
     if (order_pos_[i] < 0) order.push_back(static_cast<int>(i));  // never accessed: last
@@ -708,7 +709,8 @@ void ChunkManager::auto_place(bool warmup) {
     const Chunk& c = *chunks_[i];
     int64_t b = movable_params(i) ? c.shard_bytes() : 0;
     const int64_t grad_elem = at::elementSize(options_.communication_dtype.value_or(c.dtype()));
-    if (optim_[i].master.defined()) b += (12 + grad_elem) * c.shard_size();  // master, moments, grad
+    if (optim_[i].master.defined())
+      b += (12 + grad_elem) * c.shard_size();  // master, moments, grad
     return b;
   };
   const double ram =
@@ -750,9 +752,10 @@ void ChunkManager::auto_place(bool warmup) {
   }
   // The host side must fit too (this rank's share when ranks share the host is not known here;
   // the check catches plans that cannot fit at all), checked before anything moves.
-  COLOSSAL_CHECK_INPUT(host_bytes <= host_cap, "gemini auto placement: ",
-                       static_cast<int64_t>(host_bytes), " bytes of chunk data would go to the host, ",
-                       "more than its ", static_cast<int64_t>(host_cap),
+  COLOSSAL_CHECK_INPUT(host_bytes <= host_cap,
+                       "gemini auto placement: ", static_cast<int64_t>(host_bytes),
+                       " bytes of chunk data would go to the host, ", "more than its ",
+                       static_cast<int64_t>(host_cap),
                        " (host_capacity_mb; default 85 % of RAM), with the device budget ",
                        static_cast<int64_t>(budget), " full: use more ranks or a smaller model");
   // Device-bound chunks last: what leaves the device first makes room for what arrives.
@@ -880,8 +883,9 @@ void ChunkManager::step(double divisor) {
         out = c.shard();
       } else {
         if (!oc.host_working.defined()) {
-          oc.host_working = pin_ ? empty_pinned({c.shard_size()}, c.dtype())
-                                 : at::empty({c.shard_size()}, at::TensorOptions().dtype(c.dtype()));
+          oc.host_working = pin_
+                                ? empty_pinned({c.shard_size()}, c.dtype())
+                                : at::empty({c.shard_size()}, at::TensorOptions().dtype(c.dtype()));
         }
         out = oc.host_working;
         copies.emplace_back(c.shard(), out);
