@@ -93,9 +93,8 @@ at::Tensor local_sum_sq(const std::vector<at::Tensor>& grads) {
   for (auto& [dev, list] : by_device) {
     // On CUDA one multi-tensor kernel reads each gradient once at the bandwidth ceiling (fp32
     // squares within blocks, fp64 across them); elsewhere ATen's fp64 foreach norm.
-    at::Tensor part = dev.is_cuda() && kernels::enabled()
-                          ? kernels::sum_squares(list)
-                          : at::stack(at::_foreach_norm(list, 2, at::kDouble)).square().sum();
+    at::Tensor part = dev.is_cuda() && kernels::enabled() ? kernels::sum_squares(list)
+                                                          : kernels::sum_squares_reference(list);
     total = total.defined() ? total + part.to(total.device()) : part;
   }
   return total;

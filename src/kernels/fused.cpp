@@ -483,6 +483,18 @@ bool has_fused_kernels(const at::Tensor& t) {
 }
 
 // ---- RMSNorm ----
+namespace {
+// Whether x's rows run our kernels: a device that has them, and on CUDA rows the
+// register-resident kernels cover.
+bool rms_fused(const at::Tensor& x) {
+  if (!has_fused_kernels(x)) return false;
+#ifdef COLOSSAL_WITH_CUDA
+  if (path_for(x) == Path::Cuda) return cuda_rms_ok(x);
+#endif
+  return true;
+}
+}  // namespace
+
 at::Tensor rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::Tensor h = x.to(at::kFloat);
   at::Tensor var = h.pow(2).mean(-1, /*keepdim=*/true);
@@ -492,11 +504,7 @@ at::Tensor rms_norm_reference(const at::Tensor& x, const at::Tensor& weight, dou
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rms(x, weight);
-  bool fused = has_fused_kernels(x);
-#ifdef COLOSSAL_WITH_CUDA
-  if (fused && path_for(x) == Path::Cuda) fused = cuda_rms_ok(x);  // else rows too long
-#endif
-  if (!fused) return rms_norm_reference(x, weight, eps);
+  if (!rms_fused(x)) return rms_norm_reference(x, weight, eps);
   if (needs_grad({&x, &weight})) return RmsNormFn::apply(x, weight, eps);
   return std::get<0>(rms_fwd(x.contiguous(), weight.contiguous(), eps));
 }
@@ -516,11 +524,7 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Te
       r.sizes() == x.sizes() && r.scalar_type() == x.scalar_type() && r.device() == x.device(),
       "add_rms_norm: r is ", r.scalar_type(), " ", r.sizes(), " on ", r.device(), "; x is ",
       x.scalar_type(), " ", x.sizes(), " on ", x.device());
-  bool fused = has_fused_kernels(x);
-#ifdef COLOSSAL_WITH_CUDA
-  if (fused && path_for(x) == Path::Cuda) fused = cuda_rms_ok(x);
-#endif
-  if (!fused) return add_rms_norm_reference(x, r, weight, eps);
+  if (!rms_fused(x)) return add_rms_norm_reference(x, r, weight, eps);
   if (needs_grad({&x, &r, &weight})) {
     variable_list out = AddRmsNormFn::apply(x, r, weight, eps);
     return {out[0], out[1]};

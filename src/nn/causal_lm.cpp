@@ -127,8 +127,7 @@ at::Tensor build_mask(int64_t past, int64_t s, std::optional<int64_t> window,
 // Whether the layer runs forward_deferred (its residual adds fused into the next norms): with
 // the fused kernels, and not under activation checkpointing (whose recompute takes one tensor).
 bool deferred_residual(const DecoderLayer& layer, const at::Tensor& x, const KVCache* cache) {
-  return use_fused_kernels(x) &&
-         (cache || layer.checkpointing == CheckpointMode::None || !at::GradMode::is_enabled());
+  return use_fused_kernels(x) && !layer.recomputes(cache);
 }
 
 }  // namespace

@@ -17,9 +17,6 @@ bool use_fused_kernels(const at::Tensor& x) {
 }
 
 namespace {
-bool use_fused(const at::Tensor& x) {
-  return use_fused_kernels(x);
-}
 
 void check_shard(const ShardSpec& s, int64_t size, const std::string& what) {
   COLOSSAL_CHECK(s.world >= 1 && s.rank >= 0 && s.rank < s.world, "shard spec of ", what, ": rank ",
@@ -126,7 +123,7 @@ RMSNorm::RMSNorm(int64_t dim, double eps, const at::TensorOptions& opts) : eps_(
 
 std::pair<at::Tensor, at::Tensor> RMSNorm::forward_add(const at::Tensor& x, const at::Tensor& r) {
   ForwardScope scope(*this);
-  if (use_fused(x) && x.scalar_type() == weight().scalar_type() &&
+  if (use_fused_kernels(x) && x.scalar_type() == weight().scalar_type() &&
       r.scalar_type() == x.scalar_type() && r.sizes() == x.sizes())
     return kernels::add_rms_norm(x, r, weight(), eps_);
   at::Tensor h = x + r;
@@ -135,7 +132,7 @@ std::pair<at::Tensor, at::Tensor> RMSNorm::forward_add(const at::Tensor& x, cons
 
 at::Tensor RMSNorm::forward(const at::Tensor& x) {
   ForwardScope scope(*this);
-  if (use_fused(x) && x.scalar_type() == weight().scalar_type())
+  if (use_fused_kernels(x) && x.scalar_type() == weight().scalar_type())
     return kernels::rms_norm(x, weight(), eps_);
   at::Tensor h = x.to(at::kFloat);
   at::Tensor var = h.pow(2).mean(-1, /*keepdim=*/true);
@@ -255,9 +252,9 @@ std::pair<at::Tensor, at::Tensor> RotaryEmbedding::forward_range(int64_t start, 
 
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   // cos/sin are [B, S, D] or [1, S, D] (positions shared by the batch: the usual case).
-  if (use_fused(x) && x.dim() == 4 && cos.dim() == 3 && x.scalar_type() == cos.scalar_type() &&
-      (cos.size(0) == x.size(0) || cos.size(0) == 1) && x.size(2) == cos.size(1) &&
-      x.size(3) == cos.size(2))
+  if (use_fused_kernels(x) && x.dim() == 4 && cos.dim() == 3 &&
+      x.scalar_type() == cos.scalar_type() && (cos.size(0) == x.size(0) || cos.size(0) == 1) &&
+      x.size(2) == cos.size(1) && x.size(3) == cos.size(2))
     return kernels::apply_rotary(x, cos, sin);
   at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
   int64_t half = x.size(-1) / 2;
@@ -312,7 +309,7 @@ at::Tensor Attention::forward(const at::Tensor& x, const at::Tensor& cos, const 
   const int64_t b = x.size(0), s = x.size(1);
   // Head counts follow the (possibly column-sharded) projections.
   at::Tensor q, k, v;
-  if (use_fused(x)) {
+  if (use_fused_kernels(x)) {
     // One GEMM for q, k and v (one dx GEMM in backward instead of three plus two adds). The
     // projections' own hooks still fire around the read of their weights.
     ForwardScope sq(*q_proj), sk(*k_proj), sv(*v_proj);
@@ -362,7 +359,7 @@ MLP::MLP(const ModelConfig& cfg, const at::TensorOptions& opts) {
 
 at::Tensor MLP::forward(const at::Tensor& x) {
   ForwardScope scope(*this);
-  if (use_fused(x)) {
+  if (use_fused_kernels(x)) {
     // gate and up as one GEMM into a packed [.., 2F] tensor; SwiGLU reads it and writes its
     // gradient packed, which the concatenated GEMM's backward consumes directly.
     at::Tensor h;
@@ -389,11 +386,15 @@ DecoderLayer::DecoderLayer(const ModelConfig& cfg, int64_t layer_idx, const at::
                       std::make_shared<RMSNorm>(cfg.hidden_size, cfg.rms_norm_eps, opts));
 }
 
+bool DecoderLayer::recomputes(const KVCache* cache) const {
+  return !cache && checkpointing != CheckpointMode::None && at::GradMode::is_enabled();
+}
+
 std::pair<at::Tensor, at::Tensor> DecoderLayer::forward_deferred(
     const at::Tensor& x, const at::Tensor& delta, const at::Tensor& cos, const at::Tensor& sin,
     const AttentionMask& mask, KVCache* cache) {
   ForwardScope scope(*this);
-  COLOSSAL_CHECK(cache || checkpointing == CheckpointMode::None || !at::GradMode::is_enabled(),
+  COLOSSAL_CHECK(!recomputes(cache),
                  "DecoderLayer::forward_deferred: layers with activation checkpointing take "
                  "forward()");
   at::Tensor h, n;

@@ -176,6 +176,8 @@ class DecoderLayer : public Module {
   bool sliding() const { return sliding_; }
   // Recompute in backward (checkpointing.h); applies only when grad is on and no KV cache is used.
   CheckpointMode checkpointing = CheckpointMode::None;
+  // Whether a forward with this cache (and the current grad mode) recomputes in backward.
+  bool recomputes(const KVCache* cache) const;
 
  private:
   bool sliding_;

@@ -357,10 +357,6 @@ at::Device ChunkManager::place_device(const Chunk& c, Place p) const {
   return p == Place::Device ? c.device() : at::Device(at::kCPU);
 }
 
-at::Tensor ChunkManager::new_f32(size_t i, Place p) const {
-  return new_f32(*chunks_[i], p);
-}
-
 at::Tensor ChunkManager::new_f32(const Chunk& c, Place p) const {
   if (p == Place::Host && pin_) return empty_pinned({c.shard_size()}, at::kFloat).zero_();
   return at::zeros({c.shard_size()},
@@ -869,8 +865,8 @@ void ChunkManager::step(double divisor) {
     for (auto& ti : info_[i]) any = any || (ti.group >= 0 && ti.had_grad);
     if (!any) continue;
     if (!oc.exp_avg.defined()) {
-      oc.exp_avg = new_f32(i, oc.place);
-      oc.exp_avg_sq = new_f32(i, oc.place);
+      oc.exp_avg = new_f32(*chunks_[i], oc.place);
+      oc.exp_avg_sq = new_f32(*chunks_[i], oc.place);
     }
     const bool host = oc.place == Place::Host;
     // Where the CPU Adam writes the cast weights: straight into a host parameter shard, else a
@@ -1030,8 +1026,8 @@ void ChunkManager::load_state_dict(const optim::StateDict& sd) {
       COLOSSAL_CHECK_INPUT(ea && eas, "optimizer state lacks tensor '", t.name, ".",
                            ea ? "exp_avg_sq" : "exp_avg", "'");
       if (!oc.exp_avg.defined()) {
-        oc.exp_avg = new_f32(i, oc.place);
-        oc.exp_avg_sq = new_f32(i, oc.place);
+        oc.exp_avg = new_f32(*chunks_[i], oc.place);
+        oc.exp_avg_sq = new_f32(*chunks_[i], oc.place);
       }
       if (n > 0) {
         oc.exp_avg.narrow(0, s0, n).copy_(own(*ea));

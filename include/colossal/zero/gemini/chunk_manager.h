@@ -165,7 +165,6 @@ class ChunkManager {
   };
   at::Device host_device() const { return at::Device(at::kCPU); }
   at::Device place_device(const Chunk& c, Place p) const;
-  at::Tensor new_f32(size_t chunk, Place p) const;
   at::Tensor new_f32(const Chunk& chunk, Place p) const;
   void record_access(int chunk);
   void prefetch_after(int chunk);
