@@ -157,6 +157,14 @@ for phase in "$@"; do
     grep -i "memory report\|placement\|chunk size\|offload\|evict\|gemini" "$LOGS/g13_auto.log" | head -16 | cut -c1-400 | tee -a "$SUMMARY"
     tail -5 "$LOGS/g13_auto.log" | cut -c1-300 | tee -a "$SUMMARY"
     [ -f "$LOGS/prof_g13/rank0.json" ] && $PY scripts/trace_memcpy.py "$LOGS/prof_g13/rank0.json" | tee -a "$SUMMARY" ;;
+  gmax)
+    # "The largest Llama that trains on one H200": 13b scaled in depth (bench/configs), largest
+    # first is not useful (a refusal is quick, a run is not): in the order given.
+    step "13b scaled in depth, gemini_auto"
+    for cfg in ${GMAX_CONFIGS:-llama-13b-44l llama-13b-48l}; do
+      G13_TIMEOUT=${G13_TIMEOUT:-400} ours "gmax_$cfg" -c "bench/configs/$cfg.json" -p gemini_auto -b ${G13_BATCH:-8} -l 4096 -s ${G13_STEPS:-3} -i 1 -g
+      grep -i "gemini\|placement\|memory report" "$LOGS/gmax_$cfg.log" | head -6 | cut -c1-400 | tee -a "$SUMMARY"
+    done ;;
   *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done
