@@ -162,7 +162,7 @@ for phase in "$@"; do
     # first is not useful (a refusal is quick, a run is not): in the order given.
     step "13b scaled in depth, gemini_auto"
     for cfg in ${GMAX_CONFIGS:-llama-13b-44l llama-13b-48l}; do
-      G13_TIMEOUT=${G13_TIMEOUT:-400} ours "gmax_$cfg" -c "bench/configs/$cfg.json" -p gemini_auto -b ${G13_BATCH:-8} -l 4096 -s ${G13_STEPS:-3} -i 1 -g
+      G13_TIMEOUT=${G13_TIMEOUT:-400} ours "gmax_$cfg" -c "bench/configs/$cfg.json" -p gemini_auto -b ${GMAX_BATCH:-8} -l 4096 -s ${G13_STEPS:-3} -i 1 -g
       grep -i "gemini\|placement\|memory report" "$LOGS/gmax_$cfg.log" | head -6 | cut -c1-400 | tee -a "$SUMMARY"
     done ;;
   *) echo "unknown phase $phase"; exit 2 ;;
