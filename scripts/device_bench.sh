@@ -149,7 +149,9 @@ for phase in "$@"; do
     ours g7_gemini -c 7b -p gemini -b 1 -l 4096 -s 7 -i 2 ;;
   g13)
     # The 13b gemini_auto measurement alone (issue 7), with Gemini's chunk traffic from the trace.
-    step "13b gemini_auto, profiled"
+    step "13b gemini_auto, profiled; pinned copies for reference"
+    timeout 120 "$BUILD/bench/bench_kernels" --copies --reps 10 > "$LOGS/copies.log" 2>&1
+    grep "host copy" "$LOGS/copies.log" | tee -a "$SUMMARY"
     for b13 in ${G13_BATCH:-8 4}; do  # the first batch that trains
       G13_TIMEOUT=${G13_TIMEOUT:-400} ours g13_auto -c 13b -p gemini_auto -b $b13 -l 4096 -s ${G13_STEPS:-4} -i 1 -g --profile --profile_dir "$LOGS/prof_g13"
       [ -s "$LOGS/g13_auto.json" ] && break
