@@ -13,6 +13,7 @@
 #include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
+#include "colossal/kernels/fused.h"
 #include "colossal/optim/adamw.h"
 #include "colossal/optim/cpu_adam.h"
 
@@ -57,6 +58,7 @@ LowLevelZeroOptimizer::LowLevelZeroOptimizer(
     shard_device_ = options_.cpu_offload ? at::Device(at::kCPU) : first.device();
     pin_ = options_.cpu_offload && first.is_cuda();
   }
+  direct_ = world_ == 1 && !options_.cpu_offload;
   for (size_t i = 0; i < params_.size(); ++i) {
     auto it = by_name.find(params_[i].name);
     const at::Tensor full = it != by_name.end() ? *it->second : params_[i].param.detach();
@@ -64,7 +66,7 @@ LowLevelZeroOptimizer::LowLevelZeroOptimizer(
                    params_[i].name, "' has ", full.numel(), " elements, the parameter ",
                    params_[i].param.numel());
     params_[i].master = slice_of(full, i);
-    params_[i].grad = new_shard(i);
+    if (!direct_) params_[i].grad = new_shard(i);
   }
   gather_of_.assign(params_.size(), nullptr);
   deferrable_.assign(params_.size(), false);
@@ -168,21 +170,34 @@ at::Tensor LowLevelZeroOptimizer::gather_full(const at::Tensor& shard, size_t i)
   return out.narrow(0, 0, p.numel()).view(p.sizes()).clone();
 }
 
+void LowLevelZeroOptimizer::intake(size_t i, const at::Tensor& g) {
+  Param& p = params_[i];
+  if (!p.has_grad && direct_ && g.device() == shard_device_) {
+    p.held = g;  // one rank: the gradient is already the shard
+  } else if (!p.has_grad) {
+    // The first gradient of a step is copied (converted in the copy): the shard is never zeroed
+    // between steps (zero_grad only clears has_grad). Padding past `g` holds zeros, written only
+    // by the zero-padded slices of add_grad_shard.
+    if (!p.grad.defined()) p.grad = new_shard(i);
+    p.grad.narrow(0, 0, g.numel()).copy_(g);
+  } else {
+    if (p.held.defined()) {  // a second micro-step: the held gradient moves to the fp32 shard
+      if (!p.grad.defined()) p.grad = new_shard(i);
+      p.grad.narrow(0, 0, p.held.numel()).copy_(p.held);
+      p.held = at::Tensor();
+    }
+    if (g.numel() > 0) p.grad.narrow(0, 0, g.numel()).add_(g.to(shard_device_, at::kFloat));
+  }
+  p.has_grad = true;
+}
+
 void LowLevelZeroOptimizer::add_grad_shard(size_t i, const at::Tensor& slice) {
   COLOSSAL_CHECK(i < params_.size() && slice.numel() == shard_numel(i),
                  "ZeRO: gradient slice of parameter ", i, " has ", slice.numel(),
                  " elements, expected ", i < params_.size() ? shard_numel(i) : -1);
   wait_all();
   c10::NoGradGuard no_grad;
-  Param& p = params_[i];
-  // The first gradient of a step is copied (converted in the copy), later ones added: the
-  // shard is never zeroed between steps (zero_grad only clears has_grad).
-  if (p.has_grad) {
-    p.grad.add_(slice.to(shard_device_, at::kFloat));
-  } else {
-    p.grad.copy_(slice);
-  }
-  p.has_grad = true;
+  intake(i, slice);
 }
 
 void LowLevelZeroOptimizer::take_full_grads() {
@@ -193,15 +208,7 @@ void LowLevelZeroOptimizer::take_full_grads() {
     Param& p = params_[i];
     const at::Tensor& g = p.param.grad();
     if (!g.defined()) continue;
-    at::Tensor part = local_part(g.reshape({-1}), i);
-    at::Tensor dst = p.grad.narrow(0, 0, part.numel());
-    if (!p.has_grad) {
-      // The padding past `part` holds zeros: written only by add_grad_shard's zero-padded slices.
-      dst.copy_(part);
-    } else if (part.numel() > 0) {
-      dst.add_(part.to(shard_device_, at::kFloat));
-    }
-    p.has_grad = true;
+    intake(i, local_part(g.reshape({-1}), i));
     p.param.mutable_grad() = at::Tensor();
   }
   grads_taken_ = true;
@@ -211,7 +218,7 @@ double LowLevelZeroOptimizer::grad_norm(double scale) {
   wait_all();
   std::vector<at::Tensor> grads;
   for (auto& p : params_)
-    if (p.has_grad) grads.push_back(p.grad);
+    if (p.has_grad) grads.push_back(grad_of(p));
   amp::GradReducer reducer;
   if (world_ > 1) {
     dist::Communicator c = comm_;
@@ -250,11 +257,32 @@ void LowLevelZeroOptimizer::step(double divisor) {
       by_step[p.step].push_back(i);
       updated.push_back(i);
     }
-    for (auto& [step, idx] : by_step) {
+    for (auto& [step, all] : by_step) {
+      // One rank: half parameters are updated by the fused AdamW, which reads the held
+      // working-dtype gradient and writes the new working weights in the same pass.
+      std::vector<size_t> idx, direct;
+      for (size_t i : all) (writes_working(i) ? direct : idx).push_back(i);
+      if (!direct.empty()) {
+        std::vector<at::Tensor> P, G, M, V, W;
+        for (size_t i : direct) {
+          Param& p = params_[i];
+          P.push_back(p.master);
+          G.push_back(grad_of(p));
+          M.push_back(p.exp_avg);
+          V.push_back(p.exp_avg_sq);
+          W.push_back(p.param.detach().view({-1}));
+        }
+        kernels::AdamWStep k{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, step, divisor};
+        kernels::fused_adamw(P, G, M, V, W, k);
+        std::erase_if(updated, [&](size_t i) {
+          return std::find(direct.begin(), direct.end(), i) != direct.end();
+        });
+      }
+      if (idx.empty()) continue;
       std::vector<at::Tensor> P, G, M, V;
       for (size_t i : idx) {
         P.push_back(params_[i].master);
-        G.push_back(params_[i].grad);
+        G.push_back(grad_of(params_[i]));
         M.push_back(params_[i].exp_avg);
         V.push_back(params_[i].exp_avg_sq);
       }
@@ -331,9 +359,16 @@ void LowLevelZeroOptimizer::all_gather_params(std::vector<size_t> which) {
   }
 }
 
+bool LowLevelZeroOptimizer::writes_working(size_t i) const {
+  const at::Tensor& w = params_[i].param;
+  return direct_ && w.is_contiguous() && w.device() == shard_device_ &&
+         (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf);
+}
+
 void LowLevelZeroOptimizer::zero_grad() {  // touches no weight: in-flight gathers continue
   for (auto& p : params_) {
     p.has_grad = false;  // the next step's first gradient overwrites the shard (no memset)
+    p.held = at::Tensor();
     if (p.param.grad().defined()) p.param.mutable_grad() = at::Tensor();
   }
   grads_taken_ = false;
@@ -423,7 +458,9 @@ int64_t LowLevelZeroOptimizer::state_bytes() const {
 
 int64_t LowLevelZeroOptimizer::grad_shard_bytes() const {
   int64_t b = 0;
-  for (const auto& p : params_) b += p.grad.numel() * static_cast<int64_t>(p.grad.element_size());
+  for (const auto& p : params_)
+    for (const at::Tensor* t : {&p.grad, &p.held})
+      if (t->defined()) b += t->numel() * static_cast<int64_t>(t->element_size());
   return b;
 }
 

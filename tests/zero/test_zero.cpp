@@ -15,6 +15,7 @@
 #include "colossal/booster/ddp_plugin.h"
 #include "colossal/booster/zero_plugin.h"
 #include "colossal/checkpoint/hf.h"
+#include "colossal/kernels/fused.h"
 #include "colossal/nn/layers.h"
 #include "colossal/optim/adamw.h"
 #include "colossal/zero/low_level_optim.h"
@@ -98,6 +99,11 @@ std::shared_ptr<booster::Plugin> ddp_plugin(const std::string& precision) {
   return std::make_shared<booster::DDPPlugin>(o);
 }
 
+// The model's output in fp32 for fp32 input rows, whatever its working dtype.
+at::Tensor forward_f32(MLPImpl& model, const at::Tensor& x) {
+  return model.forward(x.to(model.fc1->weight.scalar_type())).to(at::kFloat);
+}
+
 void train(TrainRun& run, int steps, int accum, int64_t B, int first_step = 0) {
   const int R = dist::world_size(), r = dist::rank();
   auto& b = run.boosted;
@@ -108,8 +114,7 @@ void train(TrainRun& run, int steps, int accum, int64_t B, int first_step = 0) {
       at::Tensor y = target(x);
       std::unique_ptr<booster::NoSyncGuard> guard;
       if (a + 1 < accum) guard = run.booster->no_sync(*b.model);
-      at::Tensor dtype_probe = run.model->fc1->weight;
-      at::Tensor out = run.model->forward(x.to(dtype_probe.scalar_type())).to(at::kFloat);
+      at::Tensor out = forward_f32(*run.model, x);
       at::Tensor loss = at::mse_loss(out, y) / accum;
       run.booster->backward(loss, *b.optimizer);
       at::Tensor l = loss.detach().clone();
@@ -223,7 +228,10 @@ TEST_P(Zero, StateIsShardedAndStage2KeepsOnlyItsSlice) {
   if (stage == 2) {
     // Right after backward: no full gradient anywhere, only this rank's slices.
     for (auto& p : z.model->parameters()) EXPECT_FALSE(p.grad().defined());
-    EXPECT_EQ(zo.grad_shard_bytes(), 4 * padded / R);
+    // One rank holds each gradient as backward made it (no fp32 shard; `unused` has none).
+    int64_t unused_numel = 0;
+    for (auto& p : z.model->unused->parameters()) unused_numel += p.numel();
+    EXPECT_EQ(zo.grad_shard_bytes(), R == 1 ? 4 * (total - unused_numel) : 4 * padded / R);
   } else {
     EXPECT_TRUE(z.model->fc1->weight.grad().defined());
   }
@@ -239,6 +247,7 @@ TEST_P(Zero, StateIsShardedAndStage2KeepsOnlyItsSlice) {
   popt->step();
   int64_t plain_state = 4 * total;  // fp32 masters = the parameters themselves
   for (auto& [n, t] : popt->state_dict().tensors) plain_state += t.numel() * 4;
+  for (auto& p : z.model->unused->parameters()) plain_state -= 8 * p.numel();  // never stepped
   EXPECT_LE(std::abs(zo.state_bytes() * R - plain_state),
             12 * R * static_cast<int64_t>(zo.num_params()));
 }
@@ -259,11 +268,12 @@ TEST_P(Zero, AccumulationEqualsOneStepOnTheLargerBatch) {
       parts.push_back(x);
       std::unique_ptr<booster::NoSyncGuard> guard;
       if (a < 3) guard = acc.booster->no_sync(*acc.boosted.model);
-      acc.booster->backward(at::mse_loss(acc.model->forward(x), target(x)) / 4,
+      acc.booster->backward(at::mse_loss(forward_f32(*acc.model, x), target(x)) / 4,
                             *acc.boosted.optimizer);
     }
     at::Tensor xb = at::cat(parts);
-    big.booster->backward(at::mse_loss(big.model->forward(xb), target(xb)), *big.boosted.optimizer);
+    big.booster->backward(at::mse_loss(forward_f32(*big.model, xb), target(xb)),
+                          *big.boosted.optimizer);
     for (TrainRun* run : {&acc, &big}) {
       run->booster->clip_grad_by_norm(*run->boosted.optimizer, 0.5);
       ASSERT_TRUE(run->boosted.optimizer->step());
@@ -359,6 +369,49 @@ TEST_P(Zero, CpuOffloadMatchesOnDevice) {
   TrainRun nb = boosted_run(zero_plugin(stage, "bf16"));
   train(nb, 10, 1, B);
   for (int s = 0; s < 10; ++s) EXPECT_LT(rel(zb.losses[s], nb.losses[s]), 1e-2) << "step " << s;
+}
+
+// One rank (no communicator): the first bf16 gradient is held as given, a second one moves the
+// sum to an fp32 shard, and the fused AdamW writes the bf16 weight itself. The sum of two bf16
+// values is exact in fp32, so the norm is the fp64 norm of that sum (to summation order) and the
+// update equals the reference AdamW on it (kernel vs ATen ops: 1e-6 relative on the master).
+TEST(ZeroOneRank, HeldGradientsAccumulateInFp32AndWriteTheWeight) {
+  for (int micro : {1, 2}) {
+    SCOPED_TRACE(micro);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(11 + micro));
+    at::Tensor master0 = at::randn({5, 7}, gen);
+    at::Tensor w = master0.to(at::kBFloat16).requires_grad_(true);
+    auto inner = std::make_shared<optim::AdamW>();
+    optim::GroupOptions g;
+    g.lr = 1e-2;
+    g.weight_decay = 0.05;
+    inner->add_param_group({{"w", w}}, g);
+    zero::LowLevelZeroOptimizer zo(inner, dist::Communicator(), {{"w", master0}});
+    ASSERT_EQ(zo.world(), 1);
+    EXPECT_EQ(zo.grad_shard_bytes(), 0);  // nothing allocated for gradients up front
+    at::Tensor sum = at::zeros({35}, at::kFloat);
+    for (int k = 0; k < micro; ++k) {
+      at::Tensor gk = at::randn({35}, gen).to(at::kBFloat16);
+      zo.add_grad_shard(0, gk);
+      sum += gk.to(at::kFloat);
+      EXPECT_EQ(zo.grad_shard_bytes(), k == 0 ? 2 * 35 : 4 * 35);  // held bf16, then fp32
+    }
+    const double want = sum.to(at::kDouble).norm().item<double>();
+    EXPECT_NEAR(zo.grad_norm(1.0), want, 1e-12 * want);
+    zo.step(2.0);
+    at::Tensor ref = master0.reshape({-1}).clone(), m = at::zeros_like(ref),
+               v = at::zeros_like(ref);
+    kernels::AdamWStep h{g.lr, g.beta1, g.beta2, g.eps, g.weight_decay, 1, 2.0};
+    kernels::fused_adamw_reference({ref}, {sum}, {m}, {v}, {}, h);
+    const optim::StateDict sd = zo.state_dict();
+    at::Tensor got;
+    for (auto& [n, t] : sd.tensors)
+      if (n == "w.master") got = t.reshape({-1});
+    ASSERT_TRUE(got.defined());
+    EXPECT_LT(max_rel(got, ref), 1e-6);
+    EXPECT_TRUE(at::equal(w.detach().reshape({-1}), got.to(at::kBFloat16)));
+    EXPECT_EQ(zo.grad_shard_bytes(), micro == 1 ? 0 : 4 * 35);  // the held gradient is dropped
+  }
 }
 
 TEST(ZeroOptions, BadInputIsRejected) {

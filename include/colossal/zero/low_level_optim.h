@@ -122,6 +122,10 @@ class LowLevelZeroOptimizer {
     at::Tensor param;  // working parameter (full)
     size_t group;
     at::Tensor master, grad, exp_avg, exp_avg_sq;  // shards (fp32, shard device)
+    // One rank, no offload: the step's only gradient kept as it came (the working-dtype .grad
+    // itself), instead of copied into the fp32 `grad` shard, which is allocated only when a
+    // second micro-step has to be added.
+    at::Tensor held;
     at::Tensor working;  // cpu_offload: the updated shard in the working dtype (CPU Adam writes it)
     bool has_grad = false;
     int64_t step = 0;
@@ -133,11 +137,20 @@ class LowLevelZeroOptimizer {
   struct Gather;  // one all-gather bucket: its Work, buffers and parameters
   void finish_gather(Gather& g);
   at::Tensor new_shard(size_t i) const;
+  // Takes gradient part `g` (shard_numel elements of parameter i, any float dtype) into the
+  // shard: held, copied or added.
+  void intake(size_t i, const at::Tensor& g);
+  // Whether parameter i is updated in place by the fused AdamW (direct_, half, contiguous).
+  bool writes_working(size_t i) const;
+  const at::Tensor& grad_of(const Param& p) const { return p.held.defined() ? p.held : p.grad; }
 
   std::shared_ptr<optim::Optimizer> inner_;
   dist::Communicator comm_;
   ZeroOptimizerOptions options_;
   int world_ = 1, rank_ = 0;
+  // One rank, shards on the parameters' device: gradients are held (Param::held) and half
+  // parameters are written by the fused AdamW itself (no all-gather copy).
+  bool direct_ = false;
   at::Device shard_device_{at::kCPU};
   bool pin_ = false;
   std::vector<Param> params_;
