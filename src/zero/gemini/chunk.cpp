@@ -49,6 +49,43 @@ bool legal_transition(TensorState from, TensorState to) {
   return false;
 }
 
+CopyStream::CopyStream(at::Device device)
+    : device_(device), side_(Accelerator::cuda().new_stream(device.index())) {
+  COLOSSAL_CHECK(device.is_cuda(), "CopyStream: ", device, " is not a CUDA device");
+}
+
+CopyStream::~CopyStream() = default;
+
+std::unique_ptr<Event> CopyStream::copy(at::Tensor& dst, const at::Tensor& src) {
+  Accelerator& acc = Accelerator::cuda();
+  const c10::Stream compute = acc.current_stream(device_.index());
+  auto ready = acc.new_event();
+  ready->record(compute);
+  ready->block(side_);
+  acc.set_stream(side_);
+  try {
+    dst.copy_(src, /*non_blocking=*/true);
+  } catch (...) {
+    acc.set_stream(compute);
+    throw;
+  }
+  acc.set_stream(compute);
+  if (src.is_cuda()) src.record_stream(side_);
+  auto done = acc.new_event();
+  done->record(side_);
+  return done;
+}
+
+void CopyStream::wait_on_compute(Event& done) {
+  done.block(Accelerator::cuda().current_stream(device_.index()));
+}
+
+void CopyStream::synchronize() {
+  auto e = Accelerator::cuda().new_event();
+  e->record(side_);
+  e->synchronize();
+}
+
 Chunk::Chunk(int id, int64_t size, at::ScalarType dtype, at::Device device, bool sharded,
              dist::Communicator comm)
     : id_(id),
@@ -131,7 +168,12 @@ void Chunk::start_gather() {
   if (full_.defined() || pending_) return;
   c10::NoGradGuard no_grad;
   if (shards_ == 1) {  // one rank, parameters on the host: a copy up, no collective
-    full_ = shard_.to(device_, dtype_, /*non_blocking=*/true, /*copy=*/true);
+    if (mover_) {
+      full_ = at::empty({size_}, at::TensorOptions().dtype(dtype_).device(device_));
+      up_done_ = mover_->copy(full_, shard_);
+    } else {
+      full_ = shard_.to(device_, dtype_, /*non_blocking=*/true, /*copy=*/true);
+    }
     h2d_bytes_ += shard_bytes();
     pending_ = true;
     return;
@@ -146,6 +188,10 @@ void Chunk::start_gather() {
 void Chunk::wait_gather() {
   if (!pending_) return;
   pending_ = false;
+  if (up_done_) {
+    mover_->wait_on_compute(*up_done_);
+    up_done_.reset();
+  }
   gather_work_.wait();
   gather_work_ = dist::Work();
   gather_src_ = at::Tensor();

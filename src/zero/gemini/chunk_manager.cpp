@@ -219,6 +219,7 @@ ChunkManager::ChunkManager(torch::nn::Module& model, dist::Communicator comm, Ge
   COLOSSAL_CHECK_INPUT(!numels.empty(), "gemini: the model has no parameters");
   device_ = groups.front().params.front().second.device();
   pin_ = device_.is_cuda();
+  if (device_.is_cuda()) mover_ = std::make_shared<CopyStream>(device_);
 
   ChunkSearchResult sr = search_chunk_size(numels, world_, o.search);
   chunk_size_ = sr.chunk_size;
@@ -270,6 +271,7 @@ ChunkManager::ChunkManager(torch::nn::Module& model, dist::Communicator comm, Ge
     auto chunk =
         std::make_unique<Chunk>(static_cast<int>(ci), pl.size, g.dtype, device_, sharded, comm_);
     for (size_t k : pl.members) chunk->append(g.params[k].first, g.params[k].second);
+    chunk->set_mover(mover_);
     OptimChunk oc;
     // auto starts on the host; its warm-up placement below brings what fits to the device.
     oc.place = (is_auto || s < T * o.offload_optim_frac - 0.5) ? Place::Host : Place::Device;
@@ -526,13 +528,18 @@ void ChunkManager::finish_reduces(size_t keep) {
               oc.host_grad.scalar_type() != part.scalar_type())
             oc.host_grad = empty_pinned(part.sizes(), part.scalar_type());
           oc.grad = oc.host_grad;
-          oc.grad.copy_(part);
+          if (mover_) {
+            mover_->copy(oc.grad, part);  // read on the host after finish_reduces(0)
+          } else {
+            oc.grad.copy_(part);
+          }
         } else {
           oc.grad = at::empty(part.sizes(), part.options().device(d));
           oc.grad.copy_(part);
         }
       } else {
         // Accumulation (no_sync micro-steps): the sum is kept in fp32.
+        if (mover_) mover_->synchronize();  // the first part may still be on its way down
         if (oc.grad.scalar_type() != at::kFloat) {
           at::Tensor f32 = at::empty(oc.grad.sizes(), oc.grad.options().dtype(at::kFloat));
           f32.copy_(oc.grad);
@@ -543,6 +550,9 @@ void ChunkManager::finish_reduces(size_t keep) {
     }
   }
   in_flight_.erase(in_flight_.begin(), in_flight_.begin() + static_cast<std::ptrdiff_t>(done));
+  // Everything reduced: the host gradients have landed, and no copy up still reads a host shard
+  // that the CPU Adam or a checkpoint is about to touch.
+  if (keep == 0 && mover_) mover_->synchronize();
 }
 
 void ChunkManager::finish_backward() {

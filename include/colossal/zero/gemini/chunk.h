@@ -28,13 +28,41 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <c10/core/Stream.h>
+
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "colossal/dist/communicator.h"
 
+namespace colossal {
+class Event;
+}
+
 namespace colossal::zero::gemini {
+
+// Host <-> device chunk copies on a side stream of a CUDA device, so that chunk traffic runs on
+// the copy engines while the compute stream keeps computing. A copy first waits for the work
+// queued on the compute stream so far (it produced the source, or had the destination's memory
+// before the caching allocator handed it out), and a device source is recorded on the side
+// stream (its memory is not reused before the copy has read it). The caller makes the compute
+// stream wait for the returned event before using the destination, and the host calls
+// synchronize() before the CPU reads or writes a host buffer that a copy may still be using.
+class CopyStream {
+ public:
+  explicit CopyStream(at::Device device);
+  ~CopyStream();
+  std::unique_ptr<Event> copy(at::Tensor& dst, const at::Tensor& src);
+  // Makes the current (compute) stream wait for `done`.
+  void wait_on_compute(Event& done);
+  void synchronize();  // every copy issued so far has finished
+
+ private:
+  at::Device device_;
+  c10::Stream side_;
+};
 
 enum class TensorState { Free, Compute, Hold, HoldAfterBwd, ReadyForReduce };
 const char* to_string(TensorState s);
@@ -131,6 +159,9 @@ class Chunk {
   };
   PendingReduce reduce_grad_async(c10::optional<at::ScalarType> comm_dtype = c10::nullopt);
 
+  // Copies up from a host shard (one rank) go through `mover` (CUDA), not the compute stream.
+  void set_mover(std::shared_ptr<CopyStream> mover) { mover_ = std::move(mover); }
+
   // Byte counts (for the manager's accounting).
   int64_t shard_bytes() const;
   int64_t full_bytes() const;  // held now (0 unless gathered; replicated: == shard)
@@ -157,6 +188,8 @@ class Chunk {
   dist::Work gather_work_;
   at::Tensor gather_src_;
   bool pending_ = false;
+  std::shared_ptr<CopyStream> mover_;
+  std::unique_ptr<Event> up_done_;  // the side-stream copy filling full_
   int64_t h2d_bytes_ = 0, d2h_bytes_ = 0;
 };
 

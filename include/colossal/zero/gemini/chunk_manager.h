@@ -78,7 +78,7 @@ struct GeminiOptions {
   // auto: host memory the host-placed chunks may take (0: 85 % of the physical RAM). Chunks the
   // host cannot hold go to the device even in warm-up; a plan that fits neither is an error.
   double host_capacity_mb = 0;
-  int64_t max_prefetch = 0;            // chunks gathered ahead in the recorded compute order
+  int64_t max_prefetch = 0;  // chunks gathered ahead in the recorded compute order
   ChunkSearchOptions search;
   // Gradients are reduced in this dtype (unset: the chunk's dtype).
   c10::optional<at::ScalarType> communication_dtype;
@@ -202,6 +202,7 @@ class ChunkManager {
   bool armed_ = false;
   bool warmed_up_ = false;
   bool pin_ = false;
+  std::shared_ptr<CopyStream> mover_;  // CUDA: host <-> device chunk copies off the compute stream
   int64_t peak_device_ = 0;
   int64_t transient_peak_ = 0;
   int64_t h2d_bytes_ = 0, d2h_bytes_ = 0;  // optimizer-side moves (chunks count their own)  //
