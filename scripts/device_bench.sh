@@ -54,8 +54,9 @@ for phase in "$@"; do
     TL=$($PY -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
     NV=$(find "$(dirname "$TL")/.." /usr/local/cuda*/lib64 -maxdepth 4 -name 'libcudart.so.13*' 2>/dev/null | head -1)
     export LD_LIBRARY_PATH="$TL${NV:+:$(dirname "$NV")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    if [ -x build-carry/colossal ] && build-carry/colossal check > "$LOGS/prebuilt_check.log" 2>&1; then
-      BUILD=build-carry; C=$BUILD/colossal
+    PB=${PREBUILT:-build-carry}  # another packed build (an A/B of two commits) by name
+    if [ -x $PB/colossal ] && $PB/colossal check > "$LOGS/prebuilt_check.log" 2>&1; then
+      BUILD=$PB; C=$BUILD/colossal
       note "prebuilt binaries start here: $(grep -i 'cuda kernels\|device 0' "$LOGS/prebuilt_check.log" | head -2 | tr '\n' ' ')"
       continue
     fi
