@@ -117,11 +117,13 @@ bool grads_overflow(const std::vector<at::Tensor>& grads_in, const GradReducer& 
   return local_overflow_to_global(!std::isfinite(sq), grads[0], r);
 }
 
-double global_grad_norm(const std::vector<at::Tensor>& grads_in, double scale,
-                        const GradReducer& r) {
+double global_grad_norm(const std::vector<at::Tensor>& grads_in, double scale, const GradReducer& r,
+                        const std::vector<at::Tensor>& sums_of_squares) {
   c10::NoGradGuard no_grad;
   auto grads = defined(grads_in);
   at::Tensor sq = grads.empty() ? at::zeros({}, at::kDouble) : local_sum_sq(grads);
+  for (const at::Tensor& part : sums_of_squares)
+    sq = sq + part.to(sq.device(), at::kDouble).reshape({});
   if (r.all_reduce_sum) {
     sq = sq.reshape({1}).contiguous();
     r.all_reduce_sum(sq);

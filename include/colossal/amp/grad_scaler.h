@@ -55,8 +55,12 @@ bool grads_overflow(const std::vector<at::Tensor>& grads, const GradReducer& red
 
 // The global L2 norm of grads / scale: squares summed in fp64 on every rank, SUM all-reduced,
 // then sqrt / scale. Not finite when some gradient is.
+// `sums_of_squares`: fp64 scalars (any device) of gradients already squared and summed
+// elsewhere (Gemini sums a chunk's gradient on the GPU before copying it to the host), added to
+// this rank's sum before the all-reduce.
 double global_grad_norm(const std::vector<at::Tensor>& grads, double scale = 1.0,
-                        const GradReducer& reducer = {});
+                        const GradReducer& reducer = {},
+                        const std::vector<at::Tensor>& sums_of_squares = {});
 
 struct ClipResult {
   bool overflow = false;  // some rank had inf/NaN: grads were left untouched, skip the step

@@ -528,6 +528,11 @@ void ChunkManager::finish_reduces(size_t keep) {
               oc.host_grad.scalar_type() != part.scalar_type())
             oc.host_grad = empty_pinned(part.sizes(), part.scalar_type());
           oc.grad = oc.host_grad;
+          // One pass over the reduced gradient on the device (microseconds per chunk) instead
+          // of one over the host copy on the CPU in grad_norm (seconds at 13b).
+          oc.grad_sq = part.is_cuda() && kernels::enabled()
+                           ? kernels::sum_squares({part})
+                           : kernels::sum_squares_reference({part});
           if (mover_) {
             mover_->copy(oc.grad, part);  // read on the host after finish_reduces(0)
           } else {
@@ -540,6 +545,7 @@ void ChunkManager::finish_reduces(size_t keep) {
       } else {
         // Accumulation (no_sync micro-steps): the sum is kept in fp32.
         if (mover_) mover_->synchronize();  // the first part may still be on its way down
+        oc.grad_sq = at::Tensor();          // the sum is new: grad_norm reads it
         if (oc.grad.scalar_type() != at::kFloat) {
           at::Tensor f32 = at::empty(oc.grad.sizes(), oc.grad.options().dtype(at::kFloat));
           f32.copy_(oc.grad);
@@ -817,12 +823,17 @@ void ChunkManager::bind_optimizer(std::shared_ptr<optim::Optimizer> inner) {
 
 double ChunkManager::grad_norm(double scale) {
   finish_reduces(0);
-  std::vector<at::Tensor> grads;
+  std::vector<at::Tensor> grads, sums;
   for (size_t i = 0; i < chunks_.size(); ++i) {
     const Chunk& c = *chunks_[i];
-    if (!optim_[i].grad.defined()) continue;
+    const OptimChunk& oc = optim_[i];
+    if (!oc.grad.defined()) continue;
     // A replicated chunk's gradient is the same on every rank: rank 0 counts it.
-    if ((c.sharded() && c.shards() > 1) || rank_ == 0) grads.push_back(optim_[i].grad);
+    if (!(c.sharded() && c.shards() > 1) && rank_ != 0) continue;
+    if (oc.grad_sq.defined())
+      sums.push_back(oc.grad_sq);
+    else
+      grads.push_back(oc.grad);
   }
   amp::GradReducer reducer;
   if (world_ > 1) {
@@ -839,7 +850,7 @@ double ChunkManager::grad_norm(double scale) {
       t.copy_(d);
     };
   }
-  return amp::global_grad_norm(grads, scale, reducer);
+  return amp::global_grad_norm(grads, scale, reducer, sums);
 }
 
 void ChunkManager::step(double divisor) {
@@ -940,6 +951,7 @@ void ChunkManager::zero_grad() {
   finish_reduces(0);
   for (size_t i = 0; i < chunks_.size(); ++i) {
     optim_[i].grad = at::Tensor();  // gradient shards live from the reduce to the step
+    optim_[i].grad_sq = at::Tensor();
     for (auto& ti : info_[i]) ti.had_grad = false;
     for (auto& t : chunks_[i]->tensors())
       if (t.param.grad().defined()) t.param.mutable_grad() = at::Tensor();

@@ -154,6 +154,9 @@ class ChunkManager {
     at::Tensor grad;          // reduce -> step only: the reduced dtype, fp32 when accumulated
     at::Tensor host_working;  // host optim + device params: CPU Adam writes the cast here
     at::Tensor host_grad;     // host optim on CUDA: the pinned buffer grad lives in, kept
+    // Host optim on CUDA: grad's sum of squares (fp64, on the device), taken on the GPU before
+    // the copy down so the norm never reads the host copy; undefined once micro-steps add.
+    at::Tensor grad_sq;
   };
   struct TensorInfo {    // per (chunk, tensor)
     int64_t group = -1;  // optimizer group, -1: not in the optimizer
