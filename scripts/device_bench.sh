@@ -64,7 +64,7 @@ for phase in "$@"; do
     ;&
   build)
     step build
-    if ! TARGETS="colossal_cli test_kernels test_kernels_cuda test_model_cuda test_gemini_1rank bench_kernels" BUILD=$BUILD \
+    if ! TARGETS="colossal_cli test_kernels test_kernels_cuda test_model_cuda test_gemini_1rank test_zero_1rank bench_kernels" BUILD=$BUILD \
          scripts/device_build.sh -DCOLOSSAL_WERROR=OFF > "$LOGS/build.log" 2>&1; then
       tail -40 "$LOGS/build.log"; exit 1
     fi
@@ -81,6 +81,11 @@ for phase in "$@"; do
          --gtest_filter='GeminiCuda*' > "$LOGS/test_gemini_cuda.log" 2>&1; then
       note "PASS test_gemini_1rank GeminiCuda*: $(grep -E 'PASSED|SKIPPED' "$LOGS/test_gemini_cuda.log" | head -2 | tr '\n' ' ')"
     else note "FAIL test_gemini_1rank GeminiCuda*"; grep -E -A6 "Failure|error" "$LOGS/test_gemini_cuda.log" | head -30; fi
+    # ZeRO on the GPU at one rank: held gradients vs cpu_offload (norms on the device).
+    if timeout 300 "$C" run --nproc_per_node 1 --master_port 0 "$BUILD/tests/zero/test_zero_1rank" \
+         --gtest_filter='ZeroCuda*' > "$LOGS/test_zero_cuda.log" 2>&1; then
+      note "PASS test_zero_1rank ZeroCuda*: $(grep -E 'PASSED|SKIPPED' "$LOGS/test_zero_cuda.log" | head -2 | tr '\n' ' ')"
+    else note "FAIL test_zero_1rank ZeroCuda*"; grep -E -A6 "Failure|error" "$LOGS/test_zero_cuda.log" | head -30; fi
     [ "$phase" = ktests ] && continue
     step kernel micro-benchmarks
     timeout 400 "$BUILD/bench/bench_kernels" --json "$OUT/bench_kernels.json" > "$LOGS/bench_kernels.log" 2>&1

@@ -179,12 +179,18 @@ void LowLevelZeroOptimizer::intake(size_t i, const at::Tensor& g) {
     // between steps (zero_grad only clears has_grad). Padding past `g` holds zeros, written only
     // by the zero-padded slices of add_grad_shard.
     if (!p.grad.defined()) p.grad = new_shard(i);
+    // Offload: one pass on the GPU now instead of a CPU pass over the host shard in grad_norm.
+    if (pin_ && g.is_cuda())
+      p.grad_sq =
+          kernels::enabled() ? kernels::sum_squares({g}) : kernels::sum_squares_reference({g});
     p.grad.narrow(0, 0, g.numel()).copy_(g);
   } else {
-    if (p.held.defined()) {  // a second micro-step: the held gradient moves to the fp32 shard
+    p.grad_sq = at::Tensor();  // a sum of micro-steps: grad_norm reads the shard
+    if (p.held.defined()) {    // a second micro-step: the held gradient moves to the fp32 shard
       if (!p.grad.defined()) p.grad = new_shard(i);
       p.grad.narrow(0, 0, p.held.numel()).copy_(p.held);
       p.held = at::Tensor();
+      p.grad_sq = at::Tensor();
     }
     if (g.numel() > 0) p.grad.narrow(0, 0, g.numel()).add_(g.to(shard_device_, at::kFloat));
   }
@@ -217,8 +223,14 @@ void LowLevelZeroOptimizer::take_full_grads() {
 double LowLevelZeroOptimizer::grad_norm(double scale) {
   wait_all();
   std::vector<at::Tensor> grads;
-  for (auto& p : params_)
-    if (p.has_grad) grads.push_back(grad_of(p));
+  std::vector<at::Tensor> sums;
+  for (auto& p : params_) {
+    if (!p.has_grad) continue;
+    if (p.grad_sq.defined())
+      sums.push_back(p.grad_sq);
+    else
+      grads.push_back(grad_of(p));
+  }
   amp::GradReducer reducer;
   if (world_ > 1) {
     dist::Communicator c = comm_;
@@ -234,7 +246,7 @@ double LowLevelZeroOptimizer::grad_norm(double scale) {
       t.copy_(d);
     };
   }
-  return amp::global_grad_norm(grads, scale, reducer);
+  return amp::global_grad_norm(grads, scale, reducer, sums);
 }
 
 void LowLevelZeroOptimizer::step(double divisor) {
@@ -369,6 +381,7 @@ void LowLevelZeroOptimizer::zero_grad() {  // touches no weight: in-flight gathe
   for (auto& p : params_) {
     p.has_grad = false;  // the next step's first gradient overwrites the shard (no memset)
     p.held = at::Tensor();
+    p.grad_sq = at::Tensor();
     if (p.param.grad().defined()) p.param.mutable_grad() = at::Tensor();
   }
   grads_taken_ = false;

@@ -126,6 +126,9 @@ class LowLevelZeroOptimizer {
     // itself), instead of copied into the fp32 `grad` shard, which is allocated only when a
     // second micro-step has to be added.
     at::Tensor held;
+    // cpu_offload on CUDA: the step's only gradient's sum of squares (fp64, on the device),
+    // taken before the copy down so the norm never reads the host shard; undefined otherwise.
+    at::Tensor grad_sq;
     at::Tensor working;  // cpu_offload: the updated shard in the working dtype (CPU Adam writes it)
     bool has_grad = false;
     int64_t step = 0;
