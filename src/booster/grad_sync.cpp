@@ -14,7 +14,8 @@ namespace {
 // Calls back into GradSync after AccumulateGrad has written a parameter's .grad. The weak flag
 // makes a hook left on a parameter after its GradSync is gone harmless.
 struct ReadyHook : torch::autograd::PostAccumulateGradHook {
-  ReadyHook(std::weak_ptr<bool> alive, std::function<void()> fn) : alive_(std::move(alive)), fn_(std::move(fn)) {}
+  ReadyHook(std::weak_ptr<bool> alive, std::function<void()> fn)
+      : alive_(std::move(alive)), fn_(std::move(fn)) {}
   void operator()(const torch::autograd::Variable&) override {
     if (!alive_.expired()) fn_();
   }
@@ -24,9 +25,14 @@ struct ReadyHook : torch::autograd::PostAccumulateGradHook {
 
 }  // namespace
 
-GradSync::GradSync(std::vector<std::pair<std::string, at::Tensor>> params, dist::Communicator comm, Options options)
-    : params_(std::move(params)), comm_(std::move(comm)), options_(options), alive_(std::make_shared<bool>(true)) {
-  COLOSSAL_CHECK_INPUT(options_.bucket_cap_mb > 0, "bucket_cap_mb must be > 0, got ", options_.bucket_cap_mb);
+GradSync::GradSync(std::vector<std::pair<std::string, at::Tensor>> params, dist::Communicator comm,
+                   Options options)
+    : params_(std::move(params)),
+      comm_(std::move(comm)),
+      options_(options),
+      alive_(std::make_shared<bool>(true)) {
+  COLOSSAL_CHECK_INPUT(options_.bucket_cap_mb > 0, "bucket_cap_mb must be > 0, got ",
+                       options_.bucket_cap_mb);
   const int64_t cap_bytes = static_cast<int64_t>(options_.bucket_cap_mb * 1024 * 1024);
   bucket_of_.assign(params_.size(), 0);
   ready_.assign(params_.size(), 0);
@@ -37,10 +43,11 @@ GradSync::GradSync(std::vector<std::pair<std::string, at::Tensor>> params, dist:
   c10::optional<at::Device> current_device;
   for (size_t k = params_.size(); k-- > 0;) {
     const at::Tensor& p = params_[k].second;
-    COLOSSAL_CHECK(p.requires_grad(), "GradSync: parameter ", params_[k].first, " does not require grad");
+    COLOSSAL_CHECK(p.requires_grad(), "GradSync: parameter ", params_[k].first,
+                   " does not require grad");
     int64_t bytes = p.numel() * static_cast<int64_t>(p.element_size());
-    bool fits = !current.params.empty() && current.dtype == p.scalar_type() && *current_device == p.device() &&
-                current_bytes + bytes <= cap_bytes;
+    bool fits = !current.params.empty() && current.dtype == p.scalar_type() &&
+                *current_device == p.device() && current_bytes + bytes <= cap_bytes;
     if (!current.params.empty() && !fits) {
       buckets_.push_back(std::move(current));
       current = Bucket{};
@@ -117,7 +124,8 @@ void GradSync::on_grad_ready(size_t k) {
 }
 
 void GradSync::launch_ready_prefix() {
-  while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) launch(next_launch_++);
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0)
+    launch(next_launch_++);
 }
 
 void GradSync::launch(size_t bi) {
@@ -129,7 +137,8 @@ void GradSync::launch(size_t bi) {
   const at::Tensor& first = params_[b.params.front()].second;
   if (!b.flat.defined()) {
     // One persistent flat buffer per bucket: no allocation per step.
-    b.flat = at::empty({b.numel}, first.options().dtype(options_.communication_dtype.value_or(b.dtype)));
+    b.flat =
+        at::empty({b.numel}, first.options().dtype(options_.communication_dtype.value_or(b.dtype)));
   }
   int64_t off = 0;
   for (size_t k : b.params) {
@@ -209,11 +218,15 @@ void GradSync::finish() {
   launch_ready_prefix();
   // Which parameters had a gradient on some rank: one that none had keeps no gradient (and is
   // skipped by the optimizer), exactly as in a single process. One small extra collective.
-  at::Tensor used = at::tensor(std::vector<float>(had_grad_.begin(), had_grad_.end()), at::kFloat)
-                        .to(params_.front().second.device());
-  dist::Work used_work = comm_.all_reduce(used, dist::ReduceOp::Max, /*async_op=*/true);
-  used_work.wait();
-  at::Tensor used_cpu = used.to(at::kCPU);
+  // One rank: this rank's flags are the answer (no collective, no round trip to the device).
+  at::Tensor used_cpu =
+      at::tensor(std::vector<float>(had_grad_.begin(), had_grad_.end()), at::kFloat);
+  if (comm_.size() > 1) {
+    at::Tensor used = used_cpu.to(params_.front().second.device());
+    dist::Work used_work = comm_.all_reduce(used, dist::ReduceOp::Max, /*async_op=*/true);
+    used_work.wait();
+    used_cpu = used.to(at::kCPU);
+  }
   const float* used_flags = used_cpu.data_ptr<float>();
   if (options_.on_shard) {
     for (auto& b : buckets_) {
