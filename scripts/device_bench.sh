@@ -155,11 +155,14 @@ for phase in "$@"; do
     ours g7_gemini -c 7b -p gemini -b 1 -l 4096 -s 7 -i 2 ;;
   g13)
     # The 13b gemini_auto measurement alone (issue 7), with Gemini's chunk traffic from the trace.
+    # Time it: at 13b the setup alone takes about 3 minutes (12:56Z run) and the first step,
+    # which places the chunks and allocates 54 GB of pinned moments, about 45 s; give
+    # G13_TIMEOUT 420 s or more.
     step "13b gemini_auto, profiled; pinned copies for reference"
     timeout 120 "$BUILD/bench/bench_kernels" --copies --reps 10 > "$LOGS/copies.log" 2>&1
     grep "host copy" "$LOGS/copies.log" | tee -a "$SUMMARY"
     for b13 in ${G13_BATCH:-8 4}; do  # the first batch that trains
-      G13_TIMEOUT=${G13_TIMEOUT:-400} ours g13_auto -c 13b -p gemini_auto -b $b13 -l 4096 -s ${G13_STEPS:-4} -i 1 -g --profile --profile_dir "$LOGS/prof_g13"
+      G13_TIMEOUT=${G13_TIMEOUT:-480} ours g13_auto -c 13b -p gemini_auto -b $b13 -l 4096 -s ${G13_STEPS:-4} -i 1 -g --profile --profile_dir "$LOGS/prof_g13"
       [ -s "$LOGS/g13_auto.json" ] && break
     done
     grep -i "memory report\|placement\|chunk size\|offload\|evict\|gemini" "$LOGS/g13_auto.log" | head -16 | cut -c1-400 | tee -a "$SUMMARY"
@@ -170,7 +173,7 @@ for phase in "$@"; do
     # first is not useful (a refusal is quick, a run is not): in the order given.
     step "13b scaled in depth, gemini_auto"
     for cfg in ${GMAX_CONFIGS:-llama-13b-44l llama-13b-48l}; do
-      G13_TIMEOUT=${G13_TIMEOUT:-400} ours "gmax_$cfg" -c "bench/configs/$cfg.json" -p gemini_auto -b ${GMAX_BATCH:-8} -l 4096 -s ${G13_STEPS:-3} -i 1 -g
+      G13_TIMEOUT=${G13_TIMEOUT:-420} ours "gmax_$cfg" -c "bench/configs/$cfg.json" -p gemini_auto -b ${GMAX_BATCH:-8} -l 4096 -s ${G13_STEPS:-3} -i 1 -g
       grep -i "gemini\|placement\|memory report" "$LOGS/gmax_$cfg.log" | head -6 | cut -c1-400 | tee -a "$SUMMARY"
     done ;;
   *) echo "unknown phase $phase"; exit 2 ;;
