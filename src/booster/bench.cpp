@@ -52,29 +52,34 @@ void BenchConfig::validate() const {
     COLOSSAL_CHECK_INPUT(shard_param_frac == 1.0 && offload_optim_frac == 0.0 &&
                              offload_param_frac == 0.0 && prefetch_num == 0,
                          "--shard_param_frac/--offload_optim_frac/--offload_param_frac/"
-                         "--prefetch_num apply to -p gemini only, not '", plugin, "'");
+                         "--prefetch_num apply to -p gemini only, not '",
+                         plugin, "'");
   for (double f : {shard_param_frac, offload_optim_frac, offload_param_frac})
-    COLOSSAL_CHECK_INPUT(f >= 0.0 && f <= 1.0, "Gemini placement fractions must be in [0, 1], got ", f);
+    COLOSSAL_CHECK_INPUT(f >= 0.0 && f <= 1.0, "Gemini placement fractions must be in [0, 1], got ",
+                         f);
   COLOSSAL_CHECK_INPUT(prefetch_num >= 0, "--prefetch_num must be >= 0, got ", prefetch_num);
   if (cuda_graph) {
     COLOSSAL_CHECK_INPUT(plugin == "none" || plugin == "ddp",
                          "--cuda_graph needs -p none or ddp (the other plugins move memory and "
-                         "communicate from hooks), not '", plugin, "'");
+                         "communicate from hooks), not '",
+                         plugin, "'");
     COLOSSAL_CHECK_INPUT(device == "cuda", "--cuda_graph needs --device cuda, got '", device, "'");
-    COLOSSAL_CHECK_INPUT(warmup >= 1,
-                         "--cuda_graph needs -i/--ignore_steps >= 1 (an eager step before capture)");
-    COLOSSAL_CHECK_INPUT(checkpointing == "none",
-                         "--cuda_graph with activation checkpointing is not supported (the recompute "
-                         "reads the RNG state on the host)");
-    COLOSSAL_CHECK_INPUT(precision != "fp16",
-                         "--cuda_graph with fp16 is not supported (the loss scaler decides on the host)");
+    COLOSSAL_CHECK_INPUT(
+        warmup >= 1, "--cuda_graph needs -i/--ignore_steps >= 1 (an eager step before capture)");
+    COLOSSAL_CHECK_INPUT(
+        checkpointing == "none",
+        "--cuda_graph with activation checkpointing is not supported (the recompute "
+        "reads the RNG state on the host)");
+    COLOSSAL_CHECK_INPUT(
+        precision != "fp16",
+        "--cuda_graph with fp16 is not supported (the loss scaler decides on the host)");
   }
-  COLOSSAL_CHECK_INPUT(ckpt_layers >= -1, "--ckpt_layers must be >= 0 (or -1 for every layer), got ",
-                       ckpt_layers);
-  COLOSSAL_CHECK_INPUT(attn_backend == "auto" || attn_backend == "flash" || attn_backend == "cudnn" ||
-                           attn_backend == "efficient" || attn_backend == "math",
-                       "--attn_backend must be auto, flash, cudnn, efficient or math, got '",
-                       attn_backend, "'");
+  COLOSSAL_CHECK_INPUT(ckpt_layers >= -1,
+                       "--ckpt_layers must be >= 0 (or -1 for every layer), got ", ckpt_layers);
+  COLOSSAL_CHECK_INPUT(
+      attn_backend == "auto" || attn_backend == "flash" || attn_backend == "cudnn" ||
+          attn_backend == "efficient" || attn_backend == "math",
+      "--attn_backend must be auto, flash, cudnn, efficient or math, got '", attn_backend, "'");
   COLOSSAL_CHECK_INPUT(ce_chunk_tokens >= 1, "--ce_chunk_tokens must be >= 1, got ",
                        ce_chunk_tokens);
   COLOSSAL_CHECK_INPUT(
@@ -182,13 +187,12 @@ std::string BenchReport::to_text() const {
       config.model.c_str(), static_cast<double>(n_params) / 1e9, (long long)layers,
       (long long)hidden, (long long)vocab, config.plugin.c_str(), precision.c_str(),
       config.device.c_str(), world_size, dp_size, (long long)config.batch,
-      (long long)config.seq_len, ckpt.c_str(),
-      config.attn_backend.c_str(), config.fused_kernels ? "on" : "off",
-      config.fused_ce ? "on" : "off", config.cuda_graph ? "on" : "off",
-      (long long)config.steps, (long long)config.warmup, median_step_s, mean_step_s,
-      tokens_per_s_per_gpu, tokens_per_s, samples_per_s, model_tflops_per_gpu, mfu_989,
-      colossalai_tflops_per_gpu, megatron_tflops_per_gpu, peak_memory_mib, peak_memory_kind.c_str(),
-      final_loss);
+      (long long)config.seq_len, ckpt.c_str(), config.attn_backend.c_str(),
+      config.fused_kernels ? "on" : "off", config.fused_ce ? "on" : "off",
+      config.cuda_graph ? "on" : "off", (long long)config.steps, (long long)config.warmup,
+      median_step_s, mean_step_s, tokens_per_s_per_gpu, tokens_per_s, samples_per_s,
+      model_tflops_per_gpu, mfu_989, colossalai_tflops_per_gpu, megatron_tflops_per_gpu,
+      peak_memory_mib, peak_memory_kind.c_str(), final_loss);
   return std::string(buf) + profile_text;
 }
 
@@ -266,7 +270,14 @@ BenchReport run_bench(const BenchConfig& c) {
   io.seed = static_cast<uint64_t>(c.seed);
   io.std = cfg.initializer_range;
   io.device = device;
+  // Setup is minutes at 13b: each phase says what it took (init here, boost below).
+  const bool rank0 = !distributed || dist::rank() == 0;
+  auto since = [](std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+  };
+  auto t_init = std::chrono::steady_clock::now();
   nn::init_parameters(*model, io);
+  if (rank0) log_info("bench: parameters initialised on ", device, " in ", since(t_init), " s");
   const nn::CheckpointMode mode = nn::checkpoint_mode_from_string(c.checkpointing);
   model->set_activation_checkpointing(mode, c.ckpt_layers);
   kernels::set_enabled(c.fused_kernels);
@@ -282,7 +293,9 @@ BenchReport run_bench(const BenchConfig& c) {
   adamw->add_param_group(params, g);
 
   Booster booster(plugin);
+  auto t_boost = std::chrono::steady_clock::now();
   Boosted boosted = booster.boost(model, adamw);
+  if (rank0) log_info("bench: boost (", c.plugin, ") took ", since(t_boost), " s");
   OptimizerWrapper& opt = *boosted.optimizer;
   const int world = distributed ? dist::world_size() : 1;
   const int dp = plugin->dp_size(), dp_rank = plugin->dp_rank();
@@ -300,7 +313,8 @@ BenchReport run_bench(const BenchConfig& c) {
   std::unique_ptr<CudaGraph> graph;
   at::Tensor graph_ids, graph_targets, graph_loss;
   if (c.cuda_graph) {
-    COLOSSAL_CHECK_INPUT(!distributed, "--cuda_graph runs one process (no gradient collectives in the graph)");
+    COLOSSAL_CHECK_INPUT(!distributed,
+                         "--cuda_graph runs one process (no gradient collectives in the graph)");
     Accelerator::cuda().set_stream(Accelerator::cuda().new_stream());
   }
   auto forward_backward = [&](const at::Tensor& ids, const at::Tensor& targets) {
@@ -405,10 +419,10 @@ BenchReport run_bench(const BenchConfig& c) {
   r.samples_per_s = static_cast<double>(c.batch * dp) / r.median_step_s;
   // ColossalAI counts recompute (g = 1 with -g); its formula has no term for attention-only
   // recompute, which we count as g = 0.
-  const double recompute =
-      mode != nn::CheckpointMode::Full ? 0.0
-      : c.ckpt_layers < 0              ? 1.0
-                          : static_cast<double>(c.ckpt_layers) / static_cast<double>(r.layers);
+  const double recompute = mode != nn::CheckpointMode::Full ? 0.0
+                           : c.ckpt_layers < 0
+                               ? 1.0
+                               : static_cast<double>(c.ckpt_layers) / static_cast<double>(r.layers);
   r.flops = bench_flops(n_params, r.layers, r.hidden, r.vocab, c.batch, c.seq_len, recompute);
   r.model_tflops_per_gpu = r.tokens_per_s_per_gpu * r.flops.model_flops_per_token / 1e12;
   r.mfu_989 = r.model_tflops_per_gpu / 989.0;

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <functional>
 #include <numeric>
@@ -170,6 +171,7 @@ std::vector<std::string> unhooked_parameters(torch::nn::Module& model) {
 ChunkManager::ChunkManager(torch::nn::Module& model, dist::Communicator comm, GeminiOptions options,
                            std::vector<std::pair<std::string, at::Tensor>> masters)
     : options_(std::move(options)), comm_(std::move(comm)), alive_(std::make_shared<bool>(true)) {
+  const auto t_start = std::chrono::steady_clock::now();
   const auto& o = options_;
   COLOSSAL_CHECK_INPUT(o.placement_policy == "static" || o.placement_policy == "auto",
                        "gemini: placement_policy must be static or auto, got '", o.placement_policy,
@@ -330,7 +332,9 @@ ChunkManager::ChunkManager(torch::nn::Module& model, dist::Communicator comm, Ge
              " candidates searched); ", all - used, " elements of padding = ",
              all > 0 ? 100.0 * static_cast<double>(all - used) / static_cast<double>(all) : 0.0,
              "%; ", chunks_.size(), " chunks, ", sharded, " sharded over ", world_,
-             " rank(s), placement ", o.placement_policy);
+             " rank(s), placement ", o.placement_policy, "; built in ",
+             std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count(),
+             " s");
 }
 
 ChunkManager::~ChunkManager() {
@@ -770,6 +774,7 @@ void ChunkManager::auto_place(bool warmup) {
                        static_cast<int64_t>(host_cap),
                        " (host_capacity_mb; default 85 % of RAM), with the device budget ",
                        static_cast<int64_t>(budget), " full: use more ranks or a smaller model");
+  const auto t_moves = std::chrono::steady_clock::now();
   // Device-bound chunks last: what leaves the device first makes room for what arrives.
   for (const Place want : {Place::Host, Place::Device})
     for (auto [i, p] : plan) {
@@ -791,7 +796,9 @@ void ChunkManager::auto_place(bool warmup) {
     log_info("gemini auto placement (", warmup ? "warm-up" : "after warm-up", "): budget ",
              static_cast<int64_t>(budget), " bytes, non-model ", non_model, ", transient ",
              transient_peak_, "; ", on_device, " chunks on the device, ", on_host, " on the host (",
-             static_cast<int64_t>(host_bytes), " bytes)");
+             static_cast<int64_t>(host_bytes), " bytes); moved in ",
+             std::chrono::duration<double>(std::chrono::steady_clock::now() - t_moves).count(),
+             " s");
 }
 
 // ---- optimizer ----------------------------------------------------------------------------------
