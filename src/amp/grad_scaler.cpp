@@ -75,10 +75,19 @@ std::vector<at::Tensor> defined(const std::vector<at::Tensor>& grads) {
   return out;
 }
 
+bool local_overflow_to_global(bool local, const at::Tensor& like, const GradReducer& r) {
+  if (!r.all_reduce_max) return local;
+  at::Tensor flag = at::full({1}, local ? 1.0f : 0.0f,
+                             at::TensorOptions().dtype(at::kFloat).device(like.device()));
+  r.all_reduce_max(flag);
+  return flag.item<float>() > 0;
+}
+}  // namespace
+
 // Sum of squares of every entry, fp64, as one 0-dim tensor on the first grad's device. Grads
 // may live on several devices (CPU-offloaded shards next to GPU ones): one foreach pass per
 // device, partial sums gathered on the first device.
-at::Tensor local_sum_sq(const std::vector<at::Tensor>& grads) {
+at::Tensor sum_of_squares(const std::vector<at::Tensor>& grads) {
   std::vector<std::pair<at::Device, std::vector<at::Tensor>>> by_device;
   for (const auto& g : grads) {
     auto it = std::find_if(by_device.begin(), by_device.end(),
@@ -100,20 +109,11 @@ at::Tensor local_sum_sq(const std::vector<at::Tensor>& grads) {
   return total;
 }
 
-bool local_overflow_to_global(bool local, const at::Tensor& like, const GradReducer& r) {
-  if (!r.all_reduce_max) return local;
-  at::Tensor flag = at::full({1}, local ? 1.0f : 0.0f,
-                             at::TensorOptions().dtype(at::kFloat).device(like.device()));
-  r.all_reduce_max(flag);
-  return flag.item<float>() > 0;
-}
-}  // namespace
-
 bool grads_overflow(const std::vector<at::Tensor>& grads_in, const GradReducer& r) {
   c10::NoGradGuard no_grad;
   auto grads = defined(grads_in);
   if (grads.empty()) return local_overflow_to_global(false, at::empty({0}), r);
-  double sq = local_sum_sq(grads).item<double>();
+  double sq = sum_of_squares(grads).item<double>();
   return local_overflow_to_global(!std::isfinite(sq), grads[0], r);
 }
 
@@ -121,7 +121,7 @@ double global_grad_norm(const std::vector<at::Tensor>& grads_in, double scale, c
                         const std::vector<at::Tensor>& sums_of_squares) {
   c10::NoGradGuard no_grad;
   auto grads = defined(grads_in);
-  at::Tensor sq = grads.empty() ? at::zeros({}, at::kDouble) : local_sum_sq(grads);
+  at::Tensor sq = grads.empty() ? at::zeros({}, at::kDouble) : sum_of_squares(grads);
   for (const at::Tensor& part : sums_of_squares)
     sq = sq + part.to(sq.device(), at::kDouble).reshape({});
   if (r.all_reduce_sum) {
@@ -138,7 +138,7 @@ ClipResult unscale_and_clip(const std::vector<at::Tensor>& grads_in, double scal
   auto grads = defined(grads_in);
   ClipResult res;
   // One fp64 pass gives both the overflow flag (a non-finite sum) and the norm.
-  at::Tensor sq = grads.empty() ? at::zeros({}, at::kDouble) : local_sum_sq(grads);
+  at::Tensor sq = grads.empty() ? at::zeros({}, at::kDouble) : sum_of_squares(grads);
   double local_sq = sq.item<double>();
   res.overflow = local_overflow_to_global(!std::isfinite(local_sq),
                                           grads.empty() ? at::empty({0}) : grads[0], r);

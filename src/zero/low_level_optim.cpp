@@ -180,9 +180,7 @@ void LowLevelZeroOptimizer::intake(size_t i, const at::Tensor& g) {
     // by the zero-padded slices of add_grad_shard.
     if (!p.grad.defined()) p.grad = new_shard(i);
     // Offload: one pass on the GPU now instead of a CPU pass over the host shard in grad_norm.
-    if (pin_ && g.is_cuda())
-      p.grad_sq =
-          kernels::enabled() ? kernels::sum_squares({g}) : kernels::sum_squares_reference({g});
+    if (pin_ && g.is_cuda()) p.grad_sq = amp::sum_of_squares({g});
     p.grad.narrow(0, 0, g.numel()).copy_(g);
   } else {
     p.grad_sq = at::Tensor();  // a sum of micro-steps: grad_norm reads the shard
@@ -190,7 +188,6 @@ void LowLevelZeroOptimizer::intake(size_t i, const at::Tensor& g) {
       if (!p.grad.defined()) p.grad = new_shard(i);
       p.grad.narrow(0, 0, p.held.numel()).copy_(p.held);
       p.held = at::Tensor();
-      p.grad_sq = at::Tensor();
     }
     if (g.numel() > 0) p.grad.narrow(0, 0, g.numel()).add_(g.to(shard_device_, at::kFloat));
   }
@@ -267,7 +264,7 @@ void LowLevelZeroOptimizer::step(double divisor) {
         p.exp_avg_sq = new_shard(i);
       }
       by_step[p.step].push_back(i);
-      updated.push_back(i);
+      if (!writes_working(i)) updated.push_back(i);  // the others are written by the update
     }
     for (auto& [step, all] : by_step) {
       // One rank: half parameters are updated by the fused AdamW, which reads the held
@@ -286,9 +283,6 @@ void LowLevelZeroOptimizer::step(double divisor) {
         }
         kernels::AdamWStep k{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, step, divisor};
         kernels::fused_adamw(P, G, M, V, W, k);
-        std::erase_if(updated, [&](size_t i) {
-          return std::find(direct.begin(), direct.end(), i) != direct.end();
-        });
       }
       if (idx.empty()) continue;
       std::vector<at::Tensor> P, G, M, V;

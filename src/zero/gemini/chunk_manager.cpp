@@ -534,9 +534,7 @@ void ChunkManager::finish_reduces(size_t keep) {
           oc.grad = oc.host_grad;
           // One pass over the reduced gradient on the device (microseconds per chunk) instead
           // of one over the host copy on the CPU in grad_norm (seconds at 13b).
-          oc.grad_sq = part.is_cuda() && kernels::enabled()
-                           ? kernels::sum_squares({part})
-                           : kernels::sum_squares_reference({part});
+          oc.grad_sq = amp::sum_of_squares({part});
           if (mover_) {
             mover_->copy(oc.grad, part);  // read on the host after finish_reduces(0)
           } else {
