@@ -153,6 +153,13 @@ for phase in "$@"; do
     step "7b gemini 1/0/0 vs zero2"
     ours g7_zero2 -c 7b -p zero2 -b 1 -l 4096 -s 7 -i 2
     ours g7_gemini -c 7b -p gemini -b 1 -l 4096 -s 7 -i 2 ;;
+  gov)
+    # Gemini's CPU Adam beside the next forward vs inside step(), side by side: 1b with every
+    # chunk's optimizer data and weights on the host (all of its Adam runs on the CPU).
+    step "1b gemini 1/1/1: CPU Adam overlapped vs in step()"
+    for ov in false true; do
+      ours "gov_$ov" -c 1b -p gemini --offload_optim_frac 1 --offload_param_frac 1 -b 8 -l 2048 -s 7 -i 2 -g --overlap_cpu_adam $ov
+    done ;;
   g13)
     # The 13b gemini_auto measurement alone (issue 7), with Gemini's chunk traffic from the trace.
     # Time it: at 13b the setup alone takes about 3 minutes (12:56Z run) and the first step,

@@ -50,9 +50,9 @@ void BenchConfig::validate() const {
   const bool gemini = plugin == "gemini" || plugin == "gemini_auto";
   if (!gemini)
     COLOSSAL_CHECK_INPUT(shard_param_frac == 1.0 && offload_optim_frac == 0.0 &&
-                             offload_param_frac == 0.0 && prefetch_num == 0,
+                             offload_param_frac == 0.0 && prefetch_num == 0 && overlap_cpu_adam,
                          "--shard_param_frac/--offload_optim_frac/--offload_param_frac/"
-                         "--prefetch_num apply to -p gemini only, not '",
+                         "--prefetch_num/--overlap_cpu_adam apply to -p gemini only, not '",
                          plugin, "'");
   for (double f : {shard_param_frac, offload_optim_frac, offload_param_frac})
     COLOSSAL_CHECK_INPUT(f >= 0.0 && f <= 1.0, "Gemini placement fractions must be in [0, 1], got ",
@@ -129,6 +129,7 @@ json::Value BenchReport::to_json() const {
     c.set("offload_optim_frac", config.offload_optim_frac);
     c.set("offload_param_frac", config.offload_param_frac);
     c.set("prefetch_num", config.prefetch_num);
+    c.set("overlap_cpu_adam", config.overlap_cpu_adam);
   }
   c.set("flash_attention", config.flash_attention);
   c.set("fused_ce", config.fused_ce);
@@ -247,6 +248,7 @@ BenchReport run_bench(const BenchConfig& c) {
     gemini.offload_optim_frac = c.offload_optim_frac;
     gemini.offload_param_frac = c.offload_param_frac;
     gemini.max_prefetch = c.prefetch_num;
+    gemini.overlap_cpu_adam = c.overlap_cpu_adam;
     gemini.warmup_non_model_data_ratio = c.warmup_ratio;
     plugin = std::make_shared<GeminiPlugin>(gemini);
   } else {

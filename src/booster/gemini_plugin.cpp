@@ -38,6 +38,9 @@ void GeminiPluginOptions::register_options(OptionSet& set) {
            "gemini auto: host memory the host-placed chunks may take, MB (0: 85 % of the RAM)")
       .add("plugin", "max_prefetch", &max_prefetch,
            "gemini: chunks gathered ahead in compute order")
+      .add("plugin", "overlap_cpu_adam", &overlap_cpu_adam,
+           "gemini: the CPU Adam of chunks held on the host runs beside the next forward "
+           "(each chunk waits for its own update before use)")
       .add("plugin", "search_range_m", &search_range_m,
            "gemini: chunk size search range, millions (2^20) of elements")
       .add("plugin", "min_chunk_size_m", &min_chunk_size_m,
@@ -157,6 +160,7 @@ std::shared_ptr<ModelWrapper> GeminiPlugin::configure_model(
   go.device_capacity_mb = options_.device_capacity_mb;
   go.host_capacity_mb = options_.host_capacity_mb;
   go.max_prefetch = options_.max_prefetch;
+  go.overlap_cpu_adam = options_.overlap_cpu_adam;
   go.search.search_range_m = options_.search_range_m;
   go.search.min_chunk_size_m = options_.min_chunk_size_m;
   go.search.hidden_dim = options_.hidden_dim;
@@ -202,11 +206,17 @@ void GeminiOptimizerWrapper::backward(const at::Tensor& loss) {
   manager_->set_in_backward(false);
 }
 
-double GeminiOptimizerWrapper::grad_norm_now() { return manager_->grad_norm(loss_scale()); }
+double GeminiOptimizerWrapper::grad_norm_now() {
+  return manager_->grad_norm(loss_scale());
+}
 
-void GeminiOptimizerWrapper::apply_update(double divisor) { manager_->step(divisor); }
+void GeminiOptimizerWrapper::apply_update(double divisor) {
+  manager_->step(divisor);
+}
 
-void GeminiOptimizerWrapper::drop_grads() { manager_->zero_grad(); }
+void GeminiOptimizerWrapper::drop_grads() {
+  manager_->zero_grad();
+}
 
 bool GeminiOptimizerWrapper::step() {
   if (!OptimizerWrapper::step()) return false;

@@ -69,8 +69,8 @@ int run_bench(int argc, char** argv) {
       .option("ckpt_mode",
               "recompute mode: full (every layer) or attention (selective); implies -g", "")
       .option("max_length", "sequence length", "4096", false, "-l")
-      .option("warmup_ratio", "gemini_auto: share of non-model memory planned for warm-up",
-              "0.8", false, "-w")
+      .option("warmup_ratio", "gemini_auto: share of non-model memory planned for warm-up", "0.8",
+              false, "-w")
       .option("memory_limit", "accepted and unused, as in ColossalAI", "", false, "-m")
       .flag("xformers", "flash attention: SDPA already picks its flash kernel on GPU", "-x")
       .option("precision", "fp32 | bf16 | fp16 (default: bf16 on cuda, fp32 on cpu)", "")
@@ -81,7 +81,8 @@ int run_bench(int argc, char** argv) {
       .option("fused_ce", "loss by chunked fused linear + cross-entropy (true|false)", "true")
       .option("fused_kernels", "fused RMSNorm, rotary, SwiGLU and AdamW kernels (true|false)",
               "true")
-      .option("ckpt_layers", "recompute only the first N decoder layers (with -g/--ckpt_mode)", "-1")
+      .option("ckpt_layers", "recompute only the first N decoder layers (with -g/--ckpt_mode)",
+              "-1")
       .option("attn_backend", "SDPA backend: auto | flash | cudnn | efficient | math", "auto")
       .flag("cuda_graph", "capture forward + backward once, replay it every timed step (cuda)")
       .option("ce_chunk_tokens", "tokens per chunk of the fused cross-entropy", "1024")
@@ -95,12 +96,17 @@ int run_bench(int argc, char** argv) {
       .option("pp_style", "pipeline schedule (only 1f1b)", "1f1b")
       .option("n_chunks", "interleaved chunks (only 1)", "1")
       .option("shard_param_frac", "gemini static: fraction of chunks sharded", "1.0")
-      .option("offload_optim_frac", "gemini static: fraction of optimizer chunks on the host", "0.0")
-      .option("offload_param_frac", "gemini static: fraction of parameter chunks on the host", "0.0")
+      .option("offload_optim_frac", "gemini static: fraction of optimizer chunks on the host",
+              "0.0")
+      .option("offload_param_frac", "gemini static: fraction of parameter chunks on the host",
+              "0.0")
       .option("prefetch_num", "gemini: chunks prefetched ahead of use", "0")
+      .option("overlap_cpu_adam",
+              "gemini: CPU Adam of host chunks beside the next forward (true|false)", "true")
       .flag("custom_ckpt", "3d's custom layer split (not available)")
-      .flag("profile", "record one extra untimed step with the Kineto profiler: kernel table in "
-                       "the report, Chrome trace in --profile_dir")
+      .flag("profile",
+            "record one extra untimed step with the Kineto profiler: kernel table in "
+            "the report, Chrome trace in --profile_dir")
       .option("profile_dir", "--profile: folder of the Chrome traces (rank<r>.json)", "profile")
       .flag("nsys", "nsys ranges (not available)")
       .flag("disable_async_reduce", "Gemini only: accepted, no effect on our plugins")
@@ -151,6 +157,10 @@ int run_bench(int argc, char** argv) {
   c.offload_optim_frac = a.f64("offload_optim_frac");
   c.offload_param_frac = a.f64("offload_param_frac");
   c.prefetch_num = a.i64("prefetch_num");
+  const std::string oca = a.str("overlap_cpu_adam");
+  if (oca != "true" && oca != "false")
+    throw InputError("--overlap_cpu_adam takes true or false, got '" + oca + "'");
+  c.overlap_cpu_adam = oca == "true";
   c.warmup_ratio = a.f64("warmup_ratio");
   c.ce_chunk_tokens = a.i64("ce_chunk_tokens");
   c.precision = a.has("precision") ? a.str("precision") : "";
@@ -160,8 +170,10 @@ int run_bench(int argc, char** argv) {
   // Without an explicit -c, a CPU run benchmarks the tiny preset and says so.
   if (!a.given("config") && c.device == "cpu") {
     c.model = "tiny";
-    colossal::log_warn("colossal bench: no -c given and running on the CPU: using -c tiny (ColossalAI's default 7b "
-                       "needs a GPU)");
+    colossal::log_warn(
+        "colossal bench: no -c given and running on the CPU: using -c tiny (ColossalAI's default "
+        "7b "
+        "needs a GPU)");
   }
   c.validate();
   for (const char* f : {"disable_async_reduce", "no_cache", "overlap_p2p"})

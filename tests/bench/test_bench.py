@@ -143,7 +143,11 @@ def test_flops_match_independent_count_and_recompute_is_exact(tmp_path, hf_confi
     _, gem = bench(args + ["-p", "gemini", "--offload_optim_frac", "0.5", "--prefetch_num", "1"],
                    tmp_path, "gemini.json")
     assert gem["config"]["plugin"] == "gemini" and gem["config"]["offload_optim_frac"] == 0.5
-    for r in (full, attn, logits, one, unfused, math, gem):
+    # Full offload with the host chunks' CPU Adam in step() instead of beside the next forward.
+    _, sync = bench(args + ["-p", "gemini", "--offload_optim_frac", "1", "--offload_param_frac", "1",
+                            "--overlap_cpu_adam", "false"], tmp_path, "gemini_sync.json")
+    assert gem["config"]["overlap_cpu_adam"] is True and sync["config"]["overlap_cpu_adam"] is False
+    for r in (full, attn, logits, one, unfused, math, gem, sync):
         assert abs(r["final_loss"] - plain["final_loss"]) <= 1e-5 * abs(plain["final_loss"])
 
 
@@ -166,6 +170,8 @@ def test_two_ranks_per_gpu_figures(tmp_path, hf_config):
     (["-p", "fsdp"], "not available"),
     (["-p", "gemini", "--offload_optim_frac", "1.5"], "fractions must be in [0, 1]"),
     (["-p", "zero2", "--prefetch_num", "2"], "apply to -p gemini only"),
+    (["-p", "ddp", "--overlap_cpu_adam", "false"], "apply to -p gemini only"),
+    (["-p", "gemini", "--overlap_cpu_adam", "no"], "--overlap_cpu_adam takes true or false"),
     (["-p", "3d"], "not available"),
     (["-p", "bogus"], "not a plugin"),
     (["--tp", "2"], "--tp 2"),

@@ -30,9 +30,10 @@ struct BenchConfig {
   // auto's warm-up share of non-model memory (-w).
   double shard_param_frac = 1.0, offload_optim_frac = 0.0, offload_param_frac = 0.0;
   int64_t prefetch_num = 0;
+  bool overlap_cpu_adam = true;  // gemini: host chunks' CPU Adam beside the next forward
   double warmup_ratio = 0.8;
-  bool flash_attention = false;        // -x: recorded; SDPA picks its flash kernel on GPU by itself
-  bool overlap_allgather = false;      // low_level_zero's background weight all-gather
+  bool flash_attention = false;    // -x: recorded; SDPA picks its flash kernel on GPU by itself
+  bool overlap_allgather = false;  // low_level_zero's background weight all-gather
   bool fused_ce = true;  // loss by CausalLM::forward_loss (no full logits), as colossal train
   int64_t ce_chunk_tokens = 1024;
   int64_t batch = 2;  // per data-parallel rank

@@ -46,6 +46,7 @@ struct GeminiPluginOptions {
   double device_capacity_mb = 0;  // auto: 0 = the GPU's total memory (CPU: the RAM)
   double host_capacity_mb = 0;    // auto: host memory for host-placed chunks (0: 85 % of RAM)
   int64_t max_prefetch = 0;
+  bool overlap_cpu_adam = true;  // host chunks' CPU Adam runs beside the next forward
   double search_range_m = 32;
   double min_chunk_size_m = 32;
   int64_t hidden_dim = 0;
@@ -55,9 +56,9 @@ struct GeminiPluginOptions {
 
   // Registers the Gemini fields under section "plugin" (placement_policy, shard_param_frac,
   // offload_optim_frac, offload_param_frac, warmup_non_model_data_ratio, steady_cuda_cap_ratio,
-  // device_capacity_mb, host_capacity_mb, max_prefetch, search_range_m, min_chunk_size_m,
-  // hidden_dim). Precision, loss scale and communication_dtype are shared with the ddp/zero
-  // options.
+  // device_capacity_mb, host_capacity_mb, max_prefetch, overlap_cpu_adam, search_range_m,
+  // min_chunk_size_m, hidden_dim). Precision, loss scale and communication_dtype are shared with
+  // the ddp/zero options.
   void register_options(OptionSet& set);
 };
 

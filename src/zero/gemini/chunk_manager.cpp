@@ -13,9 +13,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <exception>
 #include <functional>
+#include <limits>
+#include <mutex>
 #include <numeric>
 #include <set>
+#include <thread>
 #include <tuple>
 
 #include "colossal/amp/grad_scaler.h"
@@ -45,7 +50,56 @@ int64_t bytes_of(const at::Tensor& t) {
   return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
 }
 
+// One AdamW call of step(): the shards of one (group, step count, place) as tensor lists.
+struct AdamKey {
+  size_t group;
+  int64_t step;
+  bool host;
+  bool operator<(const AdamKey& o) const {
+    return std::tie(group, step, host) < std::tie(o.group, o.step, o.host);
+  }
+};
+struct AdamLists {
+  std::vector<at::Tensor> P, G, M, V, W;  // masters, gradients, moments, working (cast) out
+};
+
 }  // namespace
+
+// The CPU Adam of the host chunks of one step, on its own thread: chunk by chunk in next-use
+// order, each flag cleared once that chunk's masters, moments and working shard are written.
+struct ChunkManager::HostUpdate {
+  struct Job {
+    size_t chunk;
+    std::vector<std::pair<optim::AdamWHyper, std::pair<int64_t, AdamLists>>> calls;
+  };
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<char> pending;  // per chunk
+  std::exception_ptr error;
+  std::thread thread;
+
+  void run(std::vector<Job> jobs, double divisor) {
+    thread = std::thread([this, jobs = std::move(jobs), divisor]() mutable {
+      c10::NoGradGuard no_grad;
+      try {
+        for (Job& j : jobs) {
+          for (auto& [h, sl] : j.calls) {
+            AdamLists& l = sl.second;
+            optim::cpu_adam_update(l.P, l.G, l.M, l.V, sl.first, h, divisor, l.W);
+          }
+          j.calls.clear();  // the gradient references go with the update
+          std::lock_guard<std::mutex> lk(mu);
+          pending[j.chunk] = 0;
+          cv.notify_all();
+        }
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(mu);
+        error = std::current_exception();
+        cv.notify_all();
+      }
+    });
+  }
+};
 
 // ---- chunk size search ----------------------------------------------------------------------
 
@@ -340,6 +394,11 @@ ChunkManager::ChunkManager(torch::nn::Module& model, dist::Communicator comm, Ge
 ChunkManager::~ChunkManager() {
   alive_.reset();
   try {
+    finish_updates();
+  } catch (const std::exception& e) {
+    log_error("gemini: the CPU Adam of the host chunks failed at shutdown: ", e.what());
+  }
+  try {
     finish_reduces(0);
   } catch (const std::exception& e) {
     log_error("gemini: in-flight gradient reduction failed at shutdown: ", e.what());
@@ -369,7 +428,33 @@ at::Tensor ChunkManager::new_f32(const Chunk& c, Place p) const {
                    at::TensorOptions().dtype(at::kFloat).device(place_device(c, p)));
 }
 
+void ChunkManager::finish_updates() {
+  if (!host_update_) return;
+  std::unique_ptr<HostUpdate> hu = std::move(host_update_);
+  hu->thread.join();
+  if (hu->error) std::rethrow_exception(hu->error);
+}
+
+bool ChunkManager::update_pending(size_t c) const {
+  if (!host_update_) return false;
+  std::lock_guard<std::mutex> lk(host_update_->mu);
+  return host_update_->pending[c] != 0 && !host_update_->error;
+}
+
+void ChunkManager::wait_update(size_t c) {
+  if (!host_update_) return;
+  HostUpdate& hu = *host_update_;
+  bool failed = false;
+  {
+    std::unique_lock<std::mutex> lk(hu.mu);
+    hu.cv.wait(lk, [&] { return hu.pending[c] == 0 || hu.error; });
+    failed = hu.error != nullptr;
+  }
+  if (failed) finish_updates();  // joins and rethrows the update's error
+}
+
 void ChunkManager::move_optim(size_t ci, Place to) {
+  finish_updates();
   OptimChunk& oc = optim_[ci];
   if (oc.place == to) return;
   oc.place = to;
@@ -401,7 +486,9 @@ void ChunkManager::prefetch_after(int c) {
   for (int64_t i = 1; i <= options_.max_prefetch; ++i) {
     const int64_t q = pos + dir * i;
     if (q < 0 || q >= static_cast<int64_t>(order_.size())) break;
-    chunks_[static_cast<size_t>(order_[static_cast<size_t>(q)])]->start_gather();
+    const auto next = static_cast<size_t>(order_[static_cast<size_t>(q)]);
+    if (update_pending(next)) continue;  // gathered at its access, once its update is written
+    chunks_[next]->start_gather();
   }
 }
 
@@ -411,6 +498,7 @@ void ChunkManager::pre_forward(const std::vector<std::pair<int, size_t>>& tensor
     Chunk& ch = *chunks_[static_cast<size_t>(c)];
     if (c != last) {
       record_access(c);
+      wait_update(static_cast<size_t>(c));
       ch.access();
       last = c;
     }
@@ -513,6 +601,7 @@ void ChunkManager::finish_reduces(size_t keep) {
   while (in_flight_.size() - done > keep) {
     InFlight& f = in_flight_[done++];
     f.r.work.wait();
+    wait_update(static_cast<size_t>(f.chunk));  // its CPU Adam may still read the host gradient
     OptimChunk& oc = optim_[static_cast<size_t>(f.chunk)];
     if (oc.master.defined()) {
       c10::NoGradGuard no_grad;
@@ -609,6 +698,7 @@ void ChunkManager::finish_backward() {
 }
 
 void ChunkManager::gather_all() {
+  finish_updates();
   for (auto& c : chunks_) c->start_gather();
   for (size_t i = 0; i < chunks_.size(); ++i) {
     if (chunks_[i]->releasable() && !chunks_[i]->gathered()) external_[i] = 1;
@@ -860,6 +950,7 @@ double ChunkManager::grad_norm(double scale) {
 
 void ChunkManager::step(double divisor) {
   COLOSSAL_CHECK(inner_, "gemini: step() without an optimizer");
+  finish_updates();
   finish_reduces(0);
   release_all(true);  // gathered copies would be stale after the update
   if (options_.placement_policy == "auto" && !warmed_up_) {
@@ -869,18 +960,11 @@ void ChunkManager::step(double divisor) {
   order_frozen_ = true;
   c10::NoGradGuard no_grad;
   auto& groups = inner_->param_groups();
-  struct Key {
-    size_t group;
-    int64_t step;
-    bool host;
-    bool operator<(const Key& o) const {
-      return std::tie(group, step, host) < std::tie(o.group, o.step, o.host);
-    }
-  };
-  struct Lists {
-    std::vector<at::Tensor> P, G, M, V, W;
-  };
-  std::map<Key, Lists> work;
+  std::map<AdamKey, AdamLists> work;
+  // Chunks whose update may run beside the next forward: optimizer data and parameter shard on
+  // the host, the shard released between steps (so nothing reads it except through an access,
+  // which waits). Keyed by chunk.
+  std::map<size_t, std::map<AdamKey, AdamLists>> deferred;
   std::vector<std::pair<at::Tensor, at::Tensor>>
       copies;  // (dst working shard, src) after the update
   for (size_t i = 0; i < chunks_.size(); ++i) {
@@ -895,6 +979,7 @@ void ChunkManager::step(double divisor) {
       oc.exp_avg_sq = new_f32(*chunks_[i], oc.place);
     }
     const bool host = oc.place == Place::Host;
+    bool defer = false;
     // Where the CPU Adam writes the cast weights: straight into a host parameter shard, else a
     // host staging buffer copied to the device shard afterwards.
     at::Tensor out;
@@ -903,6 +988,7 @@ void ChunkManager::step(double divisor) {
       if (!param_on_host) h2d_bytes_ += c.shard_bytes();  // the updated weights go up
       if (c.shard().device().is_cpu()) {
         out = c.shard();
+        defer = options_.overlap_cpu_adam && c.releasable() && !c.gathered();
       } else {
         if (!oc.host_working.defined()) {
           oc.host_working = pin_
@@ -926,7 +1012,8 @@ void ChunkManager::step(double divisor) {
       auto [a, b] = own_range(c, c.tensors()[k]);
       if (a >= b) continue;
       const int64_t s = a - c.shard_begin(), n = b - a;
-      Lists& l = work[{static_cast<size_t>(ti.group), ti.step, host}];
+      const AdamKey key{static_cast<size_t>(ti.group), ti.step, host};
+      AdamLists& l = defer ? deferred[i][key] : work[key];
       l.P.push_back(oc.master.narrow(0, s, n));
       l.G.push_back(oc.grad.narrow(0, s, n));
       l.M.push_back(oc.exp_avg.narrow(0, s, n));
@@ -934,20 +1021,45 @@ void ChunkManager::step(double divisor) {
       l.W.push_back(out.defined() ? out.narrow(0, s, n) : c.shard().narrow(0, s, n));
     }
   }
+  auto hyper = [&](size_t group) {
+    const optim::GroupOptions& g = groups[group].options;
+    return optim::AdamWHyper{g.lr, g.beta1, g.beta2, g.eps, g.weight_decay};
+  };
+  // Device chunks first (the fused kernels are queued and run while the host works).
   for (auto& [key, l] : work) {
-    const optim::GroupOptions& g = groups[key.group].options;
-    optim::AdamWHyper h{g.lr, g.beta1, g.beta2, g.eps, g.weight_decay};
-    if (key.host) {
-      optim::cpu_adam_update(l.P, l.G, l.M, l.V, key.step, h, divisor, l.W);
-    } else {
-      // One multi-tensor pass: master update and the cast into the working shard.
-      kernels::AdamWStep k{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, key.step, divisor};
-      kernels::fused_adamw(l.P, l.G, l.M, l.V, l.W, k);
-    }
+    if (key.host) continue;
+    const optim::AdamWHyper h = hyper(key.group);
+    // One multi-tensor pass: master update and the cast into the working shard.
+    kernels::AdamWStep k{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, key.step, divisor};
+    kernels::fused_adamw(l.P, l.G, l.M, l.V, l.W, k);
   }
+  for (auto& [key, l] : work)
+    if (key.host)
+      optim::cpu_adam_update(l.P, l.G, l.M, l.V, key.step, hyper(key.group), divisor, l.W);
   // Up (pinned host -> device) without a host wait: later device work is stream-ordered after
   // it. Down (device -> host) blocking: the host shard may be read by the CPU (a checkpoint).
   for (auto& [dst, src] : copies) dst.copy_(src, /*non_blocking=*/pin_ && src.is_cpu());
+  deferred_updates_ = static_cast<int64_t>(deferred.size());
+  if (!deferred.empty()) {
+    // In the order the next forward meets them (chunks never accessed last).
+    std::vector<size_t> ids;
+    for (auto& [i, lists] : deferred) ids.push_back(i);
+    auto pos = [&](size_t i) {
+      return order_pos_[i] < 0 ? std::numeric_limits<int>::max() : order_pos_[i];
+    };
+    std::stable_sort(ids.begin(), ids.end(), [&](size_t a, size_t b) { return pos(a) < pos(b); });
+    std::vector<HostUpdate::Job> jobs;
+    for (size_t i : ids) {
+      HostUpdate::Job j{i, {}};
+      for (auto& [key, l] : deferred[i])
+        j.calls.push_back({hyper(key.group), {key.step, std::move(l)}});
+      jobs.push_back(std::move(j));
+    }
+    host_update_ = std::make_unique<HostUpdate>();
+    host_update_->pending.assign(chunks_.size(), 0);
+    for (size_t i : ids) host_update_->pending[i] = 1;
+    host_update_->run(std::move(jobs), divisor);
+  }
   zero_grad();
   update_peak();
 }
@@ -974,6 +1086,7 @@ at::Tensor ChunkManager::gather_f32(size_t i, const at::Tensor& shard) {
 
 optim::StateDict ChunkManager::state_dict() {
   COLOSSAL_CHECK(inner_, "gemini: state_dict() without an optimizer");
+  finish_updates();
   optim::StateDict out = inner_->state_dict();  // groups and hyper-parameters; no state of its own
   out.tensors.clear();
   json::Value steps = json::Value::object();
@@ -1009,6 +1122,7 @@ optim::StateDict ChunkManager::state_dict() {
 
 void ChunkManager::load_state_dict(const optim::StateDict& sd) {
   COLOSSAL_CHECK(inner_, "gemini: load_state_dict() without an optimizer");
+  finish_updates();
   release_all(true);  // parameters written from outside (a model load) reach the shards first
   c10::NoGradGuard no_grad;
   const json::Value& s = sd.scalars;
@@ -1066,6 +1180,7 @@ void ChunkManager::load_state_dict(const optim::StateDict& sd) {
 }
 
 void ChunkManager::sync_masters_from_params() {
+  finish_updates();
   release_all(true);
   c10::NoGradGuard no_grad;
   for (size_t i = 0; i < chunks_.size(); ++i)

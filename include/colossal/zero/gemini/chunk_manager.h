@@ -14,7 +14,12 @@
 //                                    micro-step adds to it), the chunk is released
 //   end of backward               -> chunks not complete are reduced (ranks agree which, by a
 //                                    MAX all-reduce of one byte per parameter), all released
-//   step                          -> AdamW on the shards, working shard = master cast down
+//   step                          -> AdamW on the shards, working shard = master cast down;
+//                                    chunks whose optimizer data and parameter shard are both
+//                                    on the host (released between steps) are updated by the
+//                                    CPU Adam on a background thread in next-use order while the
+//                                    next forward runs: accessing such a chunk (or its next
+//                                    gradient) first waits for its own update (overlap_cpu_adam)
 // With activation checkpointing (layers recomputed in backward) the decoder layers' forwards
 // run under no_grad, so their chunks are released right after forward and gathered again by
 // the recompute: the full weights of a layer then live only while it computes.
@@ -79,6 +84,10 @@ struct GeminiOptions {
   // host cannot hold go to the device even in warm-up; a plan that fits neither is an error.
   double host_capacity_mb = 0;
   int64_t max_prefetch = 0;  // chunks gathered ahead in the recorded compute order
+  // Host chunks (optimizer data and parameter shard on the host) take their CPU Adam on a
+  // background thread beside the next forward instead of inside step(); the arithmetic is the
+  // same. Off: step() returns with every chunk updated.
+  bool overlap_cpu_adam = true;
   ChunkSearchOptions search;
   // Gradients are reduced in this dtype (unset: the chunk's dtype).
   c10::optional<at::ScalarType> communication_dtype;
@@ -146,8 +155,14 @@ class ChunkManager {
   MemoryReport memory_report(bool device_stats = true) const;
   int64_t device_bytes() const;  // model data on the device now
   bool warmed_up() const { return warmed_up_; }
+  // Chunks whose CPU Adam the last step() left running beside the next forward.
+  int64_t deferred_updates() const { return deferred_updates_; }
+  // Waits for every deferred host update (rethrows its error); step(), checkpoints and
+  // gather_all() call it themselves.
+  void finish_updates();
 
  private:
+  struct HostUpdate;  // the deferred CPU Adam of the last step: its thread and per-chunk flags
   struct OptimChunk {
     Place place = Place::Device;
     at::Tensor master, exp_avg, exp_avg_sq;  // fp32, shard_size
@@ -170,6 +185,8 @@ class ChunkManager {
   at::Device place_device(const Chunk& c, Place p) const;
   at::Tensor new_f32(const Chunk& chunk, Place p) const;
   void record_access(int chunk);
+  void wait_update(size_t chunk);           // that chunk's deferred update has been written
+  bool update_pending(size_t chunk) const;  // without waiting
   void prefetch_after(int chunk);
   void reduce_chunk(int chunk);
   void finish_reduces(size_t keep);  // completes in-flight reductions until `keep` remain
@@ -210,6 +227,8 @@ class ChunkManager {
   int64_t transient_peak_ = 0;
   int64_t h2d_bytes_ = 0, d2h_bytes_ = 0;  // optimizer-side moves (chunks count their own)  //
                                            // gathered + gradient buffers, highest seen
+  std::unique_ptr<HostUpdate> host_update_;
+  int64_t deferred_updates_ = 0;
   std::shared_ptr<bool> alive_;
 };
 
