@@ -15,8 +15,8 @@
 #ifdef COLOSSAL_TORCH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
-#include <ATen/cuda/CUDAGraph.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -445,7 +445,13 @@ void CudaGraph::replay() {
 #endif
 }
 
-bool CudaGraph::captured() const { return impl_->captured; }
+bool CudaGraph::captured() const {
+  return impl_->captured;
+}
+
+at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype, bool pinned) {
+  return pinned ? empty_pinned(sizes, dtype) : at::empty(sizes, at::TensorOptions().dtype(dtype));
+}
 
 at::Tensor empty_pinned(at::IntArrayRef sizes, at::ScalarType dtype) {
   const auto opts = at::TensorOptions().dtype(dtype);

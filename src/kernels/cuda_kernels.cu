@@ -98,18 +98,33 @@ bool aligned(const void* p, int bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
-// Sum over the block; every thread gets the total. `red` is 32 floats of shared memory.
+// Sums of N values over the block at once (one pair of barriers for all of them); every thread
+// gets the totals. `red` is 32 * N floats of shared memory.
+template <int BLOCK, int N>
+__device__ void block_sums(float (&v)[N], float* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+    for (int j = 0; j < N; ++j) v[j] += __shfl_xor_sync(0xffffffffu, v[j], o);
+  __syncthreads();  // red may still be read by a previous call
+  if (threadIdx.x % 32 == 0)
+#pragma unroll
+    for (int j = 0; j < N; ++j) red[32 * j + threadIdx.x / 32] = v[j];
+  __syncthreads();
+  const bool in = threadIdx.x % 32 < BLOCK / 32;
+#pragma unroll
+  for (int j = 0; j < N; ++j) v[j] = in ? red[32 * j + threadIdx.x % 32] : 0.f;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+    for (int j = 0; j < N; ++j) v[j] += __shfl_xor_sync(0xffffffffu, v[j], o);
+}
+
 template <int BLOCK>
 __device__ float block_sum(float v, float* red) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  __syncthreads();  // red may still be read by a previous call
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
-  __syncthreads();
-  float t = threadIdx.x % 32 < BLOCK / 32 ? red[threadIdx.x % 32] : 0.f;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-  return t;
+  float a[1] = {v};
+  block_sums<BLOCK, 1>(a, red);
+  return a[0];
 }
 
 template <typename F>
@@ -173,30 +188,6 @@ __global__ void __launch_bounds__(kRmsBlock)
       for (int i = 0; i < VEC; ++i) out[i] = __fmul_rn(wv[i], rnd<T>(__fmul_rn(xv[c][i], r)));
       store<T, VEC>(yr + col, out);
     }
-  }
-}
-
-// Sums of two values over the block at once (one pair of barriers for both); `red` is 64 floats.
-template <int BLOCK>
-__device__ void block_sum2(float& a, float& b, float* red) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    a += __shfl_xor_sync(0xffffffffu, a, o);
-    b += __shfl_xor_sync(0xffffffffu, b, o);
-  }
-  __syncthreads();  // red may still be read by a previous call
-  if (threadIdx.x % 32 == 0) {
-    red[threadIdx.x / 32] = a;
-    red[32 + threadIdx.x / 32] = b;
-  }
-  __syncthreads();
-  const bool in = threadIdx.x % 32 < BLOCK / 32;
-  a = in ? red[threadIdx.x % 32] : 0.f;
-  b = in ? red[32 + threadIdx.x % 32] : 0.f;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    a += __shfl_xor_sync(0xffffffffu, a, o);
-    b += __shfl_xor_sync(0xffffffffu, b, o);
   }
 }
 
@@ -270,11 +261,7 @@ __global__ void __launch_bounds__(kRmsBlock)
           }
         }
       }
-    if constexpr (R == 2) {
-      block_sum2<kRmsBlock>(dot[0], dot[R - 1], red);
-    } else {
-      dot[0] = block_sum<kRmsBlock>(dot[0], red);
-    }
+    block_sums<kRmsBlock, R>(dot, red);  // both rows' sums behind one pair of barriers
     float mean[R];
 #pragma unroll
     for (int j = 0; j < R; ++j) mean[j] = dot[j] * inv_h;
@@ -787,7 +774,9 @@ void rotary(const void* x, const void* cos, const void* sin, void* y, const Rota
 }
 
 namespace {
-int64_t dtype_size(DType dt) { return dt == DType::F32 ? 4 : 2; }
+int64_t dtype_size(DType dt) {
+  return dt == DType::F32 ? 4 : 2;
+}
 
 // cols: row length of y; packed: gate/up rows are 2*cols apart (one [rows, 2*cols] tensor).
 void swiglu_fwd_launch(const void* gate, const void* up, void* y, int64_t n, int64_t cols,
@@ -796,8 +785,8 @@ void swiglu_fwd_launch(const void* gate, const void* up, void* y, int64_t n, int
   dispatch(dt, [&](auto tag) {
     using T = decltype(tag);
     constexpr int V = vec_of<T>();
-    const bool al = n % V == 0 && cols % V == 0 && aligned(gate, 16) && aligned(up, 16) &&
-                    aligned(y, 16);
+    const bool al =
+        n % V == 0 && cols % V == 0 && aligned(gate, 16) && aligned(up, 16) && aligned(y, 16);
     const int grid = grid_for(al ? n / V : n, 256);
     auto go = [&](auto kernel) {
       kernel<<<grid, 256, 0, stream>>>(static_cast<const T*>(gate), static_cast<const T*>(up),
@@ -917,7 +906,8 @@ void sum_squares(const void* const* tensors, const int64_t* numels, int count, D
     }
     batch.block_start[batch.count] = blocks;
     if (blocks == 0) continue;
-    if (blocks > int64_t(0x7fffffff)) throw std::runtime_error("colossal kernels: sum_squares too large");
+    if (blocks > int64_t(0x7fffffff))
+      throw std::runtime_error("colossal kernels: sum_squares too large");
     dispatch(dt, [&](auto tag) {
       using T = decltype(tag);
       sq_sum_kernel<T><<<unsigned(blocks), kSqBlock, 0, stream>>>(batch, partials);

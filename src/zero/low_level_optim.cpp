@@ -297,9 +297,7 @@ void LowLevelZeroOptimizer::step(double divisor) {
         for (size_t i : idx) {
           Param& p = params_[i];
           if (!p.working.defined()) {
-            p.working = pin_ ? empty_pinned({shard_numel(i)}, p.param.scalar_type())
-                             : at::empty({shard_numel(i)},
-                                         at::TensorOptions().dtype(p.param.scalar_type()));
+            p.working = host_empty({shard_numel(i)}, p.param.scalar_type(), pin_);
           }
           W.push_back(p.working);
         }

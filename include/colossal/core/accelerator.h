@@ -103,6 +103,8 @@ class CudaGraph {
 // PyTorch's pinned allocator rounds every request up to a power of two and keeps freed blocks,
 // so a 671 MB Gemini chunk shard takes 1 GiB: 1.6x the planned host memory.
 at::Tensor empty_pinned(at::IntArrayRef sizes, at::ScalarType dtype);
+// Uninitialised host memory: empty_pinned when `pinned`, else ordinary (pageable) memory.
+at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype, bool pinned);
 // A copy of `t` (any device) in new exact-size pinned memory, t's shape and dtype, contiguous.
 at::Tensor to_pinned(const at::Tensor& t);
 

@@ -990,11 +990,8 @@ void ChunkManager::step(double divisor) {
         out = c.shard();
         defer = options_.overlap_cpu_adam && c.releasable() && !c.gathered();
       } else {
-        if (!oc.host_working.defined()) {
-          oc.host_working = pin_
-                                ? empty_pinned({c.shard_size()}, c.dtype())
-                                : at::empty({c.shard_size()}, at::TensorOptions().dtype(c.dtype()));
-        }
+        if (!oc.host_working.defined())
+          oc.host_working = host_empty({c.shard_size()}, c.dtype(), pin_);
         out = oc.host_working;
         copies.emplace_back(c.shard(), out);
       }
