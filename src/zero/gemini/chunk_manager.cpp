@@ -68,9 +68,14 @@ struct AdamLists {
 // The CPU Adam of the host chunks of one step, on its own thread: chunk by chunk in next-use
 // order, each flag cleared once that chunk's masters, moments and working shard are written.
 struct ChunkManager::HostUpdate {
+  struct Call {
+    optim::AdamWHyper hyper;
+    int64_t step;
+    AdamLists lists;
+  };
   struct Job {
     size_t chunk;
-    std::vector<std::pair<optim::AdamWHyper, std::pair<int64_t, AdamLists>>> calls;
+    std::vector<Call> calls;
   };
   std::mutex mu;
   std::condition_variable cv;
@@ -83,9 +88,9 @@ struct ChunkManager::HostUpdate {
       c10::NoGradGuard no_grad;
       try {
         for (Job& j : jobs) {
-          for (auto& [h, sl] : j.calls) {
-            AdamLists& l = sl.second;
-            optim::cpu_adam_update(l.P, l.G, l.M, l.V, sl.first, h, divisor, l.W);
+          for (Call& c : j.calls) {
+            AdamLists& l = c.lists;
+            optim::cpu_adam_update(l.P, l.G, l.M, l.V, c.step, c.hyper, divisor, l.W);
           }
           j.calls.clear();  // the gradient references go with the update
           std::lock_guard<std::mutex> lk(mu);
@@ -1049,7 +1054,7 @@ void ChunkManager::step(double divisor) {
     for (size_t i : ids) {
       HostUpdate::Job j{i, {}};
       for (auto& [key, l] : deferred[i])
-        j.calls.push_back({hyper(key.group), {key.step, std::move(l)}});
+        j.calls.push_back({hyper(key.group), key.step, std::move(l)});
       jobs.push_back(std::move(j));
     }
     host_update_ = std::make_unique<HostUpdate>();
