@@ -172,8 +172,7 @@ int run_bench(int argc, char** argv) {
     c.model = "tiny";
     colossal::log_warn(
         "colossal bench: no -c given and running on the CPU: using -c tiny (ColossalAI's default "
-        "7b "
-        "needs a GPU)");
+        "7b needs a GPU)");
   }
   c.validate();
   for (const char* f : {"disable_async_reduce", "no_cache", "overlap_p2p"})

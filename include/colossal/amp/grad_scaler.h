@@ -53,13 +53,13 @@ class DynamicGradScaler {
 // True when any gradient holds inf or NaN on any rank (MAX all-reduce of a local flag).
 bool grads_overflow(const std::vector<at::Tensor>& grads, const GradReducer& reducer = {});
 
-// The global L2 norm of grads / scale: squares summed in fp64 on every rank, SUM all-reduced,
-// then sqrt / scale. Not finite when some gradient is.
 // Sum of squares of every entry of non-empty `grads` (fp64, one 0-dim tensor on the first
 // grad's device); one pass per device: the fused kernel on CUDA (when enabled), else ATen's fp64
 // foreach norm.
 at::Tensor sum_of_squares(const std::vector<at::Tensor>& grads);
 
+// The global L2 norm of grads / scale: squares summed in fp64 on every rank, SUM all-reduced,
+// then sqrt / scale. Not finite when some gradient is.
 // `sums_of_squares`: fp64 scalars (any device) of gradients already squared and summed
 // elsewhere (Gemini sums a chunk's gradient on the GPU before copying it to the host), added to
 // this rank's sum before the all-reduce.

@@ -50,13 +50,12 @@ int64_t bytes_of(const at::Tensor& t) {
   return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
 }
 
-// One AdamW call of step(): the shards of one (group, step count, place) as tensor lists.
+// One AdamW call of step(): the shards of one (group, step count) as tensor lists.
 struct AdamKey {
   size_t group;
   int64_t step;
-  bool host;
   bool operator<(const AdamKey& o) const {
-    return std::tie(group, step, host) < std::tie(o.group, o.step, o.host);
+    return std::tie(group, step) < std::tie(o.group, o.step);
   }
 };
 struct AdamLists {
@@ -965,7 +964,7 @@ void ChunkManager::step(double divisor) {
   order_frozen_ = true;
   c10::NoGradGuard no_grad;
   auto& groups = inner_->param_groups();
-  std::map<AdamKey, AdamLists> work;
+  std::map<AdamKey, AdamLists> on_device, on_host;  // updated here
   // Chunks whose update may run beside the next forward: optimizer data and parameter shard on
   // the host, the shard released between steps (so nothing reads it except through an access,
   // which waits). Keyed by chunk.
@@ -1014,8 +1013,8 @@ void ChunkManager::step(double divisor) {
       auto [a, b] = own_range(c, c.tensors()[k]);
       if (a >= b) continue;
       const int64_t s = a - c.shard_begin(), n = b - a;
-      const AdamKey key{static_cast<size_t>(ti.group), ti.step, host};
-      AdamLists& l = defer ? deferred[i][key] : work[key];
+      const AdamKey key{static_cast<size_t>(ti.group), ti.step};
+      AdamLists& l = defer ? deferred[i][key] : host ? on_host[key] : on_device[key];
       l.P.push_back(oc.master.narrow(0, s, n));
       l.G.push_back(oc.grad.narrow(0, s, n));
       l.M.push_back(oc.exp_avg.narrow(0, s, n));
@@ -1028,16 +1027,14 @@ void ChunkManager::step(double divisor) {
     return optim::AdamWHyper{g.lr, g.beta1, g.beta2, g.eps, g.weight_decay};
   };
   // Device chunks first (the fused kernels are queued and run while the host works).
-  for (auto& [key, l] : work) {
-    if (key.host) continue;
+  for (auto& [key, l] : on_device) {
     const optim::AdamWHyper h = hyper(key.group);
     // One multi-tensor pass: master update and the cast into the working shard.
     kernels::AdamWStep k{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, key.step, divisor};
     kernels::fused_adamw(l.P, l.G, l.M, l.V, l.W, k);
   }
-  for (auto& [key, l] : work)
-    if (key.host)
-      optim::cpu_adam_update(l.P, l.G, l.M, l.V, key.step, hyper(key.group), divisor, l.W);
+  for (auto& [key, l] : on_host)
+    optim::cpu_adam_update(l.P, l.G, l.M, l.V, key.step, hyper(key.group), divisor, l.W);
   // Up (pinned host -> device) without a host wait: later device work is stream-ordered after
   // it. Down (device -> host) blocking: the host shard may be read by the CPU (a checkpoint).
   for (auto& [dst, src] : copies) dst.copy_(src, /*non_blocking=*/pin_ && src.is_cpu());
