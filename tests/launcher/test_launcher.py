@@ -337,6 +337,10 @@ ALLREDUCE = textwrap.dedent("""
         r, w, os.environ["LOCAL_RANK"], os.environ["GROUP_RANK"], t.item(),
         os.environ.get("LAUNCHER_TEST_VAR")), flush=True)
     dist.destroy_process_group()
+    # Skip the Gloo teardown at interpreter exit, which now and then aborts in PyTorch (see
+    # REFERENCE in tests/booster/test_train.py); this test is about the launcher, not that.
+    sys.stderr.flush()
+    os._exit(0)
 """)
 
 
