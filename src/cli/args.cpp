@@ -139,6 +139,11 @@ double Args::f64(const std::string& name) const {
   return x;
 }
 
-bool Args::on(const std::string& name) const { return str(name) == "true"; }
+bool Args::on(const std::string& name) const {
+  const std::string v = str(name);
+  if (v != "true" && v != "false")
+    throw InputError(colossal::str("option --", norm(name), " takes true or false, got '", v, "'"));
+  return v == "true";
+}
 
 }  // namespace colossal::cli

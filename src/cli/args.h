@@ -31,6 +31,7 @@ class Args {
   std::string str(const std::string& name) const;
   int64_t i64(const std::string& name) const;
   double f64(const std::string& name) const;
+  // A flag, or an option whose value is true or false (anything else is an InputError).
   bool on(const std::string& name) const;
   const std::vector<std::string>& rest_args() const { return rest_values_; }
   std::string usage() const;

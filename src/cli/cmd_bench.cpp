@@ -137,14 +137,8 @@ int run_bench(int argc, char** argv) {
     throw InputError("--ckpt_mode must be full or attention (leave out -g for none)");
   c.flash_attention = a.on("xformers");
   c.overlap_allgather = a.on("overlap_allgather");
-  const std::string fused = a.str("fused_ce");
-  if (fused != "true" && fused != "false")
-    throw InputError("--fused_ce takes true or false, got '" + fused + "'");
-  c.fused_ce = fused == "true";
-  const std::string fk = a.str("fused_kernels");
-  if (fk != "true" && fk != "false")
-    throw InputError("--fused_kernels takes true or false, got '" + fk + "'");
-  c.fused_kernels = fk == "true";
+  c.fused_ce = a.on("fused_ce");
+  c.fused_kernels = a.on("fused_kernels");
   c.ckpt_layers = a.i64("ckpt_layers");
   if (a.given("ckpt_layers") && c.checkpointing == "none")
     throw InputError("--ckpt_layers needs -g or --ckpt_mode (it says how many layers recompute)");
@@ -157,10 +151,7 @@ int run_bench(int argc, char** argv) {
   c.offload_optim_frac = a.f64("offload_optim_frac");
   c.offload_param_frac = a.f64("offload_param_frac");
   c.prefetch_num = a.i64("prefetch_num");
-  const std::string oca = a.str("overlap_cpu_adam");
-  if (oca != "true" && oca != "false")
-    throw InputError("--overlap_cpu_adam takes true or false, got '" + oca + "'");
-  c.overlap_cpu_adam = oca == "true";
+  c.overlap_cpu_adam = a.on("overlap_cpu_adam");
   c.warmup_ratio = a.f64("warmup_ratio");
   c.ce_chunk_tokens = a.i64("ce_chunk_tokens");
   c.precision = a.has("precision") ? a.str("precision") : "";
