@@ -22,9 +22,9 @@
 #include "colossal/core/profiler.h"
 #include "colossal/dist/runtime.h"
 #include "colossal/kernels/fused.h"
-#include "colossal/nn/causal_lm.h"
+#include "colossal/models/llama/model.h"
 #include "colossal/nn/checkpointing.h"
-#include "colossal/nn/config.h"
+#include "colossal/models/llama/config.h"
 #include "colossal/nn/init.h"
 #include "colossal/optim/adamw.h"
 
@@ -262,12 +262,12 @@ BenchReport run_bench(const BenchConfig& c) {
   }
 
   // Model: built on meta, materialised on the device (values by name, as `colossal train`).
-  nn::ModelConfig cfg = ::access(c.model.c_str(), F_OK) == 0 ? nn::ModelConfig::from_file(c.model)
-                                                             : nn::ModelConfig::preset(c.model);
+  models::ModelConfig cfg = ::access(c.model.c_str(), F_OK) == 0 ? models::ModelConfig::from_file(c.model)
+                                                             : models::ModelConfig::preset(c.model);
   COLOSSAL_CHECK_INPUT(c.seq_len <= cfg.max_position_embeddings, "-l ", c.seq_len,
                        " exceeds the model's max_position_embeddings ",
                        cfg.max_position_embeddings);
-  auto model = std::make_shared<nn::CausalLM>(cfg, at::TensorOptions().device(at::kMeta));
+  auto model = std::make_shared<models::CausalLM>(cfg, at::TensorOptions().device(at::kMeta));
   nn::InitOptions io;
   io.seed = static_cast<uint64_t>(c.seed);
   io.std = cfg.initializer_range;
@@ -321,7 +321,7 @@ BenchReport run_bench(const BenchConfig& c) {
   }
   auto forward_backward = [&](const at::Tensor& ids, const at::Tensor& targets) {
     at::Tensor loss = c.fused_ce ? model->forward_loss(ids, targets, c.ce_chunk_tokens)
-                                 : nn::causal_lm_loss(model->forward(ids), ids);
+                                 : models::causal_lm_loss(model->forward(ids), ids);
     booster.backward(loss, opt);
     return loss;
   };

@@ -12,7 +12,7 @@
 #include "colossal/checkpoint/safetensors.h"
 #include "colossal/core/logging.h"
 #include "colossal/dist/runtime.h"
-#include "colossal/nn/causal_lm.h"
+#include "colossal/models/llama/model.h"
 #include "colossal/optim/lr_scheduler.h"
 #include "colossal/optim/optimizer.h"
 
@@ -87,7 +87,7 @@ void Booster::save_model(ModelWrapper& model, const std::string& dir, bool shard
     checkpoint::SaveOptions so;
     so.shard = shard;
     so.size_per_shard_mb = size_per_shard;
-    if (auto lm = std::dynamic_pointer_cast<nn::CausalLM>(model.module_ptr())) {
+    if (auto lm = std::dynamic_pointer_cast<models::CausalLM>(model.module_ptr())) {
       checkpoint::save_pretrained(*lm, dir, so);
     } else {
       checkpoint::save_state_dict(dir, checkpoint::module_state(model.module()), so);

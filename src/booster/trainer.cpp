@@ -21,8 +21,8 @@
 #include "colossal/data/sampler.h"
 #include "colossal/data/token_file.h"
 #include "colossal/dist/runtime.h"
-#include "colossal/nn/causal_lm.h"
-#include "colossal/nn/config.h"
+#include "colossal/models/llama/model.h"
+#include "colossal/models/llama/config.h"
 #include "colossal/nn/init.h"
 #include "colossal/optim/adamw.h"
 #include "colossal/optim/lr_scheduler.h"
@@ -188,19 +188,19 @@ TrainResult train(const TrainConfig& c, const json::Value& config_json) {
   }
 
   // Model: an HF folder, or a preset / config.json initialised by name (same weights for any layout).
-  std::shared_ptr<nn::CausalLM> model;
+  std::shared_ptr<models::CausalLM> model;
   if (!c.init.empty()) {
     model = checkpoint::load_pretrained(c.init);
     log_info("model from ", c.init);
   } else {
-    nn::ModelConfig cfg = fs::exists(c.model) ? nn::ModelConfig::from_file(c.model) : nn::ModelConfig::preset(c.model);
-    model = std::make_shared<nn::CausalLM>(cfg);
+    models::ModelConfig cfg = fs::exists(c.model) ? models::ModelConfig::from_file(c.model) : models::ModelConfig::preset(c.model);
+    model = std::make_shared<models::CausalLM>(cfg);
     nn::InitOptions io;
     io.seed = static_cast<uint64_t>(c.seed);
     io.std = cfg.initializer_range;
     nn::init_parameters(*model, io);
   }
-  const nn::ModelConfig& mcfg = model->config();
+  const models::ModelConfig& mcfg = model->config();
   COLOSSAL_CHECK_INPUT(c.seq_len <= mcfg.max_position_embeddings, "seq_len ", c.seq_len,
                        " exceeds the model's max_position_embeddings ", mcfg.max_position_embeddings);
 

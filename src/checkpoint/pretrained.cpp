@@ -8,7 +8,7 @@
 
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
-#include "colossal/nn/causal_lm.h"
+#include "colossal/models/llama/model.h"
 
 namespace colossal::checkpoint {
 
@@ -34,17 +34,17 @@ at::ScalarType hf_dtype_from_name(const std::string& n) {
   throw InputError(str("dtype '", n, "' is not supported (float32, bfloat16, float16)"));
 }
 
-std::shared_ptr<nn::CausalLM> load_pretrained(const std::string& dir,
+std::shared_ptr<models::CausalLM> load_pretrained(const std::string& dir,
                                               const PretrainedOptions& opts) {
   COLOSSAL_CHECK_INPUT(fs::is_directory(dir), "model folder '", dir,
                        "' does not exist or is not a folder");
   const std::string cfg_path = (fs::path(dir) / "config.json").string();
   COLOSSAL_CHECK_INPUT(fs::exists(cfg_path), "model folder '", dir, "' has no config.json");
-  nn::ModelConfig cfg = nn::ModelConfig::from_file(cfg_path);
+  models::ModelConfig cfg = models::ModelConfig::from_file(cfg_path);
   auto topts = at::TensorOptions()
                    .device(opts.device.value_or(at::Device(at::kCPU)))
                    .dtype(opts.dtype.value_or(at::kFloat));
-  auto model = std::make_shared<nn::CausalLM>(cfg, topts);
+  auto model = std::make_shared<models::CausalLM>(cfg, topts);
   TensorList tensors = load_state_dict(dir);
   if (cfg.tie_word_embeddings) {
     std::erase_if(tensors, [](const auto& p) { return p.first == "lm_head.weight"; });
@@ -55,7 +55,7 @@ std::shared_ptr<nn::CausalLM> load_pretrained(const std::string& dir,
   return model;
 }
 
-void save_pretrained(const nn::CausalLM& model, const std::string& dir, const SaveOptions& opts) {
+void save_pretrained(const models::CausalLM& model, const std::string& dir, const SaveOptions& opts) {
   COLOSSAL_CHECK(model.first_block() == 0 && model.end_block() == model.num_blocks(),
                  "save_pretrained needs the whole model (this one holds blocks [",
                  model.first_block(), ", ", model.end_block(), "))");
@@ -65,7 +65,7 @@ void save_pretrained(const nn::CausalLM& model, const std::string& dir, const Sa
     COLOSSAL_CHECK(!t.is_meta(), "save_pretrained: ", n,
                    " is on the meta device; materialize the model first");
   }
-  nn::ModelConfig cfg = model.config();
+  models::ModelConfig cfg = model.config();
   cfg.dtype = hf_dtype_name(state.front().second.scalar_type());
   fs::create_directories(dir);
   save_state_dict(dir, state, opts);

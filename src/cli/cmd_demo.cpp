@@ -14,7 +14,7 @@
 #include "colossal/core/logging.h"
 #include "colossal/data/sort_task.h"
 #include "colossal/data/token_file.h"
-#include "colossal/nn/causal_lm.h"
+#include "colossal/models/llama/model.h"
 
 namespace {
 
@@ -83,7 +83,7 @@ int cmd_demo_eval(int argc, char** argv) {
     flat.insert(flat.end(), p.begin(), p.end());
   }
   at::Tensor prompts = at::tensor(flat, at::kLong).view({n, task.length + 2});
-  at::Tensor out = colossal::nn::generate_greedy(*model, prompts, task.length);
+  at::Tensor out = colossal::models::generate_greedy(*model, prompts, task.length);
   int64_t correct = 0;
   for (int64_t i = 0; i < n; ++i) {
     auto row = out[i];

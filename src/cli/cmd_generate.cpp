@@ -13,7 +13,7 @@
 #include "colossal/checkpoint/pretrained.h"
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
-#include "colossal/nn/causal_lm.h"
+#include "colossal/models/llama/model.h"
 
 namespace {
 
@@ -84,7 +84,7 @@ int run_generate(int argc, char** argv) {
   at::Tensor prompt =
       at::tensor(ids, at::TensorOptions().dtype(at::kLong)).unsqueeze(0).to(*po.device);
   auto t0 = std::chrono::steady_clock::now();
-  at::Tensor out = colossal::nn::generate_greedy(*model, prompt, max_new, eos).to(at::kCPU);
+  at::Tensor out = colossal::models::generate_greedy(*model, prompt, max_new, eos).to(at::kCPU);
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::string line;
   for (int64_t i = 0; i < out.size(1); ++i) {

@@ -1,5 +1,7 @@
-// Module base: forward hooks and the sharding contract.
+// Module base: forward hooks, the sharding contract and replaceable children.
 #include "colossal/nn/module.h"
+
+#include <c10/util/Type.h>
 
 #include <exception>
 #include <vector>
@@ -28,6 +30,43 @@ const char* to_string(ShardSpec::Kind kind) {
       return "vocab";
   }
   return "?";
+}
+
+const char* to_string(SequenceParallelMode mode) {
+  switch (mode) {
+    case SequenceParallelMode::None:
+      return "none";
+    case SequenceParallelMode::SplitGather:
+      return "split_gather";
+    case SequenceParallelMode::Ring:
+      return "ring";
+    case SequenceParallelMode::AllToAll:
+      return "all_to_all";
+    case SequenceParallelMode::RingAttn:
+      return "ring_attn";
+  }
+  return "?";
+}
+
+SequenceParallelMode sequence_parallel_mode_from_string(const std::string& name) {
+  for (auto m : {SequenceParallelMode::None, SequenceParallelMode::SplitGather,
+                 SequenceParallelMode::Ring, SequenceParallelMode::AllToAll,
+                 SequenceParallelMode::RingAttn})
+    if (name == to_string(m)) return m;
+  throw InputError(str("sequence parallelism mode '", name,
+                       "' is unknown; expected none, split_gather, ring, all_to_all or ring_attn"));
+}
+
+ShardSpec ShardSpec::over(Kind kind, const dist::Communicator& group, SequenceParallelMode sp) {
+  COLOSSAL_CHECK(group.valid(), "ShardSpec::over: the ", to_string(kind),
+                 " group is not valid on this rank");
+  ShardSpec s;
+  s.kind = kind;
+  s.rank = group.rank();
+  s.world = group.size();
+  s.group = group;
+  s.sequence_parallel = sp;
+  return s;
 }
 
 HookHandle Module::add_forward_pre_hook(ForwardHook fn) {
@@ -73,6 +112,75 @@ void Module::replace_parameter(const std::string& name, const at::Tensor& tensor
   bool rg = t->requires_grad();
   *t = tensor.detach();
   t->set_requires_grad(rg);
+}
+
+void Module::register_setter(const std::string& name, const char* type, SlotSetter set) {
+  slots_[name] = Slot{type, std::move(set)};
+}
+
+void Module::replace_child(const std::string& name, std::shared_ptr<torch::nn::Module> module) {
+  COLOSSAL_CHECK_INPUT(module != nullptr, "replace_child: null module for '", name, "' of ",
+                       this->name());
+  auto it = slots_.find(name);
+  COLOSSAL_CHECK_INPUT(it != slots_.end() && named_children().contains(name), "module ",
+                       this->name(), " has no replaceable child '", name, "'");
+  COLOSSAL_CHECK_INPUT(it->second.set(module), "cannot replace ", this->name(), ".", name,
+                       ": a ", module->name(), " is not a ", c10::demangle(it->second.type));
+  replace_module(name, std::move(module));
+}
+
+void Module::drop_child(const std::string& name) {
+  auto it = slots_.find(name);
+  COLOSSAL_CHECK(it != slots_.end(), "module ", this->name(), " has no child '", name, "'");
+  unregister_module(name);
+  it->second.set(nullptr);  // a null pointer casts to any type: the member becomes null
+  slots_.erase(it);
+}
+
+namespace {
+
+// The module at `path` under root (root itself for ""), without needing root to be owned by a
+// shared_ptr.
+torch::nn::Module* resolve(torch::nn::Module& root, const std::string& path,
+                           std::shared_ptr<torch::nn::Module>* holder) {
+  if (path.empty()) return &root;
+  torch::nn::Module* at = &root;
+  size_t begin = 0;
+  while (begin <= path.size()) {
+    size_t end = path.find('.', begin);
+    if (end == std::string::npos) end = path.size();
+    const std::string part = path.substr(begin, end - begin);
+    auto children = at->named_children();
+    const auto* child = children.find(part);
+    COLOSSAL_CHECK_INPUT(child != nullptr, "no module '", path, "': '", part,
+                         "' is not a child of '", begin == 0 ? "" : path.substr(0, begin - 1),
+                         "'");
+    *holder = *child;
+    at = holder->get();
+    begin = end + 1;
+  }
+  return at;
+}
+
+}  // namespace
+
+std::shared_ptr<torch::nn::Module> find_module(torch::nn::Module& root, const std::string& path) {
+  if (path.empty()) return root.shared_from_this();
+  std::shared_ptr<torch::nn::Module> holder;
+  resolve(root, path, &holder);
+  return holder;
+}
+
+void replace_module(torch::nn::Module& root, const std::string& path,
+                    std::shared_ptr<torch::nn::Module> module) {
+  COLOSSAL_CHECK_INPUT(!path.empty(), "replace_module: empty path");
+  const size_t dot = path.rfind('.');
+  std::shared_ptr<torch::nn::Module> holder;
+  auto* parent =
+      dynamic_cast<Module*>(resolve(root, dot == std::string::npos ? "" : path.substr(0, dot), &holder));
+  COLOSSAL_CHECK_INPUT(parent != nullptr, "replace_module: the parent of '", path,
+                       "' is not a colossal::nn::Module (its children cannot be re-pointed)");
+  parent->replace_child(dot == std::string::npos ? path : path.substr(dot + 1), std::move(module));
 }
 
 void Module::run(const std::shared_ptr<HookHandle::Table>& t, Module& m) {

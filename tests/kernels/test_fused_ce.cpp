@@ -12,12 +12,13 @@
 #include <unordered_map>
 #include <utility>
 
-#include "colossal/nn/causal_lm.h"
+#include "colossal/models/llama/model.h"
 #include "colossal/nn/fused_ce.h"
 #include "colossal/nn/init.h"
 
 using namespace colossal;
 using namespace colossal::nn;
+using namespace colossal::models;
 
 namespace {
 

@@ -12,7 +12,7 @@
 #include "colossal/checkpoint/pretrained.h"
 #include "colossal/checkpoint/safetensors.h"
 #include "colossal/core/error.h"
-#include "colossal/nn/causal_lm.h"
+#include "colossal/models/llama/model.h"
 #include "colossal/nn/init.h"
 
 using namespace colossal;
@@ -26,10 +26,10 @@ static int run(const std::string& dir, const std::string& in, const std::string&
     if (n == "attention_mask") mask = t.clone();
   }
   COLOSSAL_CHECK(ids.defined() && labels.defined(), "inputs need input_ids and labels");
-  nn::ForwardOptions fo;
+  models::ForwardOptions fo;
   fo.attention_mask = mask;
   at::Tensor logits = model->forward(ids, fo);
-  at::Tensor loss = nn::causal_lm_loss(logits, labels);
+  at::Tensor loss = models::causal_lm_loss(logits, labels);
   loss.backward();
   checkpoint::TensorList res{{"logits", logits.detach()}, {"loss", loss.detach().reshape({1})}};
   for (const auto& p : model->named_parameters()) {
@@ -52,8 +52,8 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (mode == "init" && argc == 5) {
-      nn::ModelConfig cfg = nn::ModelConfig::from_file(argv[2]);
-      nn::CausalLM model(cfg, at::TensorOptions().device(at::kMeta));
+      models::ModelConfig cfg = models::ModelConfig::from_file(argv[2]);
+      models::CausalLM model(cfg, at::TensorOptions().device(at::kMeta));
       nn::InitOptions io;
       io.seed = std::stoull(argv[4]);
       io.std = cfg.initializer_range;

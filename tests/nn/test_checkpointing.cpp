@@ -13,12 +13,13 @@
 #include <string>
 
 #include "colossal/core/error.h"
-#include "colossal/nn/causal_lm.h"
+#include "colossal/models/llama/model.h"
 #include "colossal/nn/checkpointing.h"
 #include "colossal/nn/init.h"
 
 using namespace colossal;
 using namespace colossal::nn;
+using namespace colossal::models;
 
 namespace {
 
@@ -121,15 +122,18 @@ TEST(Checkpointing, DeferredResidualEqualsForward) {
   auto m = make_model(small_config());
   at::Tensor x0 = at::randn({2, 16, 32});
   auto [cos, sin] = m->model->rotary_emb->forward_range(0, 16, at::kCPU, at::kFloat);
-  AttentionMask causal;
+  LayerContext ctx;
+  ctx.cos = cos;
+  ctx.sin = sin;
+  ctx.seq = SequenceInfo{0, 0, 16, 16};
   auto run = [&](bool deferred) {
     m->zero_grad();
     at::Tensor x = x0, delta;
     for (auto& layer : m->model->layers->layers) {
       if (deferred) {
-        std::tie(x, delta) = layer->forward_deferred(x, delta, cos, sin, causal, nullptr);
+        std::tie(x, delta) = layer->forward_deferred(x, delta, ctx);
       } else {
-        x = layer->forward(x, cos, sin, causal, nullptr);
+        x = layer->forward(x, ctx);
       }
     }
     at::Tensor y =

@@ -7,11 +7,12 @@
 #include <vector>
 
 #include "colossal/core/error.h"
-#include "colossal/nn/causal_lm.h"
+#include "colossal/models/llama/model.h"
 #include "colossal/nn/init.h"
 
 using namespace colossal;
 using namespace colossal::nn;
+using namespace colossal::models;
 
 namespace {
 
@@ -44,7 +45,7 @@ double max_rel(const at::Tensor& a, const at::Tensor& b) {
 }  // namespace
 
 TEST(Hooks, FireInOrderAndCanBeRemoved) {
-  auto lin = std::make_shared<Linear>(4, 3, true, at::TensorOptions());
+  auto lin = std::make_shared<Linear>(LinearOptions(4, 3).bias(true));
   init_parameters(*lin);
   std::vector<std::string> log;
   auto h1 = lin->add_forward_pre_hook([&](Module&) { log.push_back("pre1"); });
@@ -116,13 +117,13 @@ TEST(Params, SetDataToViewsKeepsForwardCorrect) {
 
 TEST(Shard, LinearColumnAndRowConcatenateBack) {
   for (int64_t world : {2, 4}) {
-    Linear full(8, 12, true, at::TensorOptions());
+    Linear full(LinearOptions(8, 12).bias(true));
     init_parameters(full, {});
     at::NoGradGuard ng;
     at::Tensor x = at::randn({3, 8});
     std::vector<at::Tensor> wcol, bcol, outs, wrow, partial;
     for (int64_t r = 0; r < world; ++r) {
-      Linear col(8, 12, true, at::TensorOptions());
+      Linear col(LinearOptions(8, 12).bias(true));
       col.weight().copy_(full.weight());
       col.param("bias").copy_(full.param("bias"));
       col.shard({ShardSpec::Kind::Column, r, world});
@@ -131,7 +132,7 @@ TEST(Shard, LinearColumnAndRowConcatenateBack) {
       wcol.push_back(col.weight());
       bcol.push_back(col.param("bias"));
       outs.push_back(col.forward(x));
-      Linear row(8, 12, false, at::TensorOptions());
+      Linear row(LinearOptions(8, 12).bias(false));
       row.weight().copy_(full.weight());
       row.shard({ShardSpec::Kind::Row, r, world});
       EXPECT_EQ(row.in_features(), 8 / world);
@@ -147,14 +148,14 @@ TEST(Shard, LinearColumnAndRowConcatenateBack) {
 }
 
 TEST(Shard, EmbeddingVocabAndErrors) {
-  Embedding full(12, 4, std::nullopt, at::TensorOptions());
+  Embedding full(EmbeddingOptions(12, 4));
   init_parameters(full, {});
   at::NoGradGuard ng;
   at::Tensor ids = at::tensor(std::vector<int64_t>{0, 5, 11, 6, 3}).view({1, 5});
   std::vector<at::Tensor> ws;
   at::Tensor sum = at::zeros({1, 5, 4});
   for (int64_t r = 0; r < 3; ++r) {
-    Embedding e(12, 4, std::nullopt, at::TensorOptions());
+    Embedding e(EmbeddingOptions(12, 4));
     e.weight().copy_(full.weight());
     e.shard({ShardSpec::Kind::Vocab, r, 3});
     ws.push_back(e.weight());
@@ -162,7 +163,7 @@ TEST(Shard, EmbeddingVocabAndErrors) {
   }
   EXPECT_TRUE(at::equal(at::cat(ws, 0), full.weight()));
   EXPECT_TRUE(at::equal(sum, full.forward(ids)));
-  Linear l(6, 10, false, at::TensorOptions());
+  Linear l(LinearOptions(6, 10).bias(false));
   EXPECT_THROW(l.shard({ShardSpec::Kind::Column, 0, 4}), Error);  // 10 % 4 != 0
   EXPECT_THROW(l.shard({ShardSpec::Kind::Vocab, 0, 2}), Error);
   RMSNorm n(4, 1e-6, at::TensorOptions());
@@ -192,7 +193,7 @@ TEST(Init, KeyedByNameNotByOrderOrLayout) {
   EXPECT_TRUE(at::equal(stage.named_parameters()["model.layers.1.mlp.down_proj.weight"],
                         sa["model.layers.1.mlp.down_proj.weight"]));
   CausalLM sharded(c, at::TensorOptions().device(at::kMeta));
-  sharded.model->layers->layers[0]->mlp->up_proj->shard({ShardSpec::Kind::Column, 1, 2});
+  sharded.model->layers->layers[0]->dense_mlp().up_proj->shard({ShardSpec::Kind::Column, 1, 2});
   init_parameters(sharded, io);
   EXPECT_TRUE(at::equal(sharded.named_parameters()["model.layers.0.mlp.up_proj.weight"],
                         sa["model.layers.0.mlp.up_proj.weight"].narrow(0, 24, 24)));

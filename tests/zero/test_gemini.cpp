@@ -17,7 +17,7 @@
 #include "colossal/booster/gemini_plugin.h"
 #include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
-#include "colossal/nn/causal_lm.h"
+#include "colossal/models/llama/model.h"
 #include "colossal/nn/init.h"
 #include "colossal/optim/adamw.h"
 #include "colossal/zero/gemini/chunk.h"
@@ -106,15 +106,15 @@ TEST(GeminiChunk, SearchPicksLeastWaste) {
   EXPECT_EQ(r.chunk_size, 35700);
 }
 
-nn::ModelConfig tiny_config() {
-  return nn::ModelConfig::from_json(json::parse(
+models::ModelConfig tiny_config() {
+  return models::ModelConfig::from_json(json::parse(
       R"({"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 160,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
           "max_position_embeddings": 64, "tie_word_embeddings": false})"));
 }
 
-std::shared_ptr<nn::CausalLM> tiny_model() {
-  auto m = std::make_shared<nn::CausalLM>(tiny_config());
+std::shared_ptr<models::CausalLM> tiny_model() {
+  auto m = std::make_shared<models::CausalLM>(tiny_config());
   nn::InitOptions io;
   io.seed = 5;
   nn::init_parameters(*m, io);
@@ -142,7 +142,7 @@ std::pair<at::Tensor, at::Tensor> batch(int step, int64_t rows) {
 }
 
 struct TrainRun {
-  std::shared_ptr<nn::CausalLM> model;
+  std::shared_ptr<models::CausalLM> model;
   std::unique_ptr<booster::Booster> booster;
   booster::Boosted b;
   std::vector<double> losses;

@@ -1,4 +1,4 @@
-// A Hugging Face model folder <-> a colossal::nn::CausalLM: config.json plus safetensors weights
+// A Hugging Face model folder <-> a colossal::models::CausalLM: config.json plus safetensors weights
 // in HF names (one file or index + shards). What save_pretrained writes loads with
 // transformers.AutoModelForCausalLM.from_pretrained, and the other way round.
 #pragma once
@@ -11,7 +11,7 @@
 
 #include "colossal/checkpoint/hf.h"
 
-namespace colossal::nn {
+namespace colossal::models {
 class CausalLM;
 }
 
@@ -25,11 +25,11 @@ struct PretrainedOptions {
 // Builds the model from DIR/config.json and loads its weights strictly (a missing, unexpected
 // or mis-shaped tensor is an InputError naming it). A tied model's redundant lm_head.weight in
 // the checkpoint is accepted and ignored, as transformers does.
-std::shared_ptr<nn::CausalLM> load_pretrained(const std::string& dir,
+std::shared_ptr<models::CausalLM> load_pretrained(const std::string& dir,
                                               const PretrainedOptions& opts = {});
 
 // Writes DIR/config.json (dtype taken from the parameters) and the weights.
-void save_pretrained(const nn::CausalLM& model, const std::string& dir,
+void save_pretrained(const models::CausalLM& model, const std::string& dir,
                      const SaveOptions& opts = {});
 
 // "float32" / "bfloat16" / "float16" <-> ScalarType (InputError for anything else).

@@ -1,6 +1,8 @@
 // The project's module base: a torch::nn::Module with what the parallel plugins need and LibTorch
-// lacks — forward pre/post hooks on every module, in-place sharding specs, and the rule that
-// layers read their parameters at every call (so param.set_data(view) re-points storage safely).
+// lacks — forward pre/post hooks on every module, in-place sharding specs that carry the group a
+// sharded layer communicates over, children that can be replaced by name (the parent's typed
+// member follows), and the rule that layers read their parameters at every call (so
+// param.set_data(view) re-points storage safely).
 #pragma once
 
 #include <torch/nn/module.h>
@@ -11,6 +13,10 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <typeinfo>
+#include <vector>
+
+#include "colossal/dist/communicator.h"
 
 namespace colossal::nn {
 
@@ -37,17 +43,45 @@ class HookHandle {
   uint64_t id_ = 0;
 };
 
-// How a layer's storage is split over a tensor-parallel group. The communication belongs to a
-// later layer (shardformer); here a spec only re-shapes storage in place.
+// How activations are laid out along the sequence between the tensor-parallel layers
+// (ColossalAI's sequence_parallelism_mode). None: every rank holds the whole sequence.
+enum class SequenceParallelMode { None, SplitGather, Ring, AllToAll, RingAttn };
+const char* to_string(SequenceParallelMode mode);
+// "none" | "split_gather" | "ring" | "all_to_all" | "ring_attn"; InputError naming the value.
+SequenceParallelMode sequence_parallel_mode_from_string(const std::string& name);
+
+// How a layer's storage is split over a tensor-parallel group, and the group its forward talks
+// to. The communication belongs to the sharded layer itself (Megatron's rule), so the model's
+// code stays free of collectives:
+//   Column  y_local = x W_local^T + b_local: the input enters the region (identity forward,
+//           all-reduce of its gradient in backward; under split_gather an all-gather of the
+//           sequence instead), the output stays split over features.
+//   Row     y = sum_r x_r W_r^T, then + b: the partial products are all-reduced (reduce-scattered
+//           over the sequence under split_gather), the bias is added once after the reduction.
+//   Vocab   each rank looks up its rows of the vocabulary (zeros elsewhere); the partial
+//           embeddings are all-reduced (reduce-scattered over the sequence under split_gather).
+// Without a group (group.valid() == false) a spec only cuts storage: rank and world say which
+// slice, and the caller owns any communication (name-keyed init tests, checkpoint reshaping).
 struct ShardSpec {
   enum class Kind {
     Column,  // Linear: output features split (weight dim 0, bias dim 0)
     Row,     // Linear: input features split (weight dim 1; bias kept whole)
     Vocab,   // Embedding: rows of the vocabulary split (weight dim 0)
   };
+  ShardSpec() = default;
+  // Storage only: this rank's slice of `world`.
+  ShardSpec(Kind kind, int64_t rank, int64_t world) : kind(kind), rank(rank), world(world) {}
+
   Kind kind = Kind::Column;
   int64_t rank = 0;
   int64_t world = 1;
+  dist::Communicator group;  // the tensor-parallel group; invalid: storage only
+  SequenceParallelMode sequence_parallel = SequenceParallelMode::None;
+
+  // A spec over `group` (rank and world taken from it).
+  static ShardSpec over(Kind kind, const dist::Communicator& group,
+                        SequenceParallelMode sp = SequenceParallelMode::None);
+  bool communicates() const { return group.valid() && world > 1; }
 };
 const char* to_string(ShardSpec::Kind kind);
 
@@ -82,9 +116,46 @@ class Module : public torch::nn::Module {
   // where set_data cannot change the device type. Throws if `name` is not registered.
   void replace_parameter(const std::string& name, const at::Tensor& tensor);
 
+  // Swaps child `name` for `module` (the same role computed another way: a LoRA, FP8 or
+  // parallel linear, another core attention, an expert FFN) and re-points the typed member the
+  // parent's forward calls, so the next forward runs the new module. The module must be of the
+  // member's declared type (or derive from it): InputError naming both types otherwise, and
+  // for a name that is not a replaceable child. Hooks of the old module stay with it.
+  void replace_child(const std::string& name, std::shared_ptr<torch::nn::Module> module);
+  // Unregisters child `name` and sets its typed member to null (a pipeline stage dropping the
+  // blocks it does not own).
+  void drop_child(const std::string& name);
+  // Whether child `name` can be replaced (it was registered through register_slot).
+  bool has_slot(const std::string& name) const { return slots_.count(name) > 0; }
+
  protected:
+  // Registers `module` as child `name` held by the typed member `member` (which must live as
+  // long as this module, i.e. be a field of it), so replace_child can re-point the member.
+  template <class T>
+  std::shared_ptr<T> register_slot(const std::string& name, std::shared_ptr<T>& member,
+                                   std::shared_ptr<T> module) {
+    member = register_module(name, std::move(module));
+    register_setter(name, typeid(T).name(),
+                    [&member](const std::shared_ptr<torch::nn::Module>& m) {
+                      auto typed = std::dynamic_pointer_cast<T>(m);
+                      if (!typed && m) return false;
+                      member = std::move(typed);
+                      return true;
+                    });
+    return member;
+  }
+  // The same for children held elsewhere (an element of a vector): `set` re-points the holder
+  // (null: clears it) and returns false when the module is not of its type; `type` is
+  // typeid(T).name().
+  using SlotSetter = std::function<bool(const std::shared_ptr<torch::nn::Module>&)>;
+  void register_setter(const std::string& name, const char* type, SlotSetter set);
+
+  std::optional<ShardSpec> shard_spec_;
+
+ public:
   // Every layer's forward starts with `ForwardScope scope(*this);` so the hooks fire whatever
-  // the forward's signature.
+  // the forward's signature. (Public so that a parent computing several children in one kernel
+  // can fire their hooks around it: fused_projections.)
   class ForwardScope {
    public:
     explicit ForwardScope(Module& m);
@@ -96,14 +167,26 @@ class Module : public torch::nn::Module {
     Module& m_;
     int uncaught_;
   };
-  std::optional<ShardSpec> shard_spec_;
 
  private:
   static void run(const std::shared_ptr<HookHandle::Table>& t, Module& m);
   std::shared_ptr<HookHandle::Table> pre_ = std::make_shared<HookHandle::Table>();
   std::shared_ptr<HookHandle::Table> post_ = std::make_shared<HookHandle::Table>();
   uint64_t next_id_ = 1;
+  struct Slot {
+    const char* type;
+    SlotSetter set;
+  };
+  std::map<std::string, Slot> slots_;
 };
+
+// replace_child at a dotted path under `root` ("model.layers.3.self_attn.q_proj"): the parent of
+// the last component must be a colossal::nn::Module. InputError naming the path when it does
+// not resolve.
+void replace_module(torch::nn::Module& root, const std::string& path,
+                    std::shared_ptr<torch::nn::Module> module);
+// The module at a dotted path under root (root itself for ""); InputError when it does not exist.
+std::shared_ptr<torch::nn::Module> find_module(torch::nn::Module& root, const std::string& path);
 
 // Every parameter, including those of modules that are not colossal::nn::Module.
 int64_t count_parameters(const torch::nn::Module& m);

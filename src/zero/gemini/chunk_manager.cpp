@@ -28,7 +28,7 @@
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
 #include "colossal/kernels/fused.h"
-#include "colossal/nn/causal_lm.h"
+#include "colossal/nn/module.h"
 #include "colossal/optim/adamw.h"
 #include "colossal/optim/cpu_adam.h"
 
@@ -1219,7 +1219,7 @@ std::vector<nn::HookHandle> install_hooks(torch::nn::Module& model,
     covered[m].push_back(it->second);
   });
   // A tied head reads the embedding's weight inside the CausalLM's own scope.
-  if (auto* lm = dynamic_cast<nn::CausalLM*>(&model)) {
+  if (auto* lm = dynamic_cast<models::CausalLM*>(&model)) {
     if (lm->config().tie_word_embeddings && lm->model && lm->model->embed_tokens) {
       auto it = where.find(lm->model->embed_tokens->param("weight").unsafeGetTensorImpl());
       if (it != where.end()) covered[lm].push_back(it->second);

@@ -3,23 +3,19 @@
 // we do not implement are InputErrors naming them: the model never silently differs from HF.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "colossal/core/json.h"
+#include "colossal/nn/rotary.h"
 
-namespace colossal::nn {
+namespace colossal::models {
 
-struct RopeConfig {
-  std::string type = "default";  // default | linear | dynamic | llama3
-  double theta = 10000.0;
-  double factor = 1.0;                           // linear, dynamic, llama3
-  double low_freq_factor = 1.0;                  // llama3
-  double high_freq_factor = 4.0;                 // llama3
-  int64_t original_max_position_embeddings = 0;  // llama3
-};
+using nn::RopeConfig;
 
 struct ModelConfig {
   std::string model_type = "llama";  // llama | mistral | qwen2
@@ -47,6 +43,7 @@ struct ModelConfig {
   std::string dtype = "float32";           // HF's torch_dtype / dtype
 
   int64_t kv_dim() const { return num_key_value_heads * head_dim; }
+  nn::RotaryOptions rotary() const { return {rope, head_dim, max_position_embeddings}; }
   bool uses_sliding(int64_t layer) const;
   void validate() const;  // InputError naming the bad field
 
@@ -61,4 +58,7 @@ struct ModelConfig {
   static std::vector<std::string> preset_names();
 };
 
-}  // namespace colossal::nn
+// Inverse rotary frequencies of this model (nn::rope_inv_freq of cfg.rotary()).
+at::Tensor rope_inv_freq(const ModelConfig& cfg, std::optional<int64_t> seq_len = std::nullopt);
+
+}  // namespace colossal::models

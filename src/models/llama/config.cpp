@@ -1,11 +1,11 @@
 // config.json parsing and writing for llama / mistral / qwen2, and the benchmark presets.
-#include "colossal/nn/config.h"
+#include "colossal/models/llama/config.h"
 
 #include <set>
 
 #include "colossal/core/error.h"
 
-namespace colossal::nn {
+namespace colossal::models {
 namespace {
 
 int64_t get_int(const json::Value& j, const char* key, int64_t def) {
@@ -333,4 +333,8 @@ ModelConfig ModelConfig::preset(const std::string& name) {
   return c;
 }
 
-}  // namespace colossal::nn
+at::Tensor rope_inv_freq(const ModelConfig& cfg, std::optional<int64_t> seq_len) {
+  return nn::rope_inv_freq(cfg.rotary(), seq_len);
+}
+
+}  // namespace colossal::models

@@ -1,0 +1,187 @@
+// The causal language model of the Llama family (llama, mistral, qwen2), laid out and named as
+// transformers' *ForCausalLM: model.embed_tokens, model.layers.N.{self_attn,mlp,...},
+// model.norm, lm_head. Built from the generic layers of nn/ and free of communication: every
+// sub-layer sits in a replaceable slot (Module::replace_child / nn::replace_module), so a
+// parallel plan (plan.h), LoRA or FP8 swaps a layer without editing this file, and the fused
+// q/k/v and gate/up GEMMs run only while the projections are plain (nn::fused_projections).
+// It exposes its ordered blocks so a pipeline stage can keep only its slice, names unchanged.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "colossal/models/llama/config.h"
+#include "colossal/nn/attention.h"
+#include "colossal/nn/checkpointing.h"
+#include "colossal/nn/embedding.h"
+#include "colossal/nn/feed_forward.h"
+#include "colossal/nn/linear.h"
+#include "colossal/nn/module.h"
+#include "colossal/nn/norm.h"
+#include "colossal/nn/rotary.h"
+
+namespace colossal::models {
+
+using nn::AttentionMask;
+using nn::CheckpointMode;
+using nn::KVCache;
+using nn::SequenceInfo;
+
+// What a decoder layer needs besides its input: the rotary tables and the mask of the whole
+// step (over all sequence shards), the KV cache, and where this rank's tokens sit.
+struct LayerContext {
+  at::Tensor cos, sin;  // [B|1, global_len, head_dim]
+  AttentionMask mask;
+  KVCache* cache = nullptr;
+  SequenceInfo seq;
+};
+
+class Attention : public nn::Module {
+ public:
+  Attention(const ModelConfig& cfg, int64_t layer_idx, const at::TensorOptions& opts);
+  at::Tensor forward(const at::Tensor& x, const LayerContext& ctx);
+  std::shared_ptr<nn::Linear> q_proj, k_proj, v_proj, o_proj;
+  std::shared_ptr<nn::CoreAttention> core_attn;  // SDPA by default; no parameters
+  int64_t layer_idx() const { return layer_idx_; }
+
+ private:
+  int64_t head_dim_, layer_idx_;
+};
+
+// The dense feed-forward: down(silu(gate(x)) * up(x)).
+class MLP : public nn::FeedForward {
+ public:
+  MLP(const ModelConfig& cfg, const at::TensorOptions& opts);
+  at::Tensor forward(const at::Tensor& x) override;
+  std::shared_ptr<nn::Linear> gate_proj, up_proj, down_proj;
+};
+
+class DecoderLayer : public nn::Module {
+ public:
+  DecoderLayer(const ModelConfig& cfg, int64_t layer_idx, const at::TensorOptions& opts);
+  at::Tensor forward(const at::Tensor& x, const LayerContext& ctx);
+  // The same layer with its input and output residual adds left to the neighbouring norms:
+  // the input is x + delta (delta undefined: x alone), the output {h, m} means h + m, the
+  // next layer's (or the final norm's) forward_add. Not for checkpointed layers (their
+  // recompute takes one tensor): the model calls forward() for those.
+  std::pair<at::Tensor, at::Tensor> forward_deferred(const at::Tensor& x, const at::Tensor& delta,
+                                                     const LayerContext& ctx);
+  std::shared_ptr<Attention> self_attn;
+  std::shared_ptr<nn::FeedForward> mlp;
+  std::shared_ptr<nn::RMSNorm> input_layernorm, post_attention_layernorm;
+  // The FFN as the dense MLP; Error when it was replaced by another kind.
+  MLP& dense_mlp() const;
+  bool sliding() const { return sliding_; }
+  // Recompute in backward (checkpointing.h); applies only when grad is on and no KV cache is used.
+  CheckpointMode checkpointing = CheckpointMode::None;
+  // Whether a forward with this cache (and the current grad mode) recomputes in backward.
+  bool recomputes(const KVCache* cache) const;
+
+ private:
+  bool sliding_;
+};
+
+// Holds the decoder layers as children "0".."N-1" (HF's ModuleList names); each is replaceable,
+// and a pipeline stage drops the ones it does not own.
+class LayerList : public nn::Module {
+ public:
+  void add(std::shared_ptr<DecoderLayer> layer);
+  void drop(int64_t index);
+  std::vector<std::shared_ptr<DecoderLayer>> layers;  // null where not owned by this stage
+};
+
+class DecoderModel : public nn::Module {
+ public:
+  DecoderModel(const ModelConfig& cfg, const at::TensorOptions& opts);
+  std::shared_ptr<nn::Embedding> embed_tokens;  // null when dropped by keep_blocks
+  std::shared_ptr<LayerList> layers;
+  std::shared_ptr<nn::RMSNorm> norm;  // null when dropped
+  std::shared_ptr<nn::RotaryEmbedding> rotary_emb;
+};
+
+struct ForwardOptions {
+  KVCache* cache = nullptr;   // attend to and append to this cache
+  at::Tensor attention_mask;  // optional [B, past + S]: 1 = token, 0 = padding
+  at::Tensor position_ids;    // optional [B, S]; default past .. past + S - 1
+  // A sequence shard: the input holds tokens [seq_offset, seq_offset + S) of a step of
+  // global_seq_len new tokens (0: S, the whole step is local). Rotary tables and masks are built
+  // for the whole step; each layer takes the part its tokens need.
+  int64_t seq_offset = 0;
+  int64_t global_seq_len = 0;
+};
+
+// One pipeline unit: its HF name prefix and module.
+struct Block {
+  std::string name;  // "model.embed_tokens", "model.layers.3", "model.norm", "lm_head"
+  std::shared_ptr<torch::nn::Module> module;
+};
+
+class CausalLM : public nn::Module {
+ public:
+  // opts.device(at::kMeta) builds the shapes only (no memory); see init.h to materialize.
+  explicit CausalLM(const ModelConfig& cfg, const at::TensorOptions& opts = {});
+
+  // A whole model: ids [B, S] -> logits [B, S, vocab]. A pipeline stage: its first block's input
+  // (ids for the embedding, else hidden states [B, S, hidden]) -> its last block's output.
+  at::Tensor forward(const at::Tensor& input, const ForwardOptions& opts = {});
+
+  // Blocks in order: embed_tokens, layers.0..N-1, norm, lm_head (lm_head's module is null when
+  // the head is tied to the embedding). Only the blocks still owned are listed.
+  std::vector<Block> blocks() const;
+  int64_t num_blocks() const { return config_.num_hidden_layers + 3; }
+  // Keeps blocks [begin, end) of the full list (indices as in a whole model's blocks()) and
+  // drops the rest; parameter names do not change.
+  void keep_blocks(int64_t begin, int64_t end);
+  int64_t first_block() const { return first_; }
+  int64_t end_block() const { return end_; }
+
+  // Recompute decoder layers in backward (checkpointing.h): the first `num_layers` owned decoder
+  // layers get `mode` (all of them when num_layers < 0), the others none: per-layer selective
+  // recompute trades memory for the fewest recomputed layers (ColossalAI's
+  // num_ckpt_layers_per_stage). InputError when num_layers exceeds the owned layers.
+  void set_activation_checkpointing(CheckpointMode mode, int64_t num_layers = -1);
+  CheckpointMode activation_checkpointing() const { return checkpointing_; }
+
+  const ModelConfig& config() const { return config_; }
+  bool tied() const { return config_.tie_word_embeddings; }
+  // The output projection's weight ([vocab, hidden]): lm_head's, or the embedding's when tied.
+  const at::Tensor& head_weight() const;
+  // Mean cross-entropy of `targets` [B, S] (the next token of each position; ignore_index
+  // -100). While the head is a plain linear (or tied to an unsharded embedding) it is computed
+  // straight from the final hidden states by fused_linear_cross_entropy over head_weight(),
+  // chunk_tokens tokens at a time, so the [B, S, vocab] logits never exist; a head of another
+  // kind runs its own forward and the loss is taken from its logits. Equals
+  // cross_entropy(forward(input), targets) within fp32 rounding. Needs the blocks through lm_head.
+  at::Tensor forward_loss(const at::Tensor& input, const at::Tensor& targets,
+                          int64_t chunk_tokens = 4096, const ForwardOptions& opts = {});
+
+  std::shared_ptr<DecoderModel> model;
+  std::shared_ptr<nn::Linear> lm_head;  // null when tied
+
+ private:
+  // forward over the owned blocks [first_, stop).
+  at::Tensor forward_blocks(const at::Tensor& input, const ForwardOptions& opts, int64_t stop);
+  // A tied head reads the embedding's weight, which must hold the whole vocabulary.
+  void check_tied_head() const;
+  ModelConfig config_;
+  int64_t first_ = 0, end_;
+  CheckpointMode checkpointing_ = CheckpointMode::None;
+};
+
+// Mean token cross-entropy of logits [B, S, V] against labels [B, S] shifted by one (HF's
+// ForCausalLMLoss: fp32, ignore_index -100).
+at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels);
+
+// Greedy decoding with a KV cache: the prompt runs once, then one position per new token.
+// Returns the new tokens of each row [B, n]. Stops early only when every row produced
+// eos_token_id (if given).
+at::Tensor generate_greedy(CausalLM& model, const at::Tensor& prompt_ids, int64_t max_new_tokens,
+                           std::optional<int64_t> eos_token_id = std::nullopt);
+
+}  // namespace colossal::models

@@ -1,0 +1,64 @@
+// The attention pieces every decoder shares: what attention masks out, where a sequence shard
+// sits in the whole sequence, the KV cache of decoding, and the core-attention slot — the
+// softmax(q k^T) v step between the projections, behind an interface so ring or all-to-all
+// (Ulysses) attention, or our own kernels, can replace SDPA without touching the model.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "colossal/nn/module.h"
+
+namespace colossal::nn {
+
+// What attention masks out. An undefined `mask` with causal=true is the plain causal case
+// (SDPA's is_causal); otherwise `mask` is a bool [B|1, 1, S, kv_len] (true = attend).
+struct AttentionMask {
+  at::Tensor mask;
+  bool causal = true;
+};
+
+// Where this rank's tokens sit in the sequence: positions [past + offset, past + offset +
+// local_len) of a step whose new tokens number global_len. Without sequence parallelism
+// offset = 0 and local_len = global_len (the whole sequence is local).
+struct SequenceInfo {
+  int64_t past = 0;        // tokens already in the KV cache
+  int64_t offset = 0;      // of this rank's first token among the step's new tokens
+  int64_t local_len = 0;   // tokens this rank holds
+  int64_t global_len = 0;  // new tokens of the step over all ranks
+  bool sharded() const { return local_len != global_len; }
+};
+
+// Keys and values of every layer so far (post-rotary, as HF caches them). Reserve() to write in
+// place; without it each step appends with a concatenation.
+struct KVCache {
+  std::vector<at::Tensor> k, v;  // per layer [B, kv_heads, capacity, head_dim]
+  std::vector<int64_t> len;      // per layer valid length
+  int64_t capacity = 0;          // 0: grow by concatenation
+  explicit KVCache(int64_t num_layers = 0, int64_t reserve_tokens = 0)
+      : k(num_layers), v(num_layers), len(num_layers, 0), capacity(reserve_tokens) {}
+  int64_t length(int64_t layer = 0) const { return len.empty() ? 0 : len[layer]; }
+  // Appends [B, kvh, S, D] and returns the whole valid [B, kvh, len, D] views.
+  std::pair<at::Tensor, at::Tensor> update(int64_t layer, const at::Tensor& k_new,
+                                           const at::Tensor& v_new);
+};
+
+// softmax(q k^T / sqrt(D) + mask) v. q [B, Hq, S, D], k/v [B, Hkv, kv_len, D] with Hq a multiple
+// of Hkv (grouped-query attention without copies) -> [B, Hq, S, D].
+class CoreAttention : public Module {
+ public:
+  virtual at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const AttentionMask& mask, const SequenceInfo& seq) = 0;
+};
+
+// at::scaled_dot_product_attention (LibTorch picks flash, cuDNN, efficient or math).
+class SdpaAttention : public CoreAttention {
+ public:
+  at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const AttentionMask& mask, const SequenceInfo& seq) override;
+};
+
+}  // namespace colossal::nn

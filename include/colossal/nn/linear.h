@@ -1,0 +1,80 @@
+// The linear layer family: nn::Linear with a virtual forward, so a parallel, LoRA or FP8 linear
+// can take its place (Module::replace_child) and be called through the parent's typed member;
+// and fused_projections(), which lets a parent compute several projections of one input as one
+// concatenated GEMM only when every one of them is a plain Linear, so a projection of another
+// kind is never bypassed on any device.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "colossal/nn/module.h"
+
+namespace colossal::nn {
+
+// Whether the model runs the fused kernels (kernels/fused.h) for tensors like x: on CUDA, when
+// the build has them and they are enabled. On the CPU the ATen composites are vectorised and
+// multi-threaded while the fused CPU loops (kept for tests and devices without ATen kernels)
+// are scalar, so the composites are faster there (docs/kernels.md).
+bool use_fused_kernels(const at::Tensor& x);
+
+// LibTorch-style options: LinearOptions(in, out).bias(false).tensor_options(opts).
+struct LinearOptions {
+  LinearOptions(int64_t in_features, int64_t out_features)
+      : in_features_(in_features), out_features_(out_features) {}
+  TORCH_ARG(int64_t, in_features);
+  TORCH_ARG(int64_t, out_features);
+  TORCH_ARG(bool, bias) = true;
+  TORCH_ARG(at::TensorOptions, tensor_options) = {};
+};
+
+// y = x W^T + b. weight [out, in], optional bias [out]. Sharded with a group (ShardSpec), the
+// layer does its own region operations (module.h).
+class Linear : public Module {
+ public:
+  explicit Linear(const LinearOptions& options);
+  virtual at::Tensor forward(const at::Tensor& x);
+
+  // Whether forward(x) is exactly x W^T + b over this rank's storage, with nothing else to do
+  // (no communication, no adapter, no cast), so that a parent may compute it inside one GEMM
+  // with its siblings (fused_projections). True only for a plain nn::Linear whose spec needs no
+  // communication; the check is on the dynamic type, so a derived layer is never fused unless
+  // it overrides this to opt in.
+  virtual bool fusable() const;
+
+  const at::Tensor& weight() const { return param("weight"); }
+  bool has_bias() const { return has_bias_; }
+  // Column: weight/bias rows split; Row: weight columns split (bias stays whole: the row
+  // forward adds it once after the reduction).
+  void shard(const ShardSpec& spec) override;
+  at::Tensor shard_slice(const std::string& name, const at::Tensor& full) const override;
+  std::vector<int64_t> full_shape(const std::string& name) const override;
+  int64_t in_features() const { return in_; }  // current (local) sizes
+  int64_t out_features() const { return out_; }
+  const LinearOptions& options() const { return options_; }
+
+ protected:
+  // x W^T (+ b) over this rank's storage, no communication: what a derived layer wraps.
+  at::Tensor local_linear(const at::Tensor& x, bool with_bias) const;
+
+ private:
+  LinearOptions options_;
+  int64_t in_, out_, full_in_, full_out_;
+  bool has_bias_;
+};
+
+// The projections of one input x, concatenated along the last dim ([.., sum of out_features]),
+// as one GEMM (kernels::linear_concat: one dx GEMM in backward instead of one per projection
+// plus their adds), with each projection's forward hooks fired around it. Returns nullopt —
+// and the caller must call each projection's forward — unless the fused kernels run for x and
+// every projection is fusable() and alike (weights of one dtype and device, all with a bias
+// or none).
+std::optional<at::Tensor> fused_projections(const at::Tensor& x,
+                                            const std::vector<Linear*>& projections);
+
+}  // namespace colossal::nn

@@ -1,0 +1,33 @@
+// Llama's tensor-parallel plan.
+#include "colossal/models/llama/plan.h"
+
+#include "colossal/core/error.h"
+
+namespace colossal::models {
+
+void check_tensor_parallel(const ModelConfig& cfg, int64_t tp) {
+  COLOSSAL_CHECK_INPUT(tp >= 1, "tensor parallel size must be >= 1, got ", tp);
+  auto divisible = [&](int64_t n, const char* what) {
+    COLOSSAL_CHECK_INPUT(n % tp == 0, "tensor parallel size ", tp, " does not divide ", what,
+                         " = ", n);
+  };
+  divisible(cfg.num_attention_heads, "num_attention_heads");
+  divisible(cfg.num_key_value_heads, "num_key_value_heads");
+  divisible(cfg.intermediate_size, "intermediate_size");
+  if (!cfg.tie_word_embeddings) divisible(cfg.vocab_size, "vocab_size");
+}
+
+nn::ParallelPlan tensor_parallel_plan(const ModelConfig& cfg) {
+  using K = nn::ShardSpec::Kind;
+  nn::ParallelPlan plan;
+  if (!cfg.tie_word_embeddings) plan.push_back({"model.embed_tokens", {}, K::Vocab});
+  for (const char* p : {"q_proj", "k_proj", "v_proj"})
+    plan.push_back({std::string("model.layers.*.self_attn.") + p, {}, K::Column});
+  plan.push_back({"model.layers.*.self_attn.o_proj", {}, K::Row});
+  for (const char* p : {"gate_proj", "up_proj"})
+    plan.push_back({std::string("model.layers.*.mlp.") + p, {}, K::Column});
+  plan.push_back({"model.layers.*.mlp.down_proj", {}, K::Row});
+  return plan;
+}
+
+}  // namespace colossal::models

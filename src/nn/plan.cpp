@@ -1,0 +1,79 @@
+// Matching plan rules against module paths and applying them (replace, then shard).
+#include "colossal/nn/plan.h"
+
+#include <map>
+#include <set>
+
+#include "colossal/core/error.h"
+
+namespace colossal::nn {
+
+namespace {
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  size_t begin = 0;
+  while (true) {
+    size_t end = s.find('.', begin);
+    out.push_back(s.substr(begin, end == std::string::npos ? std::string::npos : end - begin));
+    if (end == std::string::npos) return out;
+    begin = end + 1;
+  }
+}
+
+}  // namespace
+
+bool plan_matches(const std::string& pattern, const std::string& path) {
+  const std::vector<std::string> p = split(pattern), q = split(path);
+  if (p.size() != q.size()) return false;
+  for (size_t i = 0; i < p.size(); ++i)
+    if (p[i] != "*" && p[i] != q[i]) return false;
+  return true;
+}
+
+int64_t apply_plan(torch::nn::Module& root, const ParallelPlan& plan, const PlanOptions& options) {
+  const bool shard = options.tp.valid() && options.tp.size() > 1;
+  // Paths first (replacing a module changes the tree under it, not the paths of its siblings).
+  std::vector<std::string> paths;
+  for (const auto& item : root.named_modules("", /*include_self=*/false)) paths.push_back(item.key());
+  std::map<std::string, std::string> sharded_by;  // path -> pattern
+  int64_t changed = 0;
+  for (const PlanRule& rule : plan) {
+    COLOSSAL_CHECK_INPUT(rule.replace || rule.shard, "parallel plan rule '", rule.pattern,
+                         "' neither replaces nor shards anything");
+    int64_t hits = 0;
+    for (const std::string& path : paths) {
+      if (!plan_matches(rule.pattern, path)) continue;
+      ++hits;
+      if (rule.replace) {
+        auto current = find_module(root, path);
+        auto next = rule.replace(path, current);
+        COLOSSAL_CHECK_INPUT(next != nullptr, "parallel plan rule '", rule.pattern,
+                             "' built no module for ", path);
+        replace_module(root, path, next);
+        ++changed;
+      }
+      if (rule.shard && shard) {
+        auto [it, fresh] = sharded_by.emplace(path, rule.pattern);
+        COLOSSAL_CHECK_INPUT(fresh, "parallel plan: ", path, " is sharded by two rules, '",
+                             it->second, "' and '", rule.pattern, "'");
+        auto* layer = dynamic_cast<Module*>(find_module(root, path).get());
+        COLOSSAL_CHECK_INPUT(layer != nullptr, "parallel plan rule '", rule.pattern, "': ", path,
+                             " is not a colossal::nn layer and cannot be sharded");
+        try {
+          layer->shard(ShardSpec::over(*rule.shard, options.tp, options.sequence_parallel));
+        } catch (const Error& e) {
+          throw InputError(str("parallel plan rule '", rule.pattern, "' on ", path, " (",
+                               to_string(*rule.shard), " over ", options.tp.size(),
+                               " ranks): ", e.what()));
+        }
+        ++changed;
+      }
+    }
+    COLOSSAL_CHECK_INPUT(hits > 0 || !options.every_rule_matches, "parallel plan rule '", rule.pattern,
+                         "' matches no module of this model");
+  }
+  return changed;
+}
+
+}  // namespace colossal::nn
