@@ -96,8 +96,8 @@ TEST(ModelCuda, ReplacedProjectionsRunTheirOwnForwardUnderFusion) {
   at::Tensor ids = at::randint(0, cfg.vocab_size, {2, 64}, at::kLong).to(dev);
   at::Tensor fused = model->forward(ids).to(at::kFloat);
   ASSERT_TRUE(model->model->layers->layers[0]->self_attn->k_proj->fusable());
-  auto k = testing::record_linear(*model, "model.layers.0.self_attn.k_proj");
-  auto up = testing::record_linear(*model, "model.layers.0.mlp.up_proj");
+  auto k = colossal::testing::record_linear(*model, "model.layers.0.self_attn.k_proj");
+  auto up = colossal::testing::record_linear(*model, "model.layers.0.mlp.up_proj");
   at::Tensor replaced = model->forward(ids).to(at::kFloat);
   EXPECT_EQ(k->calls, 1);
   EXPECT_EQ(up->calls, 1);

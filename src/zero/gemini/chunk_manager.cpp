@@ -28,7 +28,7 @@
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
 #include "colossal/kernels/fused.h"
-#include "colossal/nn/module.h"
+#include "colossal/models/llama/model.h"
 #include "colossal/optim/adamw.h"
 #include "colossal/optim/cpu_adam.h"
 
