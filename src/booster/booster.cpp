@@ -5,7 +5,7 @@
 
 #include <filesystem>
 
-#include "colossal/booster/ddp_plugin.h"
+#include "colossal/booster/plugins/ddp_plugin.h"
 #include "colossal/checkpoint/atomic.h"
 #include "colossal/checkpoint/hf.h"
 #include "colossal/checkpoint/pretrained.h"

@@ -8,7 +8,7 @@
 
 #include "cli/args.h"
 #include "cli/command.h"
-#include "colossal/booster/bench.h"
+#include "colossal/app/bench.h"
 #include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"

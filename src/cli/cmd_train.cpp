@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "cli/command.h"
-#include "colossal/booster/trainer.h"
+#include "colossal/app/trainer.h"
 #include "colossal/core/error.h"
 #include "colossal/core/options.h"
 #include "colossal/core/toml.h"

@@ -1,4 +1,4 @@
-#include "colossal/booster/zero_plugin.h"
+#include "colossal/booster/plugins/low_level_zero_plugin.h"
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
@@ -9,7 +9,7 @@
 #include <map>
 
 #include "colossal/amp/grad_scaler.h"
-#include "colossal/booster/ddp_plugin.h"
+#include "colossal/booster/plugins/ddp_plugin.h"
 #include "colossal/booster/grad_sync.h"
 #include "colossal/core/logging.h"
 #include "colossal/core/options.h"

@@ -1,4 +1,4 @@
-#include "colossal/booster/trainer.h"
+#include "colossal/app/trainer.h"
 
 #include <ATen/ATen.h>
 #include <unistd.h>

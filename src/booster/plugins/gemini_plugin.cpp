@@ -1,4 +1,4 @@
-#include "colossal/booster/gemini_plugin.h"
+#include "colossal/booster/plugins/gemini_plugin.h"
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
@@ -6,7 +6,7 @@
 #include <cmath>
 
 #include "colossal/amp/grad_scaler.h"
-#include "colossal/booster/ddp_plugin.h"
+#include "colossal/booster/plugins/ddp_plugin.h"
 #include "colossal/core/accelerator.h"
 #include "colossal/core/logging.h"
 #include "colossal/core/options.h"

@@ -1,4 +1,4 @@
-#include "colossal/booster/ddp_plugin.h"
+#include "colossal/booster/plugins/ddp_plugin.h"
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>

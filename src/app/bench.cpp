@@ -1,5 +1,5 @@
 // `colossal bench`'s loop and report (see bench.h).
-#include "colossal/booster/bench.h"
+#include "colossal/app/bench.h"
 
 #include <ATen/ATen.h>
 #include <sys/resource.h>
@@ -13,9 +13,9 @@
 #include <numeric>
 
 #include "colossal/booster/booster.h"
-#include "colossal/booster/ddp_plugin.h"
-#include "colossal/booster/gemini_plugin.h"
-#include "colossal/booster/zero_plugin.h"
+#include "colossal/booster/plugins/ddp_plugin.h"
+#include "colossal/booster/plugins/gemini_plugin.h"
+#include "colossal/booster/plugins/low_level_zero_plugin.h"
 #include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"

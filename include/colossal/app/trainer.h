@@ -7,9 +7,9 @@
 #include <cstdint>
 #include <string>
 
-#include "colossal/booster/ddp_plugin.h"
-#include "colossal/booster/gemini_plugin.h"
-#include "colossal/booster/zero_plugin.h"
+#include "colossal/booster/plugins/ddp_plugin.h"
+#include "colossal/booster/plugins/gemini_plugin.h"
+#include "colossal/booster/plugins/low_level_zero_plugin.h"
 #include "colossal/core/json.h"
 
 namespace colossal {
