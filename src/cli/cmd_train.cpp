@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "cli/command.h"
-#include "colossal/booster/trainer.h"
+#include "colossal/app/trainer.h"
 #include "colossal/core/error.h"
 #include "colossal/core/options.h"
 #include "colossal/core/toml.h"
@@ -15,7 +15,7 @@
 namespace {
 
 int cmd_train(int argc, char** argv) {
-  colossal::booster::TrainConfig cfg;
+  colossal::app::TrainConfig cfg;
   colossal::OptionSet options;
   cfg.register_options(options);
   std::vector<std::string> args(argv + 1, argv + argc);
@@ -50,7 +50,7 @@ int cmd_train(int argc, char** argv) {
         "give either --model (a preset or config.json) or --init (an HF folder), not both");
 
   colossal::dist::Session session;
-  auto result = colossal::booster::train(cfg, options.to_json());
+  auto result = colossal::app::train(cfg, options.to_json());
   if (colossal::dist::rank() == 0) {
     std::fprintf(stderr, "done: %lld steps, final loss %.4f%s%s\n",
                  static_cast<long long>(result.steps_done), result.last_loss,

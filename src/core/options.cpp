@@ -25,25 +25,26 @@ std::string repr(const T& v) {
 
 OptionSet& OptionSet::add_opt(Opt o) {
   o.name = norm(o.name);
-  COLOSSAL_CHECK(find(o.name) == nullptr, "option '", o.name, "' registered twice");
+  COLOSSAL_CHECK(find(o.name) == nullptr, "option '", o.name,
+                 "' registered twice (or is an alias)");
   opts_.push_back(std::move(o));
   return *this;
 }
 OptionSet& OptionSet::add(const std::string& s, const std::string& n, int64_t* t, const std::string& h) {
-  return add_opt({s, n, h, t, {}, false, false, 0, 0, repr(*t)});
+  return add_opt({s, n, h, t, {}, false, false, 0, 0, repr(*t), {}});
 }
 OptionSet& OptionSet::add(const std::string& s, const std::string& n, int* t, const std::string& h) {
-  return add_opt({s, n, h, t, {}, false, false, 0, 0, repr(*t)});
+  return add_opt({s, n, h, t, {}, false, false, 0, 0, repr(*t), {}});
 }
 OptionSet& OptionSet::add(const std::string& s, const std::string& n, double* t, const std::string& h) {
-  return add_opt({s, n, h, t, {}, false, false, 0, 0, repr(*t)});
+  return add_opt({s, n, h, t, {}, false, false, 0, 0, repr(*t), {}});
 }
 OptionSet& OptionSet::add(const std::string& s, const std::string& n, bool* t, const std::string& h) {
-  return add_opt({s, n, h, t, {}, false, false, 0, 0, *t ? "true" : "false"});
+  return add_opt({s, n, h, t, {}, false, false, 0, 0, *t ? "true" : "false", {}});
 }
 OptionSet& OptionSet::add(const std::string& s, const std::string& n, std::string* t, const std::string& h,
                           std::vector<std::string> choices) {
-  return add_opt({s, n, h, t, std::move(choices), false, false, 0, 0, *t});
+  return add_opt({s, n, h, t, std::move(choices), false, false, 0, 0, *t, {}});
 }
 OptionSet& OptionSet::min(const std::string& name, double lo) {
   Opt* o = find(name);
@@ -60,11 +61,44 @@ OptionSet& OptionSet::max(const std::string& name, double hi) {
   return *this;
 }
 
+OptionSet& OptionSet::alias(const std::string& name, const std::string& alias) {
+  Opt* o = find(name);
+  COLOSSAL_CHECK(o, "alias(): unknown option ", name);
+  const bool is_short = alias.size() >= 2 && alias[0] == '-' && alias[1] != '-';
+  const std::string a =
+      is_short ? alias : norm(alias.rfind("--", 0) == 0 ? alias.substr(2) : alias);
+  COLOSSAL_CHECK(find(a) == nullptr, "alias '", alias, "' of option '", o->name,
+                 "' is already an option or alias");
+  o->aliases.push_back(a);
+  return *this;
+}
+OptionSet& OptionSet::default_text(const std::string& name, const std::string& text) {
+  Opt* o = find(name);
+  COLOSSAL_CHECK(o, "default_text(): unknown option ", name);
+  o->default_repr = text;
+  return *this;
+}
+
 OptionSet::Opt* OptionSet::find(const std::string& name) {
-  std::string n = norm(name);
-  for (auto& o : opts_)
+  // Short aliases ("-p") are matched as written, names and long aliases normalised.
+  const bool is_short = name.size() >= 2 && name[0] == '-' && name[1] != '-';
+  std::string n = is_short ? name : norm(name);
+  for (auto& o : opts_) {
     if (o.name == n) return &o;
+    for (const auto& a : o.aliases)
+      if (a == n) return &o;
+  }
   return nullptr;
+}
+
+std::string OptionSet::display_name(const Opt& o) {
+  if (o.aliases.empty()) return "'" + o.name + "'";
+  std::string out = "'" + o.name + "' (";
+  for (size_t i = 0; i < o.aliases.size(); ++i) {
+    const std::string& a = o.aliases[i];
+    out += (i ? ", " : "") + (a[0] == '-' ? a : "--" + a);
+  }
+  return out + ")";
 }
 const OptionSet::Opt* OptionSet::find(const std::string& name) const {
   return const_cast<OptionSet*>(this)->find(name);
@@ -93,8 +127,7 @@ void OptionSet::set_from_json(Opt& o, const json::Value& v, const std::string& w
   set_[o.name] = true;
 }
 
-void OptionSet::set_from_string(Opt& o, const std::string& v, const std::string& where) {
-  std::string what = where + " --" + o.name;
+void OptionSet::set_from_string(Opt& o, const std::string& v, const std::string& what) {
   std::visit(
       [&](auto* p) {
         using T = std::remove_pointer_t<decltype(p)>;
@@ -150,15 +183,17 @@ std::vector<std::string> OptionSet::apply_flags(const std::vector<std::string>& 
   std::vector<std::string> rest;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
-    if (a.rfind("--", 0) != 0) {
+    const bool is_long = a.rfind("--", 0) == 0;
+    const bool is_short = !is_long && a.size() >= 2 && a[0] == '-';
+    if (!is_long && !is_short) {
       COLOSSAL_CHECK_INPUT(allow_rest, "unexpected argument '", a, "'");
       rest.push_back(a);
       continue;
     }
-    std::string key = a.substr(2), value;
+    std::string key = is_long ? a.substr(2) : a, value;
     bool has_value = false;
     auto eq = key.find('=');
-    if (eq != std::string::npos) {
+    if (is_long && eq != std::string::npos) {
       value = key.substr(eq + 1);
       key = key.substr(0, eq);
       has_value = true;
@@ -171,18 +206,19 @@ std::vector<std::string> OptionSet::apply_flags(const std::vector<std::string>& 
     }
     if (!has_value) {
       if (std::holds_alternative<bool*>(o->target)) {
-        // `--flag`, or `--flag true|false` as a separate word.
-        if (i + 1 < args.size() && (args[i + 1] == "true" || args[i + 1] == "false")) {
-          value = args[++i];
-        } else {
-          value = "true";
-        }
+        // `--flag`, or `--flag true|false` as a separate word (any word without allow_rest:
+        // `--flag maybe` is then an error naming the flag, not a stray argument).
+        const bool next_is_value =
+            i + 1 < args.size() && (args[i + 1] == "true" || args[i + 1] == "false" ||
+                                    (!allow_rest && args[i + 1].rfind('-', 0) != 0));
+        value = next_is_value ? args[++i] : "true";
       } else {
-        COLOSSAL_CHECK_INPUT(i + 1 < args.size(), "option --", o->name, " needs a value");
+        COLOSSAL_CHECK_INPUT(i + 1 < args.size(), "option ", is_long ? "--" + norm(key) : key,
+                             " needs a value");
         value = args[++i];
       }
     }
-    set_from_string(*o, value, "flag");
+    set_from_string(*o, value, "flag " + (is_long ? "--" + norm(key) : key));
   }
   return rest;
 }
@@ -200,19 +236,25 @@ void OptionSet::validate() const {
                 ok |= (c == *p);
                 list += (list.empty() ? "" : ", ") + c;
               }
-              COLOSSAL_CHECK_INPUT(ok, "option '", o.name, "' must be one of {", list, "}, got '", *p, "'");
+              COLOSSAL_CHECK_INPUT(ok, "option ", display_name(o), " must be one of {", list,
+                                   "}, got '", *p, "'");
             }
           } else if constexpr (!std::is_same_v<T, bool>) {
             double x = static_cast<double>(*p);
-            COLOSSAL_CHECK_INPUT(!o.has_min || x >= o.lo, "option '", o.name, "' must be >= ", o.lo, ", got ", *p);
-            COLOSSAL_CHECK_INPUT(!o.has_max || x <= o.hi, "option '", o.name, "' must be <= ", o.hi, ", got ", *p);
+            COLOSSAL_CHECK_INPUT(!o.has_min || x >= o.lo, "option ", display_name(o),
+                                 " must be >= ", o.lo, ", got ", *p);
+            COLOSSAL_CHECK_INPUT(!o.has_max || x <= o.hi, "option ", display_name(o),
+                                 " must be <= ", o.hi, ", got ", *p);
           }
         },
         o.target);
   }
 }
 
-bool OptionSet::was_set(const std::string& name) const { return set_.count(norm(name)) > 0; }
+bool OptionSet::was_set(const std::string& name) const {
+  const Opt* o = find(name);
+  return o && set_.count(o->name) > 0;
+}
 
 std::string OptionSet::help() const {
   std::string out;
@@ -222,7 +264,12 @@ std::string OptionSet::help() const {
       section = o.section;
       out += "\n[" + section + "]\n";
     }
-    std::string line = "  --" + o.name;
+    std::string line = "  ";
+    for (const auto& a : o.aliases)
+      if (a[0] == '-') line += a + ", ";
+    line += "--" + o.name;
+    for (const auto& a : o.aliases)
+      if (a[0] != '-') line += ", --" + a;
     if (line.size() < 28) line.append(28 - line.size(), ' ');
     line += " " + o.help;
     if (!o.choices.empty()) {

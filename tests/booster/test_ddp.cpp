@@ -12,7 +12,7 @@
 #include <limits>
 
 #include "colossal/booster/booster.h"
-#include "colossal/booster/ddp_plugin.h"
+#include "colossal/booster/plugins/ddp_plugin.h"
 #include "colossal/booster/grad_sync.h"
 #include "colossal/data/dataloader.h"
 #include "colossal/data/token_file.h"

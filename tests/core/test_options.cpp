@@ -65,3 +65,42 @@ TEST(Options, ErrorsNameTheOption) {
   o3.apply_flags({"--plugin", "gemini"});
   expect_error([&] { o3.validate(); }, "gemini");
 }
+
+// Aliases: a short flag and a second long name reach the same field, in flags and files; help
+// lists them; range errors name every spelling; a bool flag's bad value names the flag.
+TEST(Options, AliasesReachTheSameField) {
+  Cfg c;
+  auto o = c.options();
+  o.alias("steps", "-s").alias("steps", "num_steps").alias("shuffle", "-x");
+  o.default_text("lr", "decided later");
+  o.apply_flags({"-s", "7", "-x"});
+  EXPECT_EQ(c.steps, 7);
+  EXPECT_TRUE(c.shuffle);
+  EXPECT_TRUE(o.was_set("num_steps"));
+  o.apply_flags({"--num-steps=9", "-x", "false"});
+  EXPECT_EQ(c.steps, 9);
+  EXPECT_FALSE(c.shuffle);
+  o.apply(colossal::json::parse(R"({"train": {"num_steps": 11}})"), "run.toml");
+  EXPECT_EQ(c.steps, 11);
+  const std::string help = o.help();
+  EXPECT_NE(help.find("-s, --steps, --num_steps"), std::string::npos) << help;
+  EXPECT_NE(help.find("[decided later]"), std::string::npos) << help;
+  o.apply_flags({"-s", "0"});
+  try {
+    o.validate();
+    ADD_FAILURE() << "steps 0 accepted";
+  } catch (const colossal::InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("'steps' (-s, --num_steps) must be >= 1"), std::string::npos)
+        << e.what();
+  }
+  try {
+    o.apply_flags({"--shuffle", "maybe"});
+    ADD_FAILURE() << "--shuffle maybe accepted";
+  } catch (const colossal::InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("--shuffle takes true or false, got 'maybe'"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(o.apply_flags({"-q", "1"}), colossal::InputError);
+  EXPECT_THROW(o.alias("lr", "-s"), colossal::Error);  // taken by steps
+}

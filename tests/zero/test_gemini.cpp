@@ -13,8 +13,8 @@
 #include <cmath>
 
 #include "colossal/booster/booster.h"
-#include "colossal/booster/ddp_plugin.h"
-#include "colossal/booster/gemini_plugin.h"
+#include "colossal/booster/plugins/ddp_plugin.h"
+#include "colossal/booster/plugins/gemini_plugin.h"
 #include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
 #include "colossal/models/llama/model.h"

@@ -12,8 +12,8 @@
 #include <cmath>
 
 #include "colossal/booster/booster.h"
-#include "colossal/booster/ddp_plugin.h"
-#include "colossal/booster/zero_plugin.h"
+#include "colossal/booster/plugins/ddp_plugin.h"
+#include "colossal/booster/plugins/low_level_zero_plugin.h"
 #include "colossal/checkpoint/hf.h"
 #include "colossal/core/accelerator.h"
 #include "colossal/kernels/fused.h"

@@ -14,6 +14,7 @@
 #include <optional>
 #include <string>
 
+#include "colossal/booster/checkpoint_io.h"
 #include "colossal/booster/plugin.h"
 #include "colossal/booster/wrappers.h"
 
@@ -36,8 +37,8 @@ using Criterion = std::function<at::Tensor(const at::Tensor& outputs, const at::
 struct Boosted {
   std::shared_ptr<ModelWrapper> model;
   std::shared_ptr<OptimizerWrapper> optimizer;
-  Criterion criterion;                            // passed through
-  std::shared_ptr<data::DataLoader> dataloader;   // passed through (see Plugin::prepare_dataloader)
+  Criterion criterion;                           // passed through
+  std::shared_ptr<data::DataLoader> dataloader;  // passed through (see Plugin::prepare_dataloader)
   std::shared_ptr<optim::LRScheduler> lr_scheduler;  // passed through; drives the wrapped optimizer
 };
 
@@ -60,23 +61,30 @@ class Booster {
   explicit Booster(std::shared_ptr<Plugin> plugin = nullptr, BoosterOptions options = {});
 
   Plugin& plugin() { return *plugin_; }
+  // The plugin's own when it controls its checkpoint IO, else DataParallelCheckpointIO; every
+  // save_* / load_* below delegates to it.
+  CheckpointIO& checkpoint_io() { return *checkpoint_io_; }
 
   // ColossalAI's boost(model, optimizer, criterion, dataloader, lr_scheduler).
-  Boosted boost(std::shared_ptr<torch::nn::Module> model, std::shared_ptr<optim::Optimizer> optimizer = nullptr,
-                Criterion criterion = {}, std::shared_ptr<data::DataLoader> dataloader = nullptr,
+  Boosted boost(std::shared_ptr<torch::nn::Module> model,
+                std::shared_ptr<optim::Optimizer> optimizer = nullptr, Criterion criterion = {},
+                std::shared_ptr<data::DataLoader> dataloader = nullptr,
                 std::shared_ptr<optim::LRScheduler> lr_scheduler = nullptr);
 
   void backward(const at::Tensor& loss, OptimizerWrapper& optimizer);
   // Gradients accumulate locally until the guard ends; the next synchronised backward reduces
   // the accumulated sum. Requires plugin().support_no_sync().
-  [[nodiscard]] std::unique_ptr<NoSyncGuard> no_sync(ModelWrapper& model, OptimizerWrapper* optimizer = nullptr);
+  [[nodiscard]] std::unique_ptr<NoSyncGuard> no_sync(ModelWrapper& model,
+                                                     OptimizerWrapper* optimizer = nullptr);
   double clip_grad_by_norm(OptimizerWrapper& optimizer, double max_norm, double norm_type = 2.0);
-  // Pipeline plugins implement this; the others reject it with a clear error.
+  // Needs plugin().support_pipeline(); the others reject it with a clear error.
   void execute_pipeline();
 
+  // Checkpoints, through checkpoint_io() (formats: see DataParallelCheckpointIO).
   // Model: HF safetensors (`model.safetensors`, or shards + index when shard=true), plus
   // config.json for the project's own models. Written by global rank 0, atomically.
-  void save_model(ModelWrapper& model, const std::string& dir, bool shard = false, int64_t size_per_shard = 1024);
+  void save_model(ModelWrapper& model, const std::string& dir, bool shard = false,
+                  int64_t size_per_shard = 1024);
   void load_model(ModelWrapper& model, const std::string& path, bool strict = true,
                   OptimizerWrapper* optimizer = nullptr);
   // Optimizer: full-shape states keyed by parameter name (`optimizer.safetensors` +
@@ -87,9 +95,10 @@ class Booster {
   void load_lr_scheduler(optim::LRScheduler& scheduler, const std::string& file);
 
  private:
-  bool is_writer() const;
-  void barrier();
+  // A Booster argument contradicting the plugin's own precision or device is an InputError.
+  void check_against_plugin(const BoosterOptions& options) const;
   std::shared_ptr<Plugin> plugin_;
+  std::shared_ptr<CheckpointIO> checkpoint_io_;
 };
 
 }  // namespace colossal::booster

@@ -41,6 +41,7 @@ struct LossScaleOptions {
   double max_scale = 4294967296.0;  // 2**32
 };
 
+class CheckpointIO;
 class ModelWrapper;
 class OptimizerWrapper;
 
@@ -51,8 +52,12 @@ class Plugin {
   virtual std::vector<Precision> supported_precisions() const = 0;
   virtual std::vector<std::string> supported_devices() const = 0;  // "cpu", "cuda"
   virtual bool support_no_sync() const = 0;
+  // Read by Booster::execute_pipeline (refused unless true).
   virtual bool support_pipeline() const { return false; }
+  // true: the Booster saves and loads through checkpoint_io() (ColossalAI's
+  // control_checkpoint_io / get_checkpoint_io); false: through DataParallelCheckpointIO.
   virtual bool control_checkpoint_io() const { return false; }
+  virtual std::shared_ptr<CheckpointIO> checkpoint_io() { return nullptr; }
   // The precision and device this plugin was configured with.
   virtual Precision precision() const = 0;
   virtual std::string device() const = 0;

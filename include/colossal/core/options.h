@@ -28,15 +28,24 @@ class OptionSet {
   // Range checks applied by validate(); messages name the option and the value.
   OptionSet& min(const std::string& name, double lo);
   OptionSet& max(const std::string& name, double hi);
+  // Another name for option `name`: a long one ("prefetch_num": --prefetch_num on the command
+  // line, a key in a file) or a short flag ("-p"), so a program keeps the flag names its users
+  // know (ColossalAI's) while the struct field keeps one name.
+  OptionSet& alias(const std::string& name, const std::string& alias);
+  // What help() shows as the default when the field's initial value is not it (a default that
+  // is decided later, e.g. "bf16 on cuda, fp32 on cpu").
+  OptionSet& default_text(const std::string& name, const std::string& text);
 
   // A config object (parsed TOML or JSON). Unknown keys/sections are errors naming `source`.
   void apply(const json::Value& config, const std::string& source);
-  // Flags: --name value | --name=value | --flag (bools). Returns the arguments it did not
-  // consume only when allow_rest; otherwise an unknown flag is an error.
+  // Flags: --name value | --name=value | -a value (a short alias) | --flag (bools; also
+  // --flag true|false, and without allow_rest any word after a bool flag is its value, so
+  // `--flag maybe` is an error naming the flag). Returns the arguments it did not consume only
+  // when allow_rest; otherwise an unknown flag is an error.
   std::vector<std::string> apply_flags(const std::vector<std::string>& args, bool allow_rest = false);
   // Checks min/max/choices of every option (call after apply/apply_flags).
   void validate() const;
-  bool was_set(const std::string& name) const;  // by file or flag
+  bool was_set(const std::string& name) const;  // by file or flag (any of its names)
   std::string help() const;
   // Current values as a JSON object grouped by section (what a run actually used).
   json::Value to_json() const;
@@ -50,11 +59,14 @@ class OptionSet {
     bool has_min = false, has_max = false;
     double lo = 0, hi = 0;
     std::string default_repr;
+    std::vector<std::string> aliases;  // long ones normalised ("prefetch_num"), short with '-'
   };
   Opt* find(const std::string& name);
   const Opt* find(const std::string& name) const;
   void set_from_json(Opt& o, const json::Value& v, const std::string& where);
-  void set_from_string(Opt& o, const std::string& v, const std::string& where);
+  // `what` names the option as the user wrote it ("flag --prefetch_num", "flag -b").
+  void set_from_string(Opt& o, const std::string& v, const std::string& what);
+  static std::string display_name(const Opt& o);  // "'name'" or "'name' (-w, --warmup_ratio)"
   OptionSet& add_opt(Opt o);
   std::vector<Opt> opts_;
   std::map<std::string, bool> set_;

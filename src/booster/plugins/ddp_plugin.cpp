@@ -1,8 +1,10 @@
-#include "colossal/booster/ddp_plugin.h"
+// The none and ddp plugins (see ddp_plugin.h).
+#include "colossal/booster/plugins/ddp_plugin.h"
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
+#include "booster/plugins/plugin_common.h"
 #include "colossal/booster/grad_sync.h"
 #include "colossal/core/accelerator.h"
 #include "colossal/core/logging.h"
@@ -28,41 +30,14 @@ void DDPOptions::register_options(OptionSet& set) {
   set.min("backoff_factor", 1e-9).max("backoff_factor", 1.0).min("growth_interval", 1).min("hysteresis", 1);
 }
 
-std::vector<std::pair<std::string, at::Tensor>> cast_module_in_place(torch::nn::Module& module, at::ScalarType dtype,
-                                                                      const std::string& device) {
-  at::Device dev = device == "cuda" ? Accelerator::cuda().device() : at::Device(at::kCPU);
-  std::vector<std::pair<std::string, at::Tensor>> masters;
-  for (auto& item : module.named_parameters(/*recurse=*/true)) {
-    at::Tensor& p = item.value();
-    at::Tensor data = p.detach();
-    bool floating = at::isFloatingType(p.scalar_type());
-    if (floating) masters.emplace_back(item.key(), data.to(dev, at::kFloat, /*non_blocking=*/false, /*copy=*/true));
-    at::Tensor converted = floating ? data.to(dev, dtype) : data.to(dev);
-    if (!converted.is_same(data)) p.set_data(converted);
-  }
-  for (auto& item : module.named_buffers(/*recurse=*/true)) {
-    at::Tensor& b = item.value();
-    at::Tensor converted = at::isFloatingType(b.scalar_type()) ? b.to(dev, dtype) : b.to(dev);
-    if (!converted.is_same(b)) b.set_data(converted);
-  }
-  return masters;
-}
-
 namespace {
-
-std::vector<std::pair<std::string, at::Tensor>> trainable(torch::nn::Module& m) {
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (auto& item : m.named_parameters(true))
-    if (item.value().requires_grad()) out.emplace_back(item.key(), item.value());
-  return out;
-}
 
 class DDPModel : public ModelWrapper {
  public:
   DDPModel(std::shared_ptr<torch::nn::Module> module, dist::Communicator comm, GradSync::Options opts,
            std::vector<std::pair<std::string, at::Tensor>> masters)
       : ModelWrapper(std::move(module)), masters(std::move(masters)) {
-    if (comm.size() > 1) sync = std::make_unique<GradSync>(trainable(this->module()), comm, opts);
+    if (comm.size() > 1) sync = std::make_unique<GradSync>(plugins::trainable(this->module()), comm, opts);
   }
   void set_require_grad_sync(bool s) override {
     if (sync) sync->set_enabled(s);
@@ -82,13 +57,7 @@ std::shared_ptr<OptimizerWrapper> wrap_optimizer(std::shared_ptr<optim::Optimize
                                                  std::vector<std::pair<std::string, at::Tensor>>& masters,
                                                  amp::GradReducer reducer) {
   if (!optimizer) return nullptr;
-  // The optimizer's parameters must be the model's (it was built on the module before boost).
-  std::map<const void*, std::string> model_params;
-  for (auto& item : model.module().named_parameters(true)) model_params[item.value().unsafeGetTensorImpl()] = item.key();
-  for (auto& g : optimizer->param_groups())
-    for (size_t i = 0; i < g.params.size(); ++i)
-      COLOSSAL_CHECK_INPUT(model_params.count(g.params[i].unsafeGetTensorImpl()), "optimizer parameter '", g.names[i],
-                           "' is not a parameter of the boosted model");
+  plugins::check_optimizer_params(*optimizer, model.module());
   if (precision != Precision::FP32) optimizer->adopt_masters(masters);
   masters.clear();
   return std::make_shared<OptimizerWrapper>(std::move(optimizer), precision, ls, std::move(reducer));
@@ -97,13 +66,9 @@ std::shared_ptr<OptimizerWrapper> wrap_optimizer(std::shared_ptr<optim::Optimize
 }  // namespace
 
 DDPPlugin::DDPPlugin(DDPOptions options, dist::Communicator comm)
-    : options_(std::move(options)), precision_(precision_from_string(options_.precision)), comm_(std::move(comm)) {
-  if (!comm_.valid()) {
-    COLOSSAL_CHECK_INPUT(dist::is_initialized(),
-                         "the ddp plugin needs the distributed runtime: call colossal::dist::init() first "
-                         "(or start the program with `colossal run`)");
-    comm_ = dist::world();
-  }
+    : options_(std::move(options)),
+      precision_(precision_from_string(options_.precision)),
+      comm_(plugins::default_dp_comm(std::move(comm), "ddp")) {
   validate();
 }
 
@@ -115,21 +80,9 @@ int DDPPlugin::dp_size() const { return comm_.size(); }
 
 std::shared_ptr<ModelWrapper> DDPPlugin::configure_model(std::shared_ptr<torch::nn::Module> model) {
   COLOSSAL_CHECK(model, "boost(): model is null");
-  auto masters = cast_module_in_place(*model, working_dtype(precision_), options_.device);
+  auto masters = plugins::cast_module_in_place(*model, working_dtype(precision_), options_.device);
   // Every rank starts from rank 0's weights (and buffers), as torch DDP does.
-  if (comm_.size() > 1) {
-    for (auto& item : model->named_parameters(true)) {
-      at::Tensor d = item.value().detach();
-      comm_.broadcast(d, 0);
-    }
-    for (auto& [name, m] : masters) comm_.broadcast(m, 0);
-    if (options_.broadcast_buffers) {
-      for (auto& item : model->named_buffers(true)) {
-        at::Tensor d = item.value().detach();
-        comm_.broadcast(d, 0);
-      }
-    }
-  }
+  plugins::broadcast_from_rank0(comm_, *model, masters, options_.broadcast_buffers);
   GradSync::Options gs;
   gs.bucket_cap_mb = options_.bucket_cap_mb;
   if (options_.fp32_grad_reduce && precision_ != Precision::FP32) gs.communication_dtype = at::kFloat;
@@ -166,7 +119,7 @@ class PlainModel : public ModelWrapper {
 
 std::shared_ptr<ModelWrapper> NonePlugin::configure_model(std::shared_ptr<torch::nn::Module> model) {
   COLOSSAL_CHECK(model, "boost(): model is null");
-  auto masters = cast_module_in_place(*model, working_dtype(precision_), device_);
+  auto masters = plugins::cast_module_in_place(*model, working_dtype(precision_), device_);
   return std::make_shared<PlainModel>(std::move(model), std::move(masters));
 }
 

@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 
+#include "colossal/booster/checkpoint_io.h"
 #include "colossal/booster/plugin.h"
 #include "colossal/booster/wrappers.h"
 
@@ -43,6 +44,10 @@ class DDPPlugin : public Plugin {
   std::string device() const override { return options_.device; }
   int dp_rank() const override;
   int dp_size() const override;
+  bool control_checkpoint_io() const override { return true; }
+  std::shared_ptr<CheckpointIO> checkpoint_io() override {
+    return std::make_shared<DataParallelCheckpointIO>();
+  }
   std::shared_ptr<ModelWrapper> configure_model(std::shared_ptr<torch::nn::Module> model) override;
   std::shared_ptr<OptimizerWrapper> configure_optimizer(std::shared_ptr<optim::Optimizer> optimizer,
                                                         ModelWrapper& model) override;
@@ -66,6 +71,10 @@ class NonePlugin : public Plugin {
   std::string device() const override { return device_; }
   int dp_rank() const override { return 0; }
   int dp_size() const override { return 1; }
+  bool control_checkpoint_io() const override { return true; }
+  std::shared_ptr<CheckpointIO> checkpoint_io() override {
+    return std::make_shared<DataParallelCheckpointIO>();
+  }
   std::shared_ptr<ModelWrapper> configure_model(std::shared_ptr<torch::nn::Module> model) override;
   std::shared_ptr<OptimizerWrapper> configure_optimizer(std::shared_ptr<optim::Optimizer> optimizer,
                                                         ModelWrapper& model) override;
@@ -75,11 +84,5 @@ class NonePlugin : public Plugin {
   std::string device_;
   LossScaleOptions loss_scale_;
 };
-
-// Casts a module's floating parameters and buffers to `dtype` and moves them to `device` in
-// place (the Parameter objects stay the same, so an optimizer built before keeps working).
-// Returns, for every floating parameter, its fp32 value before the cast (the master weights).
-std::vector<std::pair<std::string, at::Tensor>> cast_module_in_place(torch::nn::Module& module, at::ScalarType dtype,
-                                                                      const std::string& device);
 
 }  // namespace colossal::booster

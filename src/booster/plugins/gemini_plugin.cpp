@@ -1,12 +1,13 @@
-#include "colossal/booster/gemini_plugin.h"
+// The gemini plugin (see gemini_plugin.h).
+#include "colossal/booster/plugins/gemini_plugin.h"
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
 #include <cmath>
 
+#include "booster/plugins/plugin_common.h"
 #include "colossal/amp/grad_scaler.h"
-#include "colossal/booster/ddp_plugin.h"
 #include "colossal/core/accelerator.h"
 #include "colossal/core/logging.h"
 #include "colossal/core/options.h"
@@ -64,34 +65,6 @@ void GeminiPluginOptions::register_options(OptionSet& set) {
 
 namespace {
 
-// As cast_module_in_place, but the fp32 values of half parameters stay in host memory (the
-// original CPU fp32 tensor itself when the model was built there: no copy) and are dropped once
-// the chunk manager has taken its master shards; fp32 runs need none. So a model that fits the
-// device in its working dtype can be boosted without a full fp32 copy on the device.
-std::vector<std::pair<std::string, at::Tensor>> cast_keeping_masters_on_host(
-    torch::nn::Module& module, at::ScalarType dtype, const std::string& device) {
-  at::Device dev = device == "cuda" ? Accelerator::cuda().device() : at::Device(at::kCPU);
-  std::vector<std::pair<std::string, at::Tensor>> masters;
-  for (auto& item : module.named_parameters(/*recurse=*/true)) {
-    at::Tensor& p = item.value();
-    at::Tensor data = p.detach();
-    const bool floating = at::isFloatingType(p.scalar_type());
-    if (floating && dtype != at::kFloat) {
-      const bool reuse = data.is_cpu() && data.scalar_type() == at::kFloat;
-      masters.emplace_back(item.key(),
-                           reuse ? data : data.to(at::kCPU, at::kFloat, false, /*copy=*/true));
-    }
-    at::Tensor converted = floating ? data.to(dev, dtype) : data.to(dev);
-    if (!converted.is_same(data)) p.set_data(converted);
-  }
-  for (auto& item : module.named_buffers(/*recurse=*/true)) {
-    at::Tensor& b = item.value();
-    at::Tensor converted = at::isFloatingType(b.scalar_type()) ? b.to(dev, dtype) : b.to(dev);
-    if (!converted.is_same(b)) b.set_data(converted);
-  }
-  return masters;
-}
-
 class GeminiModel : public ModelWrapper {
  public:
   using ModelWrapper::ModelWrapper;
@@ -114,13 +87,7 @@ class GeminiModel : public ModelWrapper {
 GeminiPlugin::GeminiPlugin(GeminiPluginOptions options, dist::Communicator comm)
     : options_(std::move(options)),
       precision_(precision_from_string(options_.precision)),
-      comm_(std::move(comm)) {
-  if (!comm_.valid()) {
-    COLOSSAL_CHECK_INPUT(dist::is_initialized(),
-                         "the gemini plugin needs the distributed runtime: call "
-                         "colossal::dist::init() first (or start the program with `colossal run`)");
-    comm_ = dist::world();
-  }
+      comm_(plugins::default_dp_comm(std::move(comm), "gemini")) {
   COLOSSAL_CHECK_INPUT(options_.max_norm >= 0, "gemini: max_norm must be >= 0, got ",
                        options_.max_norm);
   validate();
@@ -133,23 +100,12 @@ std::vector<Precision> GeminiPlugin::supported_precisions() const {
 std::shared_ptr<ModelWrapper> GeminiPlugin::configure_model(
     std::shared_ptr<torch::nn::Module> model) {
   COLOSSAL_CHECK(model, "boost(): model is null");
-  auto masters = cast_keeping_masters_on_host(*model, working_dtype(precision_), options_.device);
-  if (comm_.size() > 1) {  // every rank starts from rank 0's weights
-    const bool host_ok = comm_.backend() == dist::Backend::Gloo;
-    auto bcast = [&](const at::Tensor& t) {
-      at::Tensor d = t.detach();
-      if (!host_ok && d.is_cpu()) {  // NCCL moves device memory: one tensor at a time
-        at::Tensor dev = d.to(Accelerator::cuda().device());
-        comm_.broadcast(dev, 0);
-        d.copy_(dev);
-      } else {
-        comm_.broadcast(d, 0);
-      }
-    };
-    for (auto& item : model->named_parameters(true)) bcast(item.value());
-    for (auto& [name, m] : masters) bcast(m);
-    for (auto& item : model->named_buffers(true)) bcast(item.value());
-  }
+  // Masters stay on the host (dropped once the chunk manager has its shards): a model that fits
+  // the device in its working dtype is boosted without a full fp32 copy there.
+  auto masters = plugins::cast_module_in_place(*model, working_dtype(precision_), options_.device,
+                                               plugins::MasterCopies::kHostWhenHalf);
+  // Every rank starts from rank 0's weights.
+  plugins::broadcast_from_rank0(comm_, *model, masters, /*buffers=*/true);
   zero::gemini::GeminiOptions go;
   go.placement_policy = options_.placement_policy;
   go.shard_param_frac = options_.shard_param_frac;

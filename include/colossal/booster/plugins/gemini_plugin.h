@@ -21,6 +21,7 @@
 #include <memory>
 #include <string>
 
+#include "colossal/booster/checkpoint_io.h"
 #include "colossal/booster/plugin.h"
 #include "colossal/booster/wrappers.h"
 #include "colossal/core/json.h"
@@ -73,6 +74,12 @@ class GeminiPlugin : public Plugin {
   std::string device() const override { return options_.device; }
   int dp_rank() const override { return comm_.rank(); }
   int dp_size() const override { return comm_.size(); }
+  // The model gathered from the chunks (GeminiModel::wait_weights), full-shape optimizer states:
+  // DataParallelCheckpointIO.
+  bool control_checkpoint_io() const override { return true; }
+  std::shared_ptr<CheckpointIO> checkpoint_io() override {
+    return std::make_shared<DataParallelCheckpointIO>();
+  }
   std::shared_ptr<ModelWrapper> configure_model(std::shared_ptr<torch::nn::Module> model) override;
   std::shared_ptr<OptimizerWrapper> configure_optimizer(std::shared_ptr<optim::Optimizer> optimizer,
                                                         ModelWrapper& model) override;

@@ -30,6 +30,7 @@
 #include <memory>
 #include <string>
 
+#include "colossal/booster/checkpoint_io.h"
 #include "colossal/booster/plugin.h"
 #include "colossal/booster/wrappers.h"
 
@@ -77,6 +78,11 @@ class LowLevelZeroPlugin : public Plugin {
   std::string device() const override { return options_.device; }
   int dp_rank() const override { return comm_.rank(); }
   int dp_size() const override { return comm_.size(); }
+  // Full-shape optimizer states (gathered from the shards), HF model: DataParallelCheckpointIO.
+  bool control_checkpoint_io() const override { return true; }
+  std::shared_ptr<CheckpointIO> checkpoint_io() override {
+    return std::make_shared<DataParallelCheckpointIO>();
+  }
   std::shared_ptr<ModelWrapper> configure_model(std::shared_ptr<torch::nn::Module> model) override;
   std::shared_ptr<OptimizerWrapper> configure_optimizer(std::shared_ptr<optim::Optimizer> optimizer,
                                                         ModelWrapper& model) override;

@@ -1,4 +1,5 @@
-#include "colossal/booster/zero_plugin.h"
+// The low_level_zero plugin (see low_level_zero_plugin.h).
+#include "colossal/booster/plugins/low_level_zero_plugin.h"
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
@@ -8,8 +9,8 @@
 #include <functional>
 #include <map>
 
+#include "booster/plugins/plugin_common.h"
 #include "colossal/amp/grad_scaler.h"
-#include "colossal/booster/ddp_plugin.h"
 #include "colossal/booster/grad_sync.h"
 #include "colossal/core/logging.h"
 #include "colossal/core/options.h"
@@ -38,13 +39,6 @@ void ZeroOptions::register_options(OptionSet& set) {
 }
 
 namespace {
-
-std::vector<std::pair<std::string, at::Tensor>> trainable(torch::nn::Module& m) {
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (auto& item : m.named_parameters(true))
-    if (item.value().requires_grad()) out.emplace_back(item.key(), item.value());
-  return out;
-}
 
 class ZeroModel : public ModelWrapper {
  public:
@@ -120,14 +114,7 @@ void plan_gathers(zero::LowLevelZeroOptimizer& zopt, ZeroModel& zm,
 LowLevelZeroPlugin::LowLevelZeroPlugin(ZeroOptions options, dist::Communicator comm)
     : options_(std::move(options)),
       precision_(precision_from_string(options_.precision)),
-      comm_(std::move(comm)) {
-  if (!comm_.valid()) {
-    COLOSSAL_CHECK_INPUT(dist::is_initialized(),
-                         "the low_level_zero plugin needs the distributed runtime: call "
-                         "colossal::dist::init() first "
-                         "(or start the program with `colossal run`)");
-    comm_ = dist::world();
-  }
+      comm_(plugins::default_dp_comm(std::move(comm), "low_level_zero")) {
   COLOSSAL_CHECK_INPUT(options_.stage == 1 || options_.stage == 2,
                        "low_level_zero: stage must be 1 or 2, got ", options_.stage);
   COLOSSAL_CHECK_INPUT(options_.reduce_bucket_size_in_m > 0,
@@ -148,18 +135,10 @@ std::vector<Precision> LowLevelZeroPlugin::supported_precisions() const {
 std::shared_ptr<ModelWrapper> LowLevelZeroPlugin::configure_model(
     std::shared_ptr<torch::nn::Module> model) {
   COLOSSAL_CHECK(model, "boost(): model is null");
-  auto masters = cast_module_in_place(*model, working_dtype(precision_), options_.device);
-  if (comm_.size() > 1) {  // every rank starts from rank 0's weights
-    for (auto& item : model->named_parameters(true)) {
-      at::Tensor d = item.value().detach();
-      comm_.broadcast(d, 0);
-    }
-    for (auto& [name, m] : masters) comm_.broadcast(m, 0);
-    for (auto& item : model->named_buffers(true)) {
-      at::Tensor d = item.value().detach();
-      comm_.broadcast(d, 0);
-    }
-  }
+  auto masters =
+      plugins::cast_module_in_place(*model, working_dtype(precision_), options_.device);
+  // Every rank starts from rank 0's weights.
+  plugins::broadcast_from_rank0(comm_, *model, masters, /*buffers=*/true);
   return std::make_shared<ZeroModel>(std::move(model), std::move(masters));
 }
 
@@ -168,14 +147,7 @@ std::shared_ptr<OptimizerWrapper> LowLevelZeroPlugin::configure_optimizer(
   auto* zm = dynamic_cast<ZeroModel*>(&model);
   COLOSSAL_CHECK(zm, "low_level_zero plugin: the model was not configured by this plugin");
   if (!optimizer) return nullptr;
-  std::map<const void*, std::string> model_params;
-  for (auto& item : model.module().named_parameters(true))
-    model_params[item.value().unsafeGetTensorImpl()] = item.key();
-  for (auto& g : optimizer->param_groups())
-    for (size_t i = 0; i < g.params.size(); ++i)
-      COLOSSAL_CHECK_INPUT(model_params.count(g.params[i].unsafeGetTensorImpl()),
-                           "optimizer parameter '", g.names[i],
-                           "' is not a parameter of the boosted model");
+  plugins::check_optimizer_params(*optimizer, model.module());
   zero::ZeroOptimizerOptions zo;
   zo.cpu_offload = options_.cpu_offload;
   zo.allgather_bucket_numel = static_cast<int64_t>(options_.reduce_bucket_size_in_m * 1024 * 1024);
@@ -192,7 +164,7 @@ std::shared_ptr<OptimizerWrapper> LowLevelZeroPlugin::configure_optimizer(
   gs.overlap = options_.overlap_communication;
   if (!options_.communication_dtype.empty())
     gs.communication_dtype = working_dtype(precision_from_string(options_.communication_dtype));
-  auto params = trainable(model.module());
+  auto params = plugins::trainable(model.module());
   zm->stage = static_cast<int>(options_.stage);
   if (options_.stage == 2) {
     std::vector<int64_t> index;

@@ -2,22 +2,33 @@
 // on our stack. Random tokens (seeded per data-parallel rank), the real training step through the
 // Booster (forward, loss, backward, optimizer step), device-synchronised step times and their
 // median; throughput, model FLOPs by two rules, and peak memory. See docs/design.md.
+// The app layer: the plugin comes from booster::make_plugin, the flags from the same typed
+// option structs as `colossal train` (register_options), with ColossalAI's names as aliases.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "colossal/booster/plugins/factory.h"
 #include "colossal/core/json.h"
 
-namespace colossal::booster {
+namespace colossal {
+class OptionSet;
+}
+
+namespace colossal::app {
 
 struct BenchConfig {
-  std::string model = "tiny";          // preset or path to an HF config.json
-  std::string plugin = "ddp";          // none | ddp | low_level_zero | zero1 | zero2
-  std::string precision;               // fp32 | bf16 | fp16; "" = bf16 on cuda, fp32 on cpu
-  std::string device = "cpu";          // cpu | cuda
-  std::string checkpointing = "none";  // none | full | attention (activation recompute)
+  std::string model = "7b";  // preset or path to an HF config.json (-c; tiny on a CPU if unset)
+  // -p and every plugin's options: gemini's placement fractions, max_prefetch (--prefetch_num),
+  // overlap_cpu_adam and warmup_non_model_data_ratio (-w); zero's overlap_allgather; precision
+  // (fp32 | bf16 | fp16; bf16 on cuda, fp32 on cpu unless given).
+  booster::PluginOptions plugin;
+  std::string device;            // cpu | cuda ("" until resolve(): cuda when a GPU is visible)
+  bool grad_checkpoint = false;  // -g: recompute every decoder layer
+  std::string ckpt_mode;         // full | attention (implies -g)
+  std::string checkpointing = "none";  // resolved: none | full | attention
   int64_t ckpt_layers = -1;            // recompute only the first N decoder layers (-1: all)
   std::string attn_backend = "auto";   // SDPA backend: auto | flash | cudnn | efficient | math
   bool fused_kernels = true;           // kernels/fused.h (RMSNorm, rotary, SwiGLU, AdamW)
@@ -26,14 +37,7 @@ struct BenchConfig {
   // report, Chrome trace in profile_dir/rank<r>.json.
   bool profile = false;
   std::string profile_dir = "profile";
-  // gemini / gemini_auto (ColossalAI's flags): static placement fractions, chunk prefetch and
-  // auto's warm-up share of non-model memory (-w).
-  double shard_param_frac = 1.0, offload_optim_frac = 0.0, offload_param_frac = 0.0;
-  int64_t prefetch_num = 0;
-  bool overlap_cpu_adam = true;  // gemini: host chunks' CPU Adam beside the next forward
-  double warmup_ratio = 0.8;
-  bool flash_attention = false;    // -x: recorded; SDPA picks its flash kernel on GPU by itself
-  bool overlap_allgather = false;  // low_level_zero's background weight all-gather
+  bool flash_attention = false;  // -x: recorded; SDPA picks its flash kernel on GPU by itself
   bool fused_ce = true;  // loss by CausalLM::forward_loss (no full logits), as colossal train
   int64_t ce_chunk_tokens = 1024;
   int64_t batch = 2;  // per data-parallel rank
@@ -42,6 +46,14 @@ struct BenchConfig {
   int64_t warmup = 2;  // first steps not timed
   int64_t seed = 42;
   double lr = 1e-4;
+
+  // Every flag, named as `colossal train` names the same field, ColossalAI's benchmark names as
+  // aliases (-c -p -b -l -s -i -g -x -w, --config, --batch_size, --max_length, --num_steps,
+  // --ignore_steps, --xformers, --warmup_ratio, --prefetch_num, ...).
+  void register_options(OptionSet& set);
+  // After the flags: the defaults that depend on others (device, then precision and model) and
+  // the recompute mode; InputError for contradicting flags.
+  void resolve(const OptionSet& set);
   void validate() const;  // InputError naming the flag
 };
 
@@ -81,4 +93,4 @@ struct BenchReport {
 // Every rank returns the same report.
 BenchReport run_bench(const BenchConfig& config);
 
-}  // namespace colossal::booster
+}  // namespace colossal::app

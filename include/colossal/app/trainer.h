@@ -1,29 +1,28 @@
 // `colossal train`: a complete training run driven by one typed config (TOML file + flags):
 // model from a preset, a config.json or an HF folder; token-file data in a layout-independent
 // sample order; AdamW with warmup + schedule; any plugin through the Booster; progress, metrics
-// lines, atomic training checkpoints and exact resume.
+// lines, atomic training checkpoints and exact resume. The app layer: above the Booster, it
+// builds the pieces, picks the plugin by name (booster::make_plugin) and runs the loop.
 #pragma once
 
 #include <cstdint>
 #include <string>
 
-#include "colossal/booster/ddp_plugin.h"
-#include "colossal/booster/gemini_plugin.h"
-#include "colossal/booster/zero_plugin.h"
+#include "colossal/booster/plugins/factory.h"
 #include "colossal/core/json.h"
 
 namespace colossal {
 class OptionSet;
 }
 
-namespace colossal::booster {
+namespace colossal::app {
 
 struct TrainConfig {
   // [model]
   std::string model = "tiny";  // preset name or path to an HF config.json
   std::string init;            // HF model folder to start from (config + weights)
   // [data]
-  std::string data;             // token file (see data/token_file.h)
+  std::string data;  // token file (see data/token_file.h)
   std::string data_format = "auto";
   int64_t seq_len = 256;
   bool shuffle = true;
@@ -48,11 +47,9 @@ struct TrainConfig {
   double weight_decay = 0.1;  // matrices only (dim >= 2)
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double max_grad_norm = 1.0;  // 0: no clipping
-  // [plugin]
-  std::string plugin = "ddp";
-  DDPOptions ddp;
-  ZeroOptions zero;  // low_level_zero / zero1 / zero2 (precision and loss scale: ddp's fields)
-  GeminiPluginOptions gemini;  // gemini (precision, loss scale: ddp's; communication_dtype: zero's)
+  // [plugin]: the name and every plugin's options (precision and loss scale: ddp's fields,
+  // communication_dtype: zero's); booster::make_plugin builds it on `device`.
+  booster::PluginOptions plugin;
   // [checkpoint]
   std::string save_dir;
   int64_t save_every = 0;  // optimizer steps; 0: only at the end
@@ -74,4 +71,4 @@ struct TrainResult {
 // or a single process). `config_json` is what gets recorded in checkpoints.
 TrainResult train(const TrainConfig& config, const json::Value& config_json);
 
-}  // namespace colossal::booster
+}  // namespace colossal::app

@@ -1,0 +1,96 @@
+// DataParallelCheckpointIO (see checkpoint_io.h): HF safetensors for the model, full-shape
+// optimizer states, written by global rank 0.
+#include "colossal/booster/checkpoint_io.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <filesystem>
+
+#include "colossal/booster/wrappers.h"
+#include "colossal/checkpoint/atomic.h"
+#include "colossal/checkpoint/hf.h"
+#include "colossal/checkpoint/pretrained.h"
+#include "colossal/checkpoint/safetensors.h"
+#include "colossal/dist/runtime.h"
+#include "colossal/models/llama/model.h"
+#include "colossal/optim/lr_scheduler.h"
+#include "colossal/optim/optimizer.h"
+
+namespace colossal::booster {
+namespace {
+
+bool is_writer() {
+  return !dist::is_initialized() || dist::rank() == 0;
+}
+
+void barrier() {
+  if (dist::is_initialized() && dist::world_size() > 1) dist::world_cpu().barrier();
+}
+
+void write_text_atomic(const std::string& path, const std::string& text) {
+  checkpoint::write_file_atomic(
+      path, [&](int fd) { checkpoint::write_all(fd, text.data(), text.size(), path); });
+}
+
+}  // namespace
+
+void DataParallelCheckpointIO::save_model(ModelWrapper& model, const std::string& dir, bool shard,
+                                          int64_t size_per_shard_mb) {
+  model.wait_weights();
+  if (is_writer()) {
+    checkpoint::SaveOptions so;
+    so.shard = shard;
+    so.size_per_shard_mb = size_per_shard_mb;
+    if (auto lm = std::dynamic_pointer_cast<models::CausalLM>(model.module_ptr())) {
+      checkpoint::save_pretrained(*lm, dir, so);
+    } else {
+      checkpoint::save_state_dict(dir, checkpoint::module_state(model.module()), so);
+    }
+  }
+  barrier();
+}
+
+void DataParallelCheckpointIO::load_model(ModelWrapper& model, const std::string& path, bool strict,
+                                          OptimizerWrapper* optimizer) {
+  model.wait_weights();  // a late all-gather must not overwrite the loaded weights
+  checkpoint::load_into_module(model.module(), checkpoint::load_state_dict(path), strict);
+  // fp32 masters follow the loaded weights (ColossalAI's update_master_params).
+  if (optimizer) optimizer->sync_masters_from_params();
+}
+
+void DataParallelCheckpointIO::save_optimizer(OptimizerWrapper& optimizer, const std::string& dir) {
+  optim::StateDict sd = optimizer.full_state_dict();  // collective under ZeRO
+  if (is_writer()) {
+    std::filesystem::create_directories(dir);
+    json::Value scalars = sd.scalars;
+    scalars.set("wrapper", optimizer.state());
+    checkpoint::TensorList tensors;
+    for (auto& [n, t] : sd.tensors) tensors.emplace_back(n, t.detach().to(at::kCPU));
+    checkpoint::save_safetensors(dir + "/optimizer.safetensors", tensors,
+                                 {{"format", "colossal-optimizer"}});
+    write_text_atomic(dir + "/optimizer.json", scalars.dump(2));
+  }
+  barrier();
+}
+
+void DataParallelCheckpointIO::load_optimizer(OptimizerWrapper& optimizer, const std::string& dir) {
+  optim::StateDict sd;
+  sd.tensors = checkpoint::load_safetensors(dir + "/optimizer.safetensors");
+  sd.scalars = json::parse_file(dir + "/optimizer.json");
+  optimizer.load_full_state_dict(sd);
+  if (const json::Value* w = sd.scalars.find("wrapper")) optimizer.load_state(*w);
+}
+
+void DataParallelCheckpointIO::save_lr_scheduler(optim::LRScheduler& scheduler,
+                                                 const std::string& file) {
+  if (is_writer()) write_text_atomic(file, scheduler.state_dict().dump(2));
+  barrier();
+}
+
+void DataParallelCheckpointIO::load_lr_scheduler(optim::LRScheduler& scheduler,
+                                                 const std::string& file) {
+  scheduler.load_state_dict(json::parse_file(file));
+}
+
+}  // namespace colossal::booster

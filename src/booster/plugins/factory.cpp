@@ -1,0 +1,79 @@
+// The plugin factory (see factory.h).
+#include "colossal/booster/plugins/factory.h"
+
+#include <algorithm>
+
+#include "colossal/core/error.h"
+#include "colossal/core/options.h"
+
+namespace colossal::booster {
+
+void PluginOptions::register_options(OptionSet& set, const std::string& alias) {
+  set.add("plugin", "plugin", &name,
+          "parallel strategy (zero1/zero2: low_level_zero at that stage; gemini_auto: gemini "
+          "with auto placement)",
+          plugin_names());
+  if (!alias.empty()) set.alias("plugin", alias);
+  ddp.register_options(set);
+  zero.register_options(set);
+  gemini.register_options(set);
+}
+
+void PluginOptions::validate() const {
+  COLOSSAL_CHECK_INPUT(is_plugin_name(name), "'", name, "' is not a plugin of colossal.cpp: use ",
+                       plugin_names_text());
+  precision_from_string(ddp.precision);
+  COLOSSAL_CHECK_INPUT(!(name == "zero1" && zero.stage != 1), "--plugin zero1 contradicts --stage ",
+                       zero.stage);
+}
+
+const std::vector<std::string>& plugin_names() {
+  static const std::vector<std::string> names{"none",  "ddp",    "low_level_zero", "zero1",
+                                              "zero2", "gemini", "gemini_auto"};
+  return names;
+}
+
+bool is_plugin_name(const std::string& name) {
+  const auto& n = plugin_names();
+  return std::find(n.begin(), n.end(), name) != n.end();
+}
+
+std::string plugin_names_text() {
+  const auto& n = plugin_names();
+  std::string out;
+  for (size_t i = 0; i < n.size(); ++i)
+    out += (i == 0 ? "" : i + 1 == n.size() ? " or " : ", ") + n[i];
+  return out;
+}
+
+std::shared_ptr<Plugin> make_plugin(const PluginOptions& o, const std::string& device,
+                                    dist::Communicator comm) {
+  o.validate();
+  const std::string& name = o.name;
+  if (name == "none")
+    return std::make_shared<NonePlugin>(o.ddp.precision, device, o.ddp.loss_scale);
+  if (name == "ddp") {
+    DDPOptions ddp = o.ddp;
+    ddp.device = device;
+    return std::make_shared<DDPPlugin>(ddp, std::move(comm));
+  }
+  if (name == "gemini" || name == "gemini_auto") {
+    GeminiPluginOptions gemini = o.gemini;
+    gemini.precision = o.ddp.precision;
+    gemini.device = device;
+    gemini.loss_scale = o.ddp.loss_scale;
+    gemini.communication_dtype = o.zero.communication_dtype;
+    if (name == "gemini_auto") gemini.placement_policy = "auto";
+    return std::make_shared<GeminiPlugin>(gemini, std::move(comm));
+  }
+  // low_level_zero, zero1, zero2. Precision and loss scale are ddp's fields (so `colossal train`
+  // defaults to fp32, not ColossalAI's fp16, and to the initial scale 2**16).
+  ZeroOptions zero = o.zero;
+  if (name == "zero2") zero.stage = 2;
+  zero.precision = o.ddp.precision;
+  zero.device = device;
+  zero.loss_scale = o.ddp.loss_scale;
+  return std::make_shared<LowLevelZeroPlugin>(zero, std::move(comm));
+}
+
+}  // namespace colossal::booster
