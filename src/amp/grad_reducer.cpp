@@ -3,6 +3,8 @@
 
 #include <utility>
 
+#include "colossal/dist/parallel_dims.h"
+
 namespace colossal::amp {
 
 bool GradReducer::counts(const std::vector<std::string>& replicated_over) const {
@@ -48,6 +50,11 @@ GradReducer compose(const std::vector<GradReducer>& reducers) {
   if (!sums.empty()) out.all_reduce_sum = chain(std::move(sums));
   if (!maxes.empty()) out.all_reduce_max = chain(std::move(maxes));
   return out;
+}
+
+GradReducer over_parallel_dims(dist::ParallelDims& dims, at::Device device) {
+  return compose({over(dims.dp_sp(), device, "dp"), over(dims.tp(), device, "tp"),
+                  over(dims.pp(), device, "pp")});
 }
 
 }  // namespace colossal::amp

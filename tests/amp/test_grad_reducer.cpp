@@ -68,6 +68,13 @@ TEST(GradReducer, ComposedNormCountsReplicatedTensorsOnce) {
   EXPECT_FALSE(clip.overflow);
   EXPECT_NEAR(clip.norm, want, 1e-12 * want);
 
+  // The same from the ParallelDims helper (dp x sp, tp, pp; pp has one rank here).
+  GradReducer whole = over_parallel_dims(pd, cpu);
+  ASSERT_EQ(whole.axes.size(), 3u);
+  EXPECT_EQ(whole.axes[1].name, "tp");
+  EXPECT_EQ(whole.counts({"tp"}), r.counts({"tp"}));
+  EXPECT_NEAR(global_grad_norm(counted, 1.0, whole), want, 1e-12 * want);
+
   // Counting the replicated tensor on both tp ranks overstates the norm.
   const double twice = global_grad_norm({s[0], s[1]}, 1.0, r);
   const double a2 = m.a.to(at::kDouble).square().sum().item<double>();

@@ -19,6 +19,10 @@
 
 #include "colossal/dist/communicator.h"
 
+namespace colossal::dist {
+class ParallelDims;
+}
+
 namespace colossal::amp {
 
 struct GradReducer {
@@ -46,5 +50,9 @@ GradReducer over(const dist::Communicator& comm, at::Device device, std::string 
 
 // Applies each reducer in turn (empty ones are skipped): sums over the product of the axes.
 GradReducer compose(const std::vector<GradReducer>& reducers);
+
+// The norm reducer of a ZeRO / Gemini optimizer under `dims`: over the ranks it shards over
+// (dp x sp, named "dp"), then "tp", then "pp" -- the whole world, each axis once.
+GradReducer over_parallel_dims(dist::ParallelDims& dims, at::Device device);
 
 }  // namespace colossal::amp
