@@ -14,15 +14,7 @@ OptimizerWrapper::OptimizerWrapper(std::shared_ptr<optim::Optimizer> optimizer, 
                                    const LossScaleOptions& ls, amp::GradReducer reducer)
     : optimizer_(std::move(optimizer)), precision_(precision), reducer_(std::move(reducer)) {
   if (precision_ == Precision::FP16) {
-    amp::DynamicGradScalerOptions o;
-    o.initial_scale = ls.initial_scale;
-    o.min_scale = ls.min_scale;
-    o.max_scale = ls.max_scale;
-    o.growth_factor = ls.growth_factor;
-    o.backoff_factor = ls.backoff_factor;
-    o.growth_interval = ls.growth_interval;
-    o.hysteresis = ls.hysteresis;
-    scaler_ = std::make_unique<amp::DynamicGradScaler>(o);
+    scaler_ = std::make_unique<amp::DynamicGradScaler>(ls);
   }
 }
 

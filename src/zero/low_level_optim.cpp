@@ -9,13 +9,11 @@
 #include <cmath>
 #include <map>
 
-#include "colossal/amp/grad_scaler.h"
 #include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
-#include "colossal/kernels/fused.h"
 #include "colossal/optim/adamw.h"
-#include "colossal/optim/cpu_adam.h"
+#include "colossal/zero/sharded_adamw.h"
 
 namespace colossal::zero {
 
@@ -71,6 +69,9 @@ LowLevelZeroOptimizer::LowLevelZeroOptimizer(
   gather_of_.assign(params_.size(), nullptr);
   deferrable_.assign(params_.size(), false);
   for (size_t i = 0; i < params_.size(); ++i) position_.push_back(static_cast<int64_t>(i));
+  // The norm agrees over the sharding group by default; set_norm_reducer() widens it.
+  reducer_ = amp::over(
+      comm_, params_.empty() ? at::Device(at::kCPU) : params_.front().param.device(), "dp");
   log_debug("ZeRO: ", params_.size(), " parameters sharded over ", world_, " rank(s), ",
             state_bytes(), " optimizer bytes on this rank");
 }
@@ -180,8 +181,11 @@ void LowLevelZeroOptimizer::intake(size_t i, const at::Tensor& g) {
     // by the zero-padded slices of add_grad_shard.
     if (!p.grad.defined()) p.grad = new_shard(i);
     // Offload: one pass on the GPU now instead of a CPU pass over the host shard in grad_norm.
-    if (pin_ && g.is_cuda()) p.grad_sq = amp::sum_of_squares({g});
-    p.grad.narrow(0, 0, g.numel()).copy_(g);
+    if (pin_ && g.is_cuda()) {
+      p.grad_sq = copy_grad_to_host(p.grad.narrow(0, 0, g.numel()), g);
+    } else {
+      p.grad.narrow(0, 0, g.numel()).copy_(g);
+    }
   } else {
     p.grad_sq = at::Tensor();  // a sum of micro-steps: grad_norm reads the shard
     if (p.held.defined()) {    // a second micro-step: the held gradient moves to the fp32 shard
@@ -219,31 +223,18 @@ void LowLevelZeroOptimizer::take_full_grads() {
 
 double LowLevelZeroOptimizer::grad_norm(double scale) {
   wait_all();
-  std::vector<at::Tensor> grads;
-  std::vector<at::Tensor> sums;
+  ShardedNorm norm(reducer_);
   for (auto& p : params_) {
     if (!p.has_grad) continue;
-    if (p.grad_sq.defined())
-      sums.push_back(p.grad_sq);
-    else
-      grads.push_back(grad_of(p));
+    norm.add(grad_of(p), p.grad_sq, replicated_ ? replicated_(p.name) : std::vector<std::string>{});
   }
-  amp::GradReducer reducer;
-  if (world_ > 1) {
-    dist::Communicator c = comm_;
-    at::Device dev = params_.front().param.device();
-    reducer.all_reduce_sum = [c, dev](at::Tensor& t) mutable {
-      at::Tensor d = t.to(dev);
-      c.all_reduce(d, dist::ReduceOp::Sum);
-      t.copy_(d);
-    };
-    reducer.all_reduce_max = [c, dev](at::Tensor& t) mutable {
-      at::Tensor d = t.to(dev);
-      c.all_reduce(d, dist::ReduceOp::Max);
-      t.copy_(d);
-    };
-  }
-  return amp::global_grad_norm(grads, scale, reducer, sums);
+  return norm.global(scale);
+}
+
+void LowLevelZeroOptimizer::set_norm_reducer(amp::GradReducer reducer,
+                                             ReplicatedAxes replicated_over) {
+  reducer_ = std::move(reducer);
+  replicated_ = std::move(replicated_over);
 }
 
 void LowLevelZeroOptimizer::step(double divisor) {
@@ -252,8 +243,7 @@ void LowLevelZeroOptimizer::step(double divisor) {
   auto& groups = inner_->param_groups();
   std::vector<size_t> updated;
   for (size_t gi = 0; gi < groups.size(); ++gi) {
-    const optim::GroupOptions& g = groups[gi].options;
-    optim::AdamWHyper h{g.lr, g.beta1, g.beta2, g.eps, g.weight_decay};
+    const optim::AdamWHyper h = hyper_of(groups[gi].options);
     std::map<int64_t, std::vector<size_t>> by_step;
     for (size_t i = 0; i < params_.size(); ++i) {
       Param& p = params_[i];
@@ -269,42 +259,21 @@ void LowLevelZeroOptimizer::step(double divisor) {
     for (auto& [step, all] : by_step) {
       // One rank: half parameters are updated by the fused AdamW, which reads the held
       // working-dtype gradient and writes the new working weights in the same pass.
-      std::vector<size_t> idx, direct;
-      for (size_t i : all) (writes_working(i) ? direct : idx).push_back(i);
-      if (!direct.empty()) {
-        std::vector<at::Tensor> P, G, M, V, W;
-        for (size_t i : direct) {
-          Param& p = params_[i];
-          P.push_back(p.master);
-          G.push_back(grad_of(p));
-          M.push_back(p.exp_avg);
-          V.push_back(p.exp_avg_sq);
-          W.push_back(p.param.detach().view({-1}));
+      AdamWBatch direct, other;
+      for (size_t i : all) {
+        Param& p = params_[i];
+        if (writes_working(i)) {
+          direct.add(p.master, grad_of(p), p.exp_avg, p.exp_avg_sq, p.param.detach().view({-1}));
+          continue;
         }
-        kernels::AdamWStep k{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, step, divisor};
-        kernels::fused_adamw(P, G, M, V, W, k);
+        // Offload: CPU Adam also writes the working-dtype shard the all-gather sends.
+        if (options_.cpu_offload && !p.working.defined())
+          p.working = host_empty({shard_numel(i)}, p.param.scalar_type(), pin_);
+        other.add(p.master, grad_of(p), p.exp_avg, p.exp_avg_sq,
+                  options_.cpu_offload ? p.working : at::Tensor());
       }
-      if (idx.empty()) continue;
-      std::vector<at::Tensor> P, G, M, V;
-      for (size_t i : idx) {
-        P.push_back(params_[i].master);
-        G.push_back(grad_of(params_[i]));
-        M.push_back(params_[i].exp_avg);
-        V.push_back(params_[i].exp_avg_sq);
-      }
-      if (options_.cpu_offload) {
-        std::vector<at::Tensor> W;
-        for (size_t i : idx) {
-          Param& p = params_[i];
-          if (!p.working.defined()) {
-            p.working = host_empty({shard_numel(i)}, p.param.scalar_type(), pin_);
-          }
-          W.push_back(p.working);
-        }
-        optim::cpu_adam_update(P, G, M, V, step, h, divisor, W);
-      } else {
-        optim::adamw_update(P, G, M, V, step, h, optim::AdamWImpl::Auto, divisor);
-      }
+      direct.run(AdamWPath::Fused, h, step, divisor);
+      other.run(options_.cpu_offload ? AdamWPath::Host : AdamWPath::Plain, h, step, divisor);
     }
   }
   all_gather_params(updated);

@@ -12,6 +12,7 @@
 
 #include <cmath>
 
+#include "colossal/amp/grad_reducer.h"
 #include "colossal/booster/booster.h"
 #include "colossal/booster/plugins/ddp_plugin.h"
 #include "colossal/booster/plugins/gemini_plugin.h"
@@ -251,6 +252,44 @@ TEST(GeminiPlugin, TrainsAsDdpAndHoldsOnlyShardsBetweenSteps) {
     EXPECT_EQ(j.at("num_chunks").as_int(), static_cast<int64_t>(m.num_chunks()));
     EXPECT_GT(j.at("peak_device").as_int(), 0);
   }
+}
+
+// The injected norm reducer (obstacle 7): the RMSNorm weights stand for parameters replicated
+// over a "tp" axis whose second rank is simulated by adding its contribution by hand. Counted
+// on tp rank 0 only, they enter the composed norm once from either tp rank: |a|^2 + 2|b|^2
+// (a: norm weights, b: the rest, split over tp), read through the per-parameter path over
+// chunks that mix both kinds.
+TEST(GeminiPlugin, ComposedNormReducerCountsReplicatedParametersOnce) {
+  TrainRun g = boosted(gemini(0.5));
+  auto& m = dynamic_cast<booster::GeminiOptimizerWrapper&>(*g.b.optimizer).manager();
+  const int W = dist::world_size(), rank = dist::rank();
+  auto [x, y] = batch(0, 8);
+  at::Tensor loss =
+      g.model->forward_loss(x.narrow(0, rank * (8 / W), 8 / W), y.narrow(0, rank * (8 / W), 8 / W));
+  g.booster->backward(loss, *g.b.optimizer);
+  const double all2 = std::pow(m.grad_norm(1.0), 2);
+  auto replicated = [](const std::string& name) {
+    return name.find("norm") != std::string::npos ? std::vector<std::string>{"tp"}
+                                                  : std::vector<std::string>{};
+  };
+  auto with_peer = [&](int tp_rank, double theirs) {
+    amp::GradReducer peer;
+    peer.axes.push_back({"tp", tp_rank, 2});
+    peer.all_reduce_sum = [theirs](at::Tensor& t) { t.add_(theirs); };
+    peer.all_reduce_max = [](at::Tensor&) {};
+    m.set_norm_reducer(
+        amp::compose(
+            {amp::over(W > 1 ? dist::world() : dist::Communicator(), at::kCPU, "dp"), peer}),
+        replicated);
+    return std::pow(m.grad_norm(1.0), 2);
+  };
+  const double b2 = with_peer(1, 0.0);  // tp rank 1 alone: the norm weights are not its to count
+  const double a2 = all2 - b2;
+  EXPECT_GT(a2, 1e-6 * all2);  // the norm weights have gradients: counting them matters
+  EXPECT_NEAR(with_peer(0, 0.0), all2, 1e-12 * all2);  // tp rank 0 alone counts everything
+  EXPECT_NEAR(with_peer(0, b2), a2 + 2 * b2, 1e-12 * all2);
+  EXPECT_NEAR(with_peer(1, a2 + b2), a2 + 2 * b2, 1e-12 * all2);
+  g.b.optimizer->zero_grad();
 }
 
 // The CPU Adam of host chunks (optimizer data and parameter shard on the host) runs on a

@@ -11,6 +11,7 @@
 
 #include <cmath>
 
+#include "colossal/amp/grad_reducer.h"
 #include "colossal/booster/booster.h"
 #include "colossal/booster/plugins/ddp_plugin.h"
 #include "colossal/booster/plugins/low_level_zero_plugin.h"
@@ -422,6 +423,44 @@ TEST(ZeroOneRank, HeldGradientsAccumulateInFp32AndWriteTheWeight) {
 // goes down and the CPU Adam updates. Both must train alike: the norm is compared on its own,
 // since Adam hides a wrong clip coefficient from the loss. 1e-2: the two Adams round bf16
 // weights independently (see CpuOffloadMatchesOnDevice).
+// The injected norm reducer (obstacle 7): over the sharding group plus a stand-in second "tp"
+// rank whose contribution is added by hand. "a" is replicated over tp (counted on tp rank 0
+// only), "b" is split over tp (the peer holds a different part of the same size and norm), so
+// from either tp rank the composed norm is |a|^2 + 2|b|^2, where the default reducer (dp only)
+// gives |a|^2 + |b|^2.
+TEST(ZeroNormReducer, ComposedOverAxesCountsReplicatedParametersOnce) {
+  const int R = dist::world_size();
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(uint64_t{29});
+  const at::Tensor ga = at::randn({9}, gen), gb = at::randn({4, 5}, gen);
+  const double a2 = ga.to(at::kDouble).square().sum().item<double>();
+  const double b2 = gb.to(at::kDouble).square().sum().item<double>();
+  for (int tp_rank : {-1, 0, 1}) {  // -1: the default reducer
+    SCOPED_TRACE(tp_rank);
+    at::Tensor a = at::zeros({9}).requires_grad_(true), b = at::zeros({4, 5}).requires_grad_(true);
+    auto inner = std::make_shared<optim::AdamW>();
+    inner->add_param_group({{"a", a}, {"b", b}}, optim::GroupOptions{});
+    zero::LowLevelZeroOptimizer zo(inner, R > 1 ? dist::world() : dist::Communicator(), {});
+    if (tp_rank >= 0) {
+      amp::GradReducer peer;  // the other tp rank: b's other half, and a when it is tp rank 0
+      peer.axes.push_back({"tp", tp_rank, 2});
+      const double theirs = b2 + (tp_rank == 1 ? a2 : 0.0);
+      peer.all_reduce_sum = [theirs](at::Tensor& t) { t.add_(theirs); };
+      peer.all_reduce_max = [](at::Tensor&) {};
+      zo.set_norm_reducer(
+          amp::compose(
+              {amp::over(R > 1 ? dist::world() : dist::Communicator(), at::kCPU, "dp"), peer}),
+          [](const std::string& name) {
+            return name == "a" ? std::vector<std::string>{"tp"} : std::vector<std::string>{};
+          });
+    }
+    a.mutable_grad() = ga.clone();
+    b.mutable_grad() = gb.clone();
+    zo.take_full_grads();
+    const double want = std::sqrt(tp_rank < 0 ? a2 + b2 : a2 + 2 * b2);
+    EXPECT_NEAR(zo.grad_norm(2.0), want / 2.0, 1e-12 * want);
+  }
+}
+
 TEST(ZeroCuda, OffloadedAndHeldGradientsTrainAlike) {
   if (!Accelerator::cuda().available() || dist::world_size() != 1)
     GTEST_SKIP() << "needs CUDA and one rank";

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "colossal/amp/grad_scaler.h"
 #include "colossal/dist/communicator.h"
 
 namespace torch::nn {
@@ -30,16 +31,9 @@ Precision precision_from_string(const std::string& s);  // "fp32" | "fp16" | "bf
 const char* to_string(Precision p);
 at::ScalarType working_dtype(Precision p);
 
-// ColossalAI's dynamic loss-scale arguments (LowLevelZero/Gemini/Hybrid names and defaults).
-struct LossScaleOptions {
-  double initial_scale = 65536.0;  // 2**16
-  double min_scale = 1.0;
-  double growth_factor = 2.0;
-  double backoff_factor = 0.5;
-  int64_t growth_interval = 1000;
-  int64_t hysteresis = 2;
-  double max_scale = 4294967296.0;  // 2**32
-};
+// ColossalAI's dynamic loss-scale arguments (LowLevelZero/Gemini/Hybrid names and defaults):
+// the scaler's own options, so nothing is copied field by field.
+using LossScaleOptions = amp::DynamicGradScalerOptions;
 
 class CheckpointIO;
 class ModelWrapper;

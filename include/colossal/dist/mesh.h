@@ -25,7 +25,8 @@ class ProcessGroupMesh {
   explicit ProcessGroupMesh(std::vector<std::pair<Axis, int>> axes);
   ProcessGroupMesh(std::vector<std::pair<Axis, int>> axes, const Communicator& world);
 
-  int ndim() const { return static_cast<int>(axes_.size()); }
+  // Number of mesh axes ("dim" is kept for tensor dimensions, as in torchtitan).
+  int num_axes() const { return static_cast<int>(axes_.size()); }
   const std::vector<Axis>& axes() const { return axes_; }
   const std::vector<int>& shape() const { return shape_; }
   bool has(Axis a) const;

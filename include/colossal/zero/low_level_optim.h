@@ -25,11 +25,13 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "colossal/amp/grad_reducer.h"
 #include "colossal/dist/communicator.h"
 #include "colossal/optim/optimizer.h"
 
@@ -74,9 +76,14 @@ class LowLevelZeroOptimizer {
   // gradient shard and drops the .grad. Idempotent until the next zero_grad()/step().
   void take_full_grads();
 
-  // Global L2 norm of the gradients / scale: fp64 sum of squares of the shards, SUM over the
-  // group (inf/nan on any rank makes it non-finite on every rank).
+  // Global L2 norm of the gradients / scale: fp64 sum of squares of the shards, SUM all-reduced
+  // by the norm reducer (inf/nan on any rank makes it non-finite on every rank).
   double grad_norm(double scale);
+  // The norm reducer (default: over the sharding group, axis "dp"); a composed one also sums
+  // over tensor / pipeline ranks. `replicated_over(name)`: the reducer axes over which that
+  // parameter is the same on every rank (counted on rank 0 of each; default: none).
+  using ReplicatedAxes = std::function<std::vector<std::string>(const std::string& name)>;
+  void set_norm_reducer(amp::GradReducer reducer, ReplicatedAxes replicated_over = {});
   // One AdamW update of the shards with every gradient divided by `divisor`, then the all-gather
   // of the working parameters. Parameters without a gradient (on every rank) are skipped.
   void step(double divisor);
@@ -150,6 +157,8 @@ class LowLevelZeroOptimizer {
   std::shared_ptr<optim::Optimizer> inner_;
   dist::Communicator comm_;
   ZeroOptimizerOptions options_;
+  amp::GradReducer reducer_;
+  ReplicatedAxes replicated_;
   int world_ = 1, rank_ = 0;
   // One rank, shards on the parameters' device: gradients are held (Param::held) and half
   // parameters are written by the fused AdamW itself (no all-gather copy).

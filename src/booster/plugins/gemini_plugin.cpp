@@ -106,22 +106,7 @@ std::shared_ptr<ModelWrapper> GeminiPlugin::configure_model(
                                                plugins::MasterCopies::kHostWhenHalf);
   // Every rank starts from rank 0's weights.
   plugins::broadcast_from_rank0(comm_, *model, masters, /*buffers=*/true);
-  zero::gemini::GeminiOptions go;
-  go.placement_policy = options_.placement_policy;
-  go.shard_param_frac = options_.shard_param_frac;
-  go.offload_optim_frac = options_.offload_optim_frac;
-  go.offload_param_frac = options_.offload_param_frac;
-  go.warmup_non_model_data_ratio = options_.warmup_non_model_data_ratio;
-  go.steady_cuda_cap_ratio = options_.steady_cuda_cap_ratio;
-  go.device_capacity_mb = options_.device_capacity_mb;
-  go.host_capacity_mb = options_.host_capacity_mb;
-  go.max_prefetch = options_.max_prefetch;
-  go.overlap_cpu_adam = options_.overlap_cpu_adam;
-  go.search.search_range_m = options_.search_range_m;
-  go.search.min_chunk_size_m = options_.min_chunk_size_m;
-  go.search.hidden_dim = options_.hidden_dim;
-  if (!options_.communication_dtype.empty())
-    go.communication_dtype = working_dtype(precision_from_string(options_.communication_dtype));
+  const zero::gemini::GeminiOptions& go = options_;
   auto unhooked = zero::gemini::unhooked_parameters(*model);
   if (!unhooked.empty())
     log_warn("gemini: ", unhooked.size(), " parameter(s) (first: '", unhooked.front(),

@@ -1,6 +1,7 @@
-// Gemini chunk manager: chunk search and construction, placement (static / auto), forward and
-// gradient hooks, per-chunk gradient reduction, HybridAdam on the shards, full-shape optimizer
-// state, memory accounting.
+// Gemini chunk manager: construction (grouping, packing, masters), the forward and gradient
+// hooks, and the per-chunk gradient reduction -- the forward/backward state machine. The chunk
+// size search is in chunk_search.cpp, placement and accounting in placement.cpp, the optimizer
+// (norm, HybridAdam step, the CPU-Adam thread, state dict) in gemini_optimizer.cpp.
 #include "colossal/zero/gemini/chunk_manager.h"
 
 #include <ATen/ATen.h>
@@ -8,194 +9,21 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
-#include <condition_variable>
-#include <exception>
 #include <functional>
-#include <limits>
-#include <mutex>
-#include <numeric>
 #include <set>
-#include <thread>
-#include <tuple>
 
-#include "colossal/amp/grad_scaler.h"
 #include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
-#include "colossal/kernels/fused.h"
 #include "colossal/models/llama/model.h"
-#include "colossal/optim/adamw.h"
-#include "colossal/optim/cpu_adam.h"
+#include "zero/gemini/manager_internal.h"
 
 namespace colossal::zero::gemini {
 
-namespace {
-
-constexpr double kM = 1024.0 * 1024.0;
-
-int64_t round_up(int64_t x, int64_t m) {
-  return (x + m - 1) / m * m;
-}
-
-bool is_half(at::ScalarType t) {
-  return t == at::kBFloat16 || t == at::kHalf;
-}
-
-int64_t bytes_of(const at::Tensor& t) {
-  return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
-}
-
-// One AdamW call of step(): the shards of one (group, step count) as tensor lists.
-struct AdamKey {
-  size_t group;
-  int64_t step;
-  bool operator<(const AdamKey& o) const {
-    return std::tie(group, step) < std::tie(o.group, o.step);
-  }
-};
-struct AdamLists {
-  std::vector<at::Tensor> P, G, M, V, W;  // masters, gradients, moments, working (cast) out
-};
-
-}  // namespace
-
-// The CPU Adam of the host chunks of one step, on its own thread: chunk by chunk in next-use
-// order, each flag cleared once that chunk's masters, moments and working shard are written.
-struct ChunkManager::HostUpdate {
-  struct Call {
-    optim::AdamWHyper hyper;
-    int64_t step;
-    AdamLists lists;
-  };
-  struct Job {
-    size_t chunk;
-    std::vector<Call> calls;
-  };
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<char> pending;  // per chunk
-  std::exception_ptr error;
-  std::thread thread;
-
-  void run(std::vector<Job> jobs, double divisor) {
-    thread = std::thread([this, jobs = std::move(jobs), divisor]() mutable {
-      c10::NoGradGuard no_grad;
-      try {
-        for (Job& j : jobs) {
-          for (Call& c : j.calls) {
-            AdamLists& l = c.lists;
-            optim::cpu_adam_update(l.P, l.G, l.M, l.V, c.step, c.hyper, divisor, l.W);
-          }
-          j.calls.clear();  // the gradient references go with the update
-          std::lock_guard<std::mutex> lk(mu);
-          pending[j.chunk] = 0;
-          cv.notify_all();
-        }
-      } catch (...) {
-        std::lock_guard<std::mutex> lk(mu);
-        error = std::current_exception();
-        cv.notify_all();
-      }
-    });
-  }
-};
-
-// ---- chunk size search ----------------------------------------------------------------------
-
-std::pair<int64_t, int64_t> pack(const std::vector<int64_t>& numels, int64_t size, int dp) {
-  int64_t chunks = 0, wasted = 0, used = 0;
-  bool open = false;
-  for (int64_t n : numels) {
-    if (n > size) {  // an oversize tensor gets a chunk of its own, rounded up to dp
-      chunks += 1;
-      wasted += round_up(n, dp) - n;
-      continue;
-    }
-    if (!open || used + n > size) {
-      if (open) wasted += size - used;
-      chunks += 1;
-      used = 0;
-      open = true;
-    }
-    used += n;
-  }
-  if (open) wasted += size - used;
-  return {chunks, wasted};
-}
-
-ChunkSearchResult search_chunk_size(const std::vector<int64_t>& numels, int dp,
-                                    const ChunkSearchOptions& o) {
-  COLOSSAL_CHECK_INPUT(o.search_range_m >= 0, "gemini: search_range_m must be >= 0, got ",
-                       o.search_range_m);
-  COLOSSAL_CHECK_INPUT(o.min_chunk_size_m > 0, "gemini: min_chunk_size_m must be > 0, got ",
-                       o.min_chunk_size_m);
-  COLOSSAL_CHECK_INPUT(o.hidden_dim >= 0, "gemini: hidden_dim must be >= 0, got ", o.hidden_dim);
-  COLOSSAL_CHECK_INPUT(dp >= 1, "gemini: dp size must be >= 1, got ", dp);
-  ChunkSearchResult r;
-  const int64_t total = std::accumulate(numels.begin(), numels.end(), int64_t{0});
-  const int64_t min_size = std::max<int64_t>(1, static_cast<int64_t>(o.min_chunk_size_m * kM));
-  if (numels.empty()) {
-    r.chunk_size = round_up(1, dp);
-    return r;
-  }
-  if (total <= min_size) {  // the whole model is one chunk
-    r.chunk_size = round_up(total, dp);
-    r.num_chunks = 1;
-    r.wasted = r.chunk_size - total;
-    r.candidates = 1;
-    return r;
-  }
-  const int64_t interval = o.hidden_dim > 0 ? o.hidden_dim : 1024;
-  const int64_t largest = *std::max_element(numels.begin(), numels.end());
-  const int64_t start = round_up(std::max(min_size, largest), interval);
-  const int64_t end = start + static_cast<int64_t>(o.search_range_m * kM);
-  int64_t best_waste = -1;
-  for (int64_t size = start; size <= end; size += interval) {
-    const int64_t s = round_up(size, dp);
-    auto [chunks, wasted] = pack(numels, s, dp);
-    ++r.candidates;
-    if (best_waste < 0 || wasted < best_waste) {
-      best_waste = wasted;
-      r.chunk_size = s;
-      r.num_chunks = chunks;
-      r.wasted = wasted;
-    }
-  }
-  return r;
-}
-
-json::Value MemoryReport::to_json() const {
-  json::Value j = json::Value::object();
-  auto place = [&](const char* key, int64_t d, int64_t h) {
-    json::Value v = json::Value::object();
-    v.set("device", d);
-    v.set("host", h);
-    j.set(key, std::move(v));
-  };
-  place("params", param_device, param_host);
-  place("grads", grad_device, grad_host);
-  place("masters", master_device, master_host);
-  place("optimizer_states", optim_device, optim_host);
-  j.set("chunk_elements", chunk_elements);
-  j.set("used_elements", used_elements);
-  j.set("chunk_utilisation", chunk_elements > 0 ? static_cast<double>(used_elements) /
-                                                      static_cast<double>(chunk_elements)
-                                                : 0.0);
-  j.set("num_chunks", num_chunks);
-  j.set("sharded_chunks", sharded_chunks);
-  j.set("gathered_chunks", gathered_chunks);
-  j.set("peak_device", peak_device);
-  json::Value t = json::Value::object();
-  t.set("host_to_device", host_to_device);
-  t.set("device_to_host", device_to_host);
-  j.set("traffic", std::move(t));
-  return j;
-}
+using namespace detail;
 
 // ---- construction -----------------------------------------------------------------------------
 
@@ -244,6 +72,16 @@ ChunkManager::ChunkManager(torch::nn::Module& model, dist::Communicator comm, Ge
                        o.max_prefetch);
   COLOSSAL_CHECK_INPUT(o.device_capacity_mb >= 0, "gemini: device_capacity_mb must be >= 0, got ",
                        o.device_capacity_mb);
+  if (o.communication_dtype == "fp32") {
+    comm_dtype_ = at::kFloat;
+  } else if (o.communication_dtype == "bf16") {
+    comm_dtype_ = at::kBFloat16;
+  } else if (o.communication_dtype == "fp16") {
+    comm_dtype_ = at::kHalf;
+  } else {
+    COLOSSAL_CHECK_INPUT(o.communication_dtype.empty(), "gemini: unknown communication_dtype '",
+                         o.communication_dtype, "' (expected fp32, fp16 or bf16)");
+  }
   if (comm_.valid()) {
     world_ = comm_.size();
     rank_ = comm_.rank();
@@ -281,7 +119,7 @@ ChunkManager::ChunkManager(torch::nn::Module& model, dist::Communicator comm, Ge
   pin_ = device_.is_cuda();
   if (device_.is_cuda()) mover_ = std::make_shared<CopyStream>(device_);
 
-  ChunkSearchResult sr = search_chunk_size(numels, world_, o.search);
+  ChunkSearchResult sr = search_chunk_size(numels, world_, o);
   chunk_size_ = sr.chunk_size;
 
   // Packing plan: greedy in order within each group; an oversize parameter gets its own chunk.
@@ -309,10 +147,8 @@ ChunkManager::ChunkManager(torch::nn::Module& model, dist::Communicator comm, Ge
     }
   }
 
-  // Static placement by position in chunk memory (ColossalAI's rule): the last shard_param_frac
-  // is sharded, the first offload_optim_frac keeps its optimizer data on the host, the last
-  // offload_param_frac of the sharded chunks keeps its parameter shard on the host. auto shards
-  // every chunk and decides places from a memory budget.
+  // Initial places (placement.cpp): static by position in chunk memory, auto all on the host
+  // until its warm-up placement below.
   int64_t total_bytes = 0;
   for (auto& pl : plan)
     total_bytes += pl.size * static_cast<int64_t>(c10::elementSize(groups[pl.group].dtype));
@@ -326,19 +162,16 @@ ChunkManager::ChunkManager(torch::nn::Module& model, dist::Communicator comm, Ge
     const Group& g = groups[pl.group];
     const double s = static_cast<double>(start_bytes), T = static_cast<double>(total_bytes);
     start_bytes += pl.size * static_cast<int64_t>(c10::elementSize(g.dtype));
-    const bool sharded = g.hooked && (is_auto || s >= T * (1.0 - o.shard_param_frac) - 0.5);
+    const InitialPlace ip = initial_place(o, s, T, g.hooked);
+    const bool sharded = ip.sharded;
     // Every chunk is rounded to a multiple of dp (the search does it; oversize ones above).
     auto chunk =
         std::make_unique<Chunk>(static_cast<int>(ci), pl.size, g.dtype, device_, sharded, comm_);
     for (size_t k : pl.members) chunk->append(g.params[k].first, g.params[k].second);
     chunk->set_mover(mover_);
     OptimChunk oc;
-    // auto starts on the host; its warm-up placement below brings what fits to the device.
-    oc.place = (is_auto || s < T * o.offload_optim_frac - 0.5) ? Place::Host : Place::Device;
-    param_place.push_back((!is_auto && sharded && s >= T * (1.0 - o.offload_param_frac) - 0.5 &&
-                           o.offload_param_frac > 0)
-                              ? Place::Host
-                              : Place::Device);
+    oc.place = ip.optim;
+    param_place.push_back(ip.param);
     if (g.grad) {
       // fp32 masters from the values before the cast (or the parameters themselves).
       // Allocated where it will live: a model whose fp32 state does not fit the device never
@@ -378,6 +211,8 @@ ChunkManager::ChunkManager(torch::nn::Module& model, dist::Communicator comm, Ge
   order_pos_.assign(chunks_.size(), -1);
   if (is_auto) auto_place(/*warmup=*/true);
   update_peak();
+  // The norm agrees over the sharding group by default; set_norm_reducer() widens it.
+  reducer_ = amp::over(comm_, device_, "dp");
 
   int64_t sharded = 0, used = 0, all = 0;
   for (auto& c : chunks_) {
@@ -420,58 +255,6 @@ std::pair<int64_t, int64_t> ChunkManager::own_range(const Chunk& c, const ChunkT
   const int64_t a = std::max(t.offset, c.shard_begin());
   const int64_t b = std::min(t.offset + t.numel, c.shard_begin() + c.shard_size());
   return {a, std::max(a, b)};
-}
-
-at::Device ChunkManager::place_device(const Chunk& c, Place p) const {
-  return p == Place::Device ? c.device() : at::Device(at::kCPU);
-}
-
-at::Tensor ChunkManager::new_f32(const Chunk& c, Place p) const {
-  if (p == Place::Host && pin_) return empty_pinned({c.shard_size()}, at::kFloat).zero_();
-  return at::zeros({c.shard_size()},
-                   at::TensorOptions().dtype(at::kFloat).device(place_device(c, p)));
-}
-
-void ChunkManager::finish_updates() {
-  if (!host_update_) return;
-  std::unique_ptr<HostUpdate> hu = std::move(host_update_);
-  hu->thread.join();
-  if (hu->error) std::rethrow_exception(hu->error);
-}
-
-bool ChunkManager::update_pending(size_t c) const {
-  if (!host_update_) return false;
-  std::lock_guard<std::mutex> lk(host_update_->mu);
-  return host_update_->pending[c] != 0 && !host_update_->error;
-}
-
-void ChunkManager::wait_update(size_t c) {
-  if (!host_update_) return;
-  HostUpdate& hu = *host_update_;
-  bool failed = false;
-  {
-    std::unique_lock<std::mutex> lk(hu.mu);
-    hu.cv.wait(lk, [&] { return hu.pending[c] == 0 || hu.error; });
-    failed = hu.error != nullptr;
-  }
-  if (failed) finish_updates();  // joins and rethrows the update's error
-}
-
-void ChunkManager::move_optim(size_t ci, Place to) {
-  finish_updates();
-  OptimChunk& oc = optim_[ci];
-  if (oc.place == to) return;
-  oc.place = to;
-  const at::Device d = place_device(*chunks_[ci], to);
-  int64_t moved = 0;
-  for (at::Tensor* t : {&oc.master, &oc.grad, &oc.exp_avg, &oc.exp_avg_sq}) moved += bytes_of(*t);
-  (to == Place::Host ? d2h_bytes_ : h2d_bytes_) += moved;
-  for (at::Tensor* t : {&oc.master, &oc.grad, &oc.exp_avg, &oc.exp_avg_sq}) {
-    if (!t->defined()) continue;
-    *t = to == Place::Host && pin_ ? to_pinned(*t) : t->to(d);
-  }
-  oc.host_working = at::Tensor();
-  oc.host_grad = at::Tensor();
 }
 
 // ---- forward / backward -----------------------------------------------------------------------
@@ -586,7 +369,7 @@ void ChunkManager::reduce_chunk(int c) {
   }
   // Asynchronous (NCCL: on the communicator's stream, overlapping the rest of backward); at
   // most two in flight, the rest finished by finish_backward().
-  in_flight_.push_back({c, ch.reduce_grad_async(options_.communication_dtype)});
+  in_flight_.push_back({c, ch.reduce_grad_async(comm_dtype_)});
   ch.set_all(TensorState::ReadyForReduce, TensorState::Hold);
   for (auto& ti : info_[static_cast<size_t>(c)]) ti.needed = false;
   bool busy = false;
@@ -625,14 +408,12 @@ void ChunkManager::finish_reduces(size_t keep) {
               oc.host_grad.scalar_type() != part.scalar_type())
             oc.host_grad = empty_pinned(part.sizes(), part.scalar_type());
           oc.grad = oc.host_grad;
-          // One pass over the reduced gradient on the device (microseconds per chunk) instead
-          // of one over the host copy on the CPU in grad_norm (seconds at 13b).
-          oc.grad_sq = amp::sum_of_squares({part});
-          if (mover_) {
-            mover_->copy(oc.grad, part);  // read on the host after finish_reduces(0)
-          } else {
-            oc.grad.copy_(part);
-          }
+          // Its sum of squares is taken on the device first, so grad_norm never reads the host
+          // copy. The copy goes on the side stream: read on the host after finish_reduces(0).
+          std::function<void(at::Tensor&, const at::Tensor&)> side;
+          if (mover_)
+            side = [this](at::Tensor& dst, const at::Tensor& src) { mover_->copy(dst, src); };
+          oc.grad_sq = copy_grad_to_host(oc.grad, part, side);
         } else {
           oc.grad = at::empty(part.sizes(), part.options().device(d));
           oc.grad.copy_(part);
@@ -725,465 +506,6 @@ void ChunkManager::release_all(bool write_back) {
     ch.release(write_back && external_[i] != 0);
     external_[i] = 0;
   }
-}
-
-// ---- accounting -------------------------------------------------------------------------------
-
-int64_t ChunkManager::device_bytes() const {
-  MemoryReport r = memory_report(/*device_stats=*/false);
-  return r.param_device + r.grad_device + r.master_device + r.optim_device;
-}
-
-void ChunkManager::update_peak() {
-  int64_t transient = 0;
-  for (auto& c : chunks_)
-    transient +=
-        c->full_bytes() +
-        (c->has_grad_buffer() ? c->size() * static_cast<int64_t>(c10::elementSize(c->dtype())) : 0);
-  transient_peak_ = std::max(transient_peak_, transient);
-  peak_device_ = std::max(peak_device_, device_bytes());
-}
-
-MemoryReport ChunkManager::memory_report(bool device_stats) const {
-  MemoryReport r;
-  for (size_t i = 0; i < chunks_.size(); ++i) {
-    const Chunk& c = *chunks_[i];
-    const OptimChunk& oc = optim_[i];
-    const bool replicated = !(c.sharded() && c.shards() > 1);
-    const bool pdev = !c.releasable() || c.param_place() == Place::Device;
-    (pdev ? r.param_device : r.param_host) += c.shard_bytes();
-    r.param_device += c.full_bytes();
-    if (c.has_grad_buffer())
-      r.grad_device += c.size() * static_cast<int64_t>(c10::elementSize(c.dtype()));
-    const bool odev = oc.place == Place::Device;
-    (odev ? r.grad_device : r.grad_host) += bytes_of(oc.grad);
-    (odev ? r.master_device : r.master_host) += bytes_of(oc.master);
-    (odev ? r.optim_device : r.optim_host) += bytes_of(oc.exp_avg) + bytes_of(oc.exp_avg_sq);
-    if (oc.host_working.defined()) r.param_host += bytes_of(oc.host_working);
-    if (oc.host_grad.defined() && !oc.host_grad.is_same(oc.grad))
-      r.grad_host += bytes_of(oc.host_grad);
-    r.chunk_elements += c.size();
-    r.used_elements += c.used();
-    r.num_chunks += 1;
-    r.sharded_chunks += replicated ? 0 : 1;
-    r.gathered_chunks += (c.releasable() && c.gathered()) ? 1 : 0;
-  }
-  r.peak_device = peak_device_;
-  r.host_to_device = h2d_bytes_;
-  r.device_to_host = d2h_bytes_;
-  for (const auto& c : chunks_) {
-    r.host_to_device += c->h2d_bytes();
-    r.device_to_host += c->d2h_bytes();
-  }
-  if (device_stats && device_.is_cuda())
-    r.peak_device = std::max(r.peak_device, Accelerator::cuda().memory_stats().peak_allocated);
-  return r;
-}
-
-// auto: the device budget is capacity * ratio minus the non-model memory seen in warm-up (CUDA:
-// peak allocated minus the model data's own peak; CPU: none measurable). Chunks are placed on
-// the device in compute order while they fit; the rest (furthest from their next use, which
-// after a step is the next forward in compute order) keep their parameter shard and optimizer
-// data on the host. In warm-up (no order, no measurement yet) the budget is
-// capacity * (1 - warmup_non_model_data_ratio) in chunk order.
-void ChunkManager::auto_place(bool warmup) {
-  double capacity = options_.device_capacity_mb * kM;
-  if (capacity <= 0) {
-    if (device_.is_cuda()) {
-      for (auto& d : cuda_devices())
-        if (d.index == device_.index() || (device_.index() < 0 && d.index == 0))
-          capacity = static_cast<double>(d.total_memory);
-    } else {
-      capacity = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) *
-                 static_cast<double>(::sysconf(_SC_PAGESIZE));
-    }
-  }
-  int64_t non_model = 0;
-  if (!warmup && device_.is_cuda())
-    non_model =
-        std::max<int64_t>(0, Accelerator::cuda().memory_stats().peak_allocated - peak_device_);
-  double budget = warmup
-                      ? capacity * (1.0 - options_.warmup_non_model_data_ratio)
-                      : capacity * options_.steady_cuda_cap_ratio - static_cast<double>(non_model);
-  std::vector<int> order = order_;
-  for (size_t i = 0; i < chunks_.size(); ++i)
-    if (order_pos_[i] < 0) order.push_back(static_cast<int>(i));  // never accessed: last
-  // A replicated chunk (shard_param_frac < 1, or no hook to gather it) computes in its own
-  // buffer: its parameters are on the device whatever the plan, so they are charged up front and
-  // only its optimizer data can move.
-  auto movable_params = [&](size_t i) { return chunks_[i]->sharded(); };
-  // The gradient shard is kept in the reduce's dtype (fp32 only when micro-steps accumulate).
-  auto need = [&](size_t i) {
-    const Chunk& c = *chunks_[i];
-    int64_t b = movable_params(i) ? c.shard_bytes() : 0;
-    const int64_t grad_elem = at::elementSize(options_.communication_dtype.value_or(c.dtype()));
-    if (optim_[i].master.defined())
-      b += (12 + grad_elem) * c.shard_size();  // master, moments, grad
-    return b;
-  };
-  const double ram =
-      static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGESIZE));
-  const double host_cap =
-      options_.host_capacity_mb > 0 ? options_.host_capacity_mb * kM : 0.85 * ram;
-  double used = static_cast<double>(transient_peak_);
-  if (warmup)
-    used = static_cast<double>(chunk_size_) * 4.0 * 2.0;  // one gathered chunk + its grads, roughly
-  for (size_t i = 0; i < chunks_.size(); ++i)
-    if (!movable_params(i)) used += static_cast<double>(chunks_[i]->shard_bytes());
-  const double fixed = used;
-  double total = 0;
-  for (int c : order) total += static_cast<double>(need(static_cast<size_t>(c)));
-  // What the host cannot hold must be on the device, warm-up or not; a model that fits neither
-  // side is refused before anything is allocated.
-  const double steady = capacity * options_.steady_cuda_cap_ratio;
-  const double forced = fixed + total - host_cap;
-  COLOSSAL_CHECK_INPUT(
-      forced <= steady, "gemini auto placement: the chunks need ", static_cast<int64_t>(total),
-      " bytes (parameter shards, fp32 masters, moments, gradients) plus ",
-      static_cast<int64_t>(fixed), " of gathered buffers, more than the device budget ",
-      static_cast<int64_t>(steady), " (capacity x steady_cuda_cap_ratio) and the host's ",
-      static_cast<int64_t>(host_cap), " (host_capacity_mb; default 85 % of RAM) together: use ",
-      "more ranks, a smaller model or more host memory");
-  // In warm-up a chunk the host cannot take goes to the device while the steady budget allows.
-  const double hard = warmup ? std::max(budget, steady) : budget;
-  int64_t on_device = 0, on_host = 0;
-  double host_bytes = 0;
-  std::vector<std::pair<size_t, Place>> plan;
-  for (int c : order) {
-    const size_t i = static_cast<size_t>(c);
-    const double b = static_cast<double>(need(i));
-    const bool fits = used + b <= budget || (host_bytes + b > host_cap && used + b <= hard);
-    const Place p = fits ? Place::Device : Place::Host;
-    (p == Place::Device ? used : host_bytes) += b;
-    plan.emplace_back(i, p);
-    (p == Place::Device ? on_device : on_host) += 1;
-  }
-  // The host side must fit too (this rank's share when ranks share the host is not known here;
-  // the check catches plans that cannot fit at all), checked before anything moves.
-  COLOSSAL_CHECK_INPUT(host_bytes <= host_cap,
-                       "gemini auto placement: ", static_cast<int64_t>(host_bytes),
-                       " bytes of chunk data would go to the host, ", "more than its ",
-                       static_cast<int64_t>(host_cap),
-                       " (host_capacity_mb; default 85 % of RAM), with the device budget ",
-                       static_cast<int64_t>(budget), " full: use more ranks or a smaller model");
-  const auto t_moves = std::chrono::steady_clock::now();
-  // Device-bound chunks last: what leaves the device first makes room for what arrives.
-  for (const Place want : {Place::Host, Place::Device})
-    for (auto [i, p] : plan) {
-      if (p != want) continue;
-      chunks_[i]->move_param_shard(p);
-      if (optim_[i].master.defined()) move_optim(i, p);
-    }
-  if (!warmup) {
-    COLOSSAL_CHECK_INPUT(
-        fixed <= budget, "gemini auto placement: the gathered chunks and gradient buffers (",
-        transient_peak_, " bytes) and the parameters of unsharded chunks need ",
-        static_cast<int64_t>(fixed), " bytes of device memory, more than the budget ",
-        static_cast<int64_t>(budget), " (capacity ", static_cast<int64_t>(capacity),
-        " x steady_cuda_cap_ratio ", options_.steady_cuda_cap_ratio, " - non-model ", non_model,
-        "); use smaller chunks, more ranks or activation checkpointing");
-    warmed_up_ = true;
-  }
-  if (rank_ == 0)
-    log_info("gemini auto placement (", warmup ? "warm-up" : "after warm-up", "): budget ",
-             static_cast<int64_t>(budget), " bytes, non-model ", non_model, ", transient ",
-             transient_peak_, "; ", on_device, " chunks on the device, ", on_host, " on the host (",
-             static_cast<int64_t>(host_bytes), " bytes); moved in ",
-             std::chrono::duration<double>(std::chrono::steady_clock::now() - t_moves).count(),
-             " s");
-}
-
-// ---- optimizer ----------------------------------------------------------------------------------
-
-void ChunkManager::bind_optimizer(std::shared_ptr<optim::Optimizer> inner) {
-  COLOSSAL_CHECK(inner, "gemini: optimizer is null");
-  COLOSSAL_CHECK_INPUT(std::string(inner->type()) == "adamw",
-                       "the gemini plugin updates chunks with AdamW "
-                       "(HybridAdam) only; got a '",
-                       inner->type(), "' optimizer");
-  auto& groups = inner->param_groups();
-  for (size_t gi = 0; gi < groups.size(); ++gi)
-    for (size_t k = 0; k < groups[gi].params.size(); ++k) {
-      auto it = where_.find(groups[gi].params[k].unsafeGetTensorImpl());
-      COLOSSAL_CHECK_INPUT(it != where_.end(), "optimizer parameter '", groups[gi].names[k],
-                           "' is not a parameter of the boosted model");
-      auto [c, t] = it->second;
-      COLOSSAL_CHECK_INPUT(chunks_[static_cast<size_t>(c)]->tensors()[t].requires_grad,
-                           "optimizer parameter '", groups[gi].names[k], "' does not require grad");
-      COLOSSAL_CHECK_INPUT(
-          chunks_[static_cast<size_t>(c)]->tensors()[t].name == groups[gi].names[k],
-          "optimizer parameter '", groups[gi].names[k], "' is the model's '",
-          chunks_[static_cast<size_t>(c)]->tensors()[t].name,
-          "': name the optimizer's parameters as the model does (checkpoints are by name)");
-      info_[static_cast<size_t>(c)][t].group = static_cast<int64_t>(gi);
-    }
-  inner_ = std::move(inner);
-}
-
-double ChunkManager::grad_norm(double scale) {
-  finish_reduces(0);
-  std::vector<at::Tensor> grads, sums;
-  for (size_t i = 0; i < chunks_.size(); ++i) {
-    const Chunk& c = *chunks_[i];
-    const OptimChunk& oc = optim_[i];
-    if (!oc.grad.defined()) continue;
-    // A replicated chunk's gradient is the same on every rank: rank 0 counts it.
-    if (!(c.sharded() && c.shards() > 1) && rank_ != 0) continue;
-    if (oc.grad_sq.defined())
-      sums.push_back(oc.grad_sq);
-    else
-      grads.push_back(oc.grad);
-  }
-  amp::GradReducer reducer;
-  if (world_ > 1) {
-    dist::Communicator c = comm_;
-    at::Device dev = device_;
-    reducer.all_reduce_sum = [c, dev](at::Tensor& t) mutable {
-      at::Tensor d = t.to(dev);
-      c.all_reduce(d, dist::ReduceOp::Sum);
-      t.copy_(d);
-    };
-    reducer.all_reduce_max = [c, dev](at::Tensor& t) mutable {
-      at::Tensor d = t.to(dev);
-      c.all_reduce(d, dist::ReduceOp::Max);
-      t.copy_(d);
-    };
-  }
-  return amp::global_grad_norm(grads, scale, reducer, sums);
-}
-
-void ChunkManager::step(double divisor) {
-  COLOSSAL_CHECK(inner_, "gemini: step() without an optimizer");
-  finish_updates();
-  finish_reduces(0);
-  release_all(true);  // gathered copies would be stale after the update
-  if (options_.placement_policy == "auto" && !warmed_up_) {
-    order_frozen_ = true;
-    auto_place(/*warmup=*/false);
-  }
-  order_frozen_ = true;
-  c10::NoGradGuard no_grad;
-  auto& groups = inner_->param_groups();
-  std::map<AdamKey, AdamLists> on_device, on_host;  // updated here
-  // Chunks whose update may run beside the next forward: optimizer data and parameter shard on
-  // the host, the shard released between steps (so nothing reads it except through an access,
-  // which waits). Keyed by chunk.
-  std::map<size_t, std::map<AdamKey, AdamLists>> deferred;
-  std::vector<std::pair<at::Tensor, at::Tensor>>
-      copies;  // (dst working shard, src) after the update
-  for (size_t i = 0; i < chunks_.size(); ++i) {
-    Chunk& c = *chunks_[i];
-    OptimChunk& oc = optim_[i];
-    if (!oc.master.defined()) continue;
-    bool any = false;
-    for (auto& ti : info_[i]) any = any || (ti.group >= 0 && ti.had_grad);
-    if (!any) continue;
-    if (!oc.exp_avg.defined()) {
-      oc.exp_avg = new_f32(*chunks_[i], oc.place);
-      oc.exp_avg_sq = new_f32(*chunks_[i], oc.place);
-    }
-    const bool host = oc.place == Place::Host;
-    bool defer = false;
-    // Where the CPU Adam writes the cast weights: straight into a host parameter shard, else a
-    // host staging buffer copied to the device shard afterwards.
-    at::Tensor out;
-    if (host) {
-      const bool param_on_host = c.releasable() && c.param_place() == Place::Host;
-      if (!param_on_host) h2d_bytes_ += c.shard_bytes();  // the updated weights go up
-      if (c.shard().device().is_cpu()) {
-        out = c.shard();
-        defer = options_.overlap_cpu_adam && c.releasable() && !c.gathered();
-      } else {
-        if (!oc.host_working.defined())
-          oc.host_working = host_empty({c.shard_size()}, c.dtype(), pin_);
-        out = oc.host_working;
-        copies.emplace_back(c.shard(), out);
-      }
-    } else if (c.shard().device() != oc.master.device()) {
-      // Optimizer data on the device, parameter shard on the host (static offload_param_frac
-      // beyond offload_optim_frac): the fused kernel writes a device staging shard, copied down.
-      out = at::empty({c.shard_size()}, oc.master.options().dtype(c.dtype()));
-      d2h_bytes_ += c.shard_bytes();
-      copies.emplace_back(c.shard(), out);
-    }
-    for (size_t k = 0; k < c.tensors().size(); ++k) {
-      TensorInfo& ti = info_[i][k];
-      if (ti.group < 0 || !ti.had_grad) continue;
-      ti.step += 1;
-      auto [a, b] = own_range(c, c.tensors()[k]);
-      if (a >= b) continue;
-      const int64_t s = a - c.shard_begin(), n = b - a;
-      const AdamKey key{static_cast<size_t>(ti.group), ti.step};
-      AdamLists& l = defer ? deferred[i][key] : host ? on_host[key] : on_device[key];
-      l.P.push_back(oc.master.narrow(0, s, n));
-      l.G.push_back(oc.grad.narrow(0, s, n));
-      l.M.push_back(oc.exp_avg.narrow(0, s, n));
-      l.V.push_back(oc.exp_avg_sq.narrow(0, s, n));
-      l.W.push_back(out.defined() ? out.narrow(0, s, n) : c.shard().narrow(0, s, n));
-    }
-  }
-  auto hyper = [&](size_t group) {
-    const optim::GroupOptions& g = groups[group].options;
-    return optim::AdamWHyper{g.lr, g.beta1, g.beta2, g.eps, g.weight_decay};
-  };
-  // Device chunks first (the fused kernels are queued and run while the host works).
-  for (auto& [key, l] : on_device) {
-    const optim::AdamWHyper h = hyper(key.group);
-    // One multi-tensor pass: master update and the cast into the working shard.
-    kernels::AdamWStep k{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, key.step, divisor};
-    kernels::fused_adamw(l.P, l.G, l.M, l.V, l.W, k);
-  }
-  for (auto& [key, l] : on_host)
-    optim::cpu_adam_update(l.P, l.G, l.M, l.V, key.step, hyper(key.group), divisor, l.W);
-  // Up (pinned host -> device) without a host wait: later device work is stream-ordered after
-  // it. Down (device -> host) blocking: the host shard may be read by the CPU (a checkpoint).
-  for (auto& [dst, src] : copies) dst.copy_(src, /*non_blocking=*/pin_ && src.is_cpu());
-  deferred_updates_ = static_cast<int64_t>(deferred.size());
-  if (!deferred.empty()) {
-    // In the order the next forward meets them (chunks never accessed last).
-    std::vector<size_t> ids;
-    for (auto& [i, lists] : deferred) ids.push_back(i);
-    auto pos = [&](size_t i) {
-      return order_pos_[i] < 0 ? std::numeric_limits<int>::max() : order_pos_[i];
-    };
-    std::stable_sort(ids.begin(), ids.end(), [&](size_t a, size_t b) { return pos(a) < pos(b); });
-    std::vector<HostUpdate::Job> jobs;
-    for (size_t i : ids) {
-      HostUpdate::Job j{i, {}};
-      for (auto& [key, l] : deferred[i])
-        j.calls.push_back({hyper(key.group), key.step, std::move(l)});
-      jobs.push_back(std::move(j));
-    }
-    host_update_ = std::make_unique<HostUpdate>();
-    host_update_->pending.assign(chunks_.size(), 0);
-    for (size_t i : ids) host_update_->pending[i] = 1;
-    host_update_->run(std::move(jobs), divisor);
-  }
-  zero_grad();
-  update_peak();
-}
-
-void ChunkManager::zero_grad() {
-  finish_reduces(0);
-  for (size_t i = 0; i < chunks_.size(); ++i) {
-    optim_[i].grad = at::Tensor();  // gradient shards live from the reduce to the step
-    optim_[i].grad_sq = at::Tensor();
-    for (auto& ti : info_[i]) ti.had_grad = false;
-    for (auto& t : chunks_[i]->tensors())
-      if (t.param.grad().defined()) t.param.mutable_grad() = at::Tensor();
-  }
-}
-
-at::Tensor ChunkManager::gather_f32(size_t i, const at::Tensor& shard) {
-  const Chunk& c = *chunks_[i];
-  at::Tensor local = shard.to(device_, at::kFloat).contiguous();
-  if (c.shards() == 1) return local;
-  at::Tensor out = at::empty({c.size()}, local.options());
-  comm_.all_gather(out, local);
-  return out;
-}
-
-optim::StateDict ChunkManager::state_dict() {
-  COLOSSAL_CHECK(inner_, "gemini: state_dict() without an optimizer");
-  finish_updates();
-  optim::StateDict out = inner_->state_dict();  // groups and hyper-parameters; no state of its own
-  out.tensors.clear();
-  json::Value steps = json::Value::object();
-  for (size_t i = 0; i < chunks_.size(); ++i) {
-    Chunk& c = *chunks_[i];
-    OptimChunk& oc = optim_[i];
-    if (!oc.master.defined()) continue;
-    // Collective per chunk, in chunk order, on every rank.
-    at::Tensor master = gather_f32(i, oc.master).to(at::kCPU);
-    at::Tensor ea, eas;
-    if (oc.exp_avg.defined()) {
-      ea = gather_f32(i, oc.exp_avg).to(at::kCPU);
-      eas = gather_f32(i, oc.exp_avg_sq).to(at::kCPU);
-    }
-    for (size_t k = 0; k < c.tensors().size(); ++k) {
-      const ChunkTensor& t = c.tensors()[k];
-      const TensorInfo& ti = info_[i][k];
-      if (ti.group < 0) continue;
-      auto view = [&](const at::Tensor& full) {
-        return full.narrow(0, t.offset, t.numel).view(t.param.sizes()).clone();
-      };
-      if (ti.step > 0) {
-        steps.set(t.name, ti.step);
-        out.tensors.emplace_back(t.name + ".exp_avg", view(ea));
-        out.tensors.emplace_back(t.name + ".exp_avg_sq", view(eas));
-      }
-      if (is_half(c.dtype())) out.tensors.emplace_back(t.name + ".master", view(master));
-    }
-  }
-  out.scalars.set("steps", std::move(steps));
-  return out;
-}
-
-void ChunkManager::load_state_dict(const optim::StateDict& sd) {
-  COLOSSAL_CHECK(inner_, "gemini: load_state_dict() without an optimizer");
-  finish_updates();
-  release_all(true);  // parameters written from outside (a model load) reach the shards first
-  c10::NoGradGuard no_grad;
-  const json::Value& s = sd.scalars;
-  std::vector<optim::GroupOptions> opts = optim::read_state_groups(sd, *inner_);
-  auto& groups = inner_->param_groups();
-  std::map<std::string, const at::Tensor*> by_name;
-  for (auto& [n, t] : sd.tensors) by_name[n] = &t;
-  const json::Value& steps = s.at("steps");
-  for (size_t i = 0; i < chunks_.size(); ++i) {
-    Chunk& c = *chunks_[i];
-    OptimChunk& oc = optim_[i];
-    if (!oc.master.defined()) continue;
-    for (size_t k = 0; k < c.tensors().size(); ++k) {
-      const ChunkTensor& t = c.tensors()[k];
-      TensorInfo& ti = info_[i][k];
-      if (ti.group < 0) continue;
-      auto full = [&](const std::string& key) -> const at::Tensor* {
-        auto it = by_name.find(t.name + "." + key);
-        if (it == by_name.end()) return nullptr;
-        COLOSSAL_CHECK_INPUT(it->second->sizes() == t.param.sizes(), "optimizer state tensor '",
-                             t.name, ".", key, "' has shape ", it->second->sizes(),
-                             " but parameter '", t.name, "' needs ", t.param.sizes());
-        return it->second;
-      };
-      auto [a, b] = own_range(c, t);
-      const int64_t s0 = a - c.shard_begin(), n = b - a;
-      auto own = [&](const at::Tensor& f) { return f.reshape({-1}).narrow(0, a - t.offset, n); };
-      const at::Tensor* m = is_half(c.dtype()) ? full("master") : nullptr;
-      if (n > 0) {
-        if (m) {
-          oc.master.narrow(0, s0, n).copy_(own(*m));
-          c.shard().narrow(0, s0, n).copy_(own(*m));  // working weights follow their masters
-        } else {
-          oc.master.narrow(0, s0, n).copy_(c.shard().narrow(0, s0, n));
-        }
-      }
-      const json::Value* st = steps.find(t.name);
-      ti.step = st ? st->as_int("steps." + t.name) : 0;
-      if (!st) continue;
-      const at::Tensor* ea = full("exp_avg");
-      const at::Tensor* eas = full("exp_avg_sq");
-      COLOSSAL_CHECK_INPUT(ea && eas, "optimizer state lacks tensor '", t.name, ".",
-                           ea ? "exp_avg_sq" : "exp_avg", "'");
-      if (!oc.exp_avg.defined()) {
-        oc.exp_avg = new_f32(*chunks_[i], oc.place);
-        oc.exp_avg_sq = new_f32(*chunks_[i], oc.place);
-      }
-      if (n > 0) {
-        oc.exp_avg.narrow(0, s0, n).copy_(own(*ea));
-        oc.exp_avg_sq.narrow(0, s0, n).copy_(own(*eas));
-      }
-    }
-  }
-  for (size_t gi = 0; gi < groups.size(); ++gi) groups[gi].options = opts[gi];
-}
-
-void ChunkManager::sync_masters_from_params() {
-  finish_updates();
-  release_all(true);
-  c10::NoGradGuard no_grad;
-  for (size_t i = 0; i < chunks_.size(); ++i)
-    if (optim_[i].master.defined()) optim_[i].master.copy_(chunks_[i]->shard());
 }
 
 // ---- hooks ------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@
 #include "colossal/booster/plugin.h"
 #include "colossal/booster/wrappers.h"
 #include "colossal/core/json.h"
+#include "colossal/zero/gemini/options.h"
 
 namespace colossal {
 class OptionSet;
@@ -35,23 +36,13 @@ class ChunkManager;
 
 namespace colossal::booster {
 
-struct GeminiPluginOptions {
+// The chunk manager's options (placement_policy, shard_param_frac, offload_optim_frac,
+// offload_param_frac, warmup_non_model_data_ratio, steady_cuda_cap_ratio, device_capacity_mb,
+// host_capacity_mb, max_prefetch, overlap_cpu_adam, search_range_m, min_chunk_size_m,
+// hidden_dim, communication_dtype) are inherited, not copied; the plugin adds its own.
+struct GeminiPluginOptions : zero::gemini::GeminiOptions {
   std::string precision = "fp16";  // ColossalAI's default
   std::string device = "cpu";
-  std::string placement_policy = "static";  // static | auto
-  double shard_param_frac = 1.0;
-  double offload_optim_frac = 0.0;
-  double offload_param_frac = 0.0;
-  double warmup_non_model_data_ratio = 0.8;
-  double steady_cuda_cap_ratio = 0.9;
-  double device_capacity_mb = 0;  // auto: 0 = the GPU's total memory (CPU: the RAM)
-  double host_capacity_mb = 0;    // auto: host memory for host-placed chunks (0: 85 % of RAM)
-  int64_t max_prefetch = 0;
-  bool overlap_cpu_adam = true;  // host chunks' CPU Adam runs beside the next forward
-  double search_range_m = 32;
-  double min_chunk_size_m = 32;
-  int64_t hidden_dim = 0;
-  std::string communication_dtype;  // "" (the chunks' dtype), fp32, bf16, fp16
   double max_norm = 0.0;
   LossScaleOptions loss_scale;  // ColossalAI's Gemini: initial_scale 2**16
 

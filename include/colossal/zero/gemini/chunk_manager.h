@@ -27,22 +27,31 @@
 // Gradient accumulation (no_sync): every micro-step is reduced and added to the gradient shard
 // (in fp32 from the second micro-step on), so accumulation is exact and memory stays at the
 // shard (ColossalAI's Gemini refuses accumulation with its default settings).
+//
+// The implementation is split by concern under src/zero/gemini/: chunk_manager.cpp (building
+// the chunks, the hooks and the reduction: the forward/backward state machine), chunk_search.cpp,
+// placement.cpp (static and auto placement, accounting) and gemini_optimizer.cpp (norm through
+// the injected reducer, the HybridAdam step with its CPU-Adam thread, the state dict); the
+// update and norm of a shard are zero/sharded_adamw.h, shared with ZeRO-1/2.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "colossal/amp/grad_reducer.h"
 #include "colossal/core/json.h"
 #include "colossal/dist/communicator.h"
 #include "colossal/nn/module.h"
 #include "colossal/optim/optimizer.h"
 #include "colossal/zero/gemini/chunk.h"
+#include "colossal/zero/gemini/options.h"
 
 namespace torch::nn {
 class Module;
@@ -50,16 +59,6 @@ class Module;
 
 namespace colossal::zero::gemini {
 
-// ColossalAI's search: candidate sizes from max(min_chunk_size, largest parameter) rounded up
-// to `interval` (hidden_dim, or 1024) through that + search_range, in steps of `interval`; the
-// one with the fewest wasted elements under greedy packing in parameter order wins (ties: the
-// smaller size). A model smaller than min_chunk_size gets one chunk of its own size. The size
-// is rounded up to a multiple of the dp size. Sizes in elements; *_m options are 2^20 elements.
-struct ChunkSearchOptions {
-  double search_range_m = 32;
-  double min_chunk_size_m = 32;
-  int64_t hidden_dim = 0;  // 0: 1024
-};
 struct ChunkSearchResult {
   int64_t chunk_size = 0;
   int64_t num_chunks = 0;
@@ -70,28 +69,6 @@ ChunkSearchResult search_chunk_size(const std::vector<int64_t>& numels, int dp,
                                     const ChunkSearchOptions& options);
 // Greedy packing in order: how many chunks of `size` and how many elements wasted.
 std::pair<int64_t, int64_t> pack(const std::vector<int64_t>& numels, int64_t size, int dp);
-
-struct GeminiOptions {
-  std::string placement_policy = "static";  // static | auto
-  double shard_param_frac = 1.0;    // static: fraction of chunk memory sharded (last chunks)
-  double offload_optim_frac = 0.0;  // static: fraction whose optimizer data is on the host (first)
-  double offload_param_frac = 0.0;  // static: fraction whose parameter shard is on the host (last)
-  double warmup_non_model_data_ratio =
-      0.8;                             // auto: share of the device for non-model data in warm-up
-  double steady_cuda_cap_ratio = 0.9;  // auto: device budget after warm-up
-  double device_capacity_mb = 0;       // auto: device memory (0: the GPU's total; CPU: the RAM)
-  // auto: host memory the host-placed chunks may take (0: 85 % of the physical RAM). Chunks the
-  // host cannot hold go to the device even in warm-up; a plan that fits neither is an error.
-  double host_capacity_mb = 0;
-  int64_t max_prefetch = 0;  // chunks gathered ahead in the recorded compute order
-  // Host chunks (optimizer data and parameter shard on the host) take their CPU Adam on a
-  // background thread beside the next forward instead of inside step(); the arithmetic is the
-  // same. Off: step() returns with every chunk updated.
-  bool overlap_cpu_adam = true;
-  ChunkSearchOptions search;
-  // Gradients are reduced in this dtype (unset: the chunk's dtype).
-  c10::optional<at::ScalarType> communication_dtype;
-};
 
 struct MemoryReport {
   int64_t param_device = 0, param_host = 0;    // working parameter shards (+ gathered buffers)
@@ -143,6 +120,11 @@ class ChunkManager {
   // Optimizer side.
   void bind_optimizer(std::shared_ptr<optim::Optimizer> inner);
   double grad_norm(double scale);  // global, fp64, inf/nan when any rank overflowed
+  // The norm reducer (default: over the chunks' group, axis "dp"); a composed one also sums
+  // over tensor / pipeline ranks. `replicated_over(name)`: the reducer axes over which that
+  // parameter is the same on every rank (counted on rank 0 of each; default: none).
+  using ReplicatedAxes = std::function<std::vector<std::string>(const std::string& name)>;
+  void set_norm_reducer(amp::GradReducer reducer, ReplicatedAxes replicated_over = {});
   void step(double divisor);
   void zero_grad();
   optim::StateDict state_dict();
@@ -197,7 +179,10 @@ class ChunkManager {
   at::Tensor gather_f32(size_t chunk, const at::Tensor& shard);
 
   GeminiOptions options_;
+  c10::optional<at::ScalarType> comm_dtype_;  // options_.communication_dtype parsed
   dist::Communicator comm_;
+  amp::GradReducer reducer_;
+  ReplicatedAxes replicated_;
   int world_ = 1, rank_ = 0;
   at::Device device_{at::kCPU};
   int64_t chunk_size_ = 0;
@@ -224,9 +209,8 @@ class ChunkManager {
   bool pin_ = false;
   std::shared_ptr<CopyStream> mover_;  // CUDA: host <-> device chunk copies off the compute stream
   int64_t peak_device_ = 0;
-  int64_t transient_peak_ = 0;
-  int64_t h2d_bytes_ = 0, d2h_bytes_ = 0;  // optimizer-side moves (chunks count their own)  //
-                                           // gathered + gradient buffers, highest seen
+  int64_t transient_peak_ = 0;             // gathered + gradient buffers, highest seen
+  int64_t h2d_bytes_ = 0, d2h_bytes_ = 0;  // optimizer-side moves (chunks count their own)
   std::unique_ptr<HostUpdate> host_update_;
   int64_t deferred_updates_ = 0;
   std::shared_ptr<bool> alive_;
