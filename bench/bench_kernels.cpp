@@ -10,7 +10,12 @@
 // attention shapes. Times are medians of per-rep CUDA-event timings after warm-up; GB/s counts
 // the minimal bytes each op must move. On a CPU-only machine the CPU paths run at small sizes.
 //
-//   bench_kernels [--reps N] [--warmup N] [--json FILE] [--cpu]
+// One op at a time (llm.c's per-op benchmark): `--op NAME` runs the ceilings and that op's
+// cases only, `--list` names the ops. The ops outside the default run (add_rms_norm,
+// swiglu_packed, linear_concat, cross_entropy_grad, sum_squares) are measured only this way.
+//
+//   bench_kernels [--reps N] [--warmup N] [--json FILE] [--cpu] [--copies | --rows | --op NAME]
+//   bench_kernels --list
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -39,6 +44,7 @@ struct Opts {
   bool cpu = false;
   bool copies_only = false;  // --copies: ceilings and host<->device copies only
   bool rows_only = false;    // --rows: ceilings and the row ops (RMSNorm, rotary, SwiGLU) only
+  std::string op;            // --op NAME: ceilings and this op only
 };
 
 struct Row {
@@ -183,39 +189,65 @@ void fwd_bwd(const std::string& group, const std::string& name, const std::strin
   g_rows.push_back(b);
 }
 
-void row_ops(const std::string& preset, int64_t tokens, int64_t h, int64_t f, int64_t heads,
-             int64_t d) {
-  const double e = 2;  // bf16
-  const std::string tag = preset + " T=" + std::to_string(tokens);
-  {
-    at::Tensor x = at::randn({tokens, h}, opts()), w = at::rand({h}, opts()) + 0.5;
-    fwd_bwd(
-        "rms_norm", tag, shape_str({tokens, h}), {x, w},
-        [](const auto& v) { return K::rms_norm(v[0], v[1], 1e-5); },
-        [](const auto& v) { return K::rms_norm_reference(v[0], v[1], 1e-5); }, {true, true},
-        2 * tokens * h * e + 4.0 * tokens, 3 * tokens * h * e + 4.0 * tokens);
-  }
-  {
-    // q as the projection produces it: [B, S, heads, D] viewed [B, heads, S, D]; B*S = tokens
-    const int64_t s = std::min<int64_t>(tokens, preset == "1b" ? 2048 : 4096), b = tokens / s;
-    at::Tensor q = at::randn({b, s, heads, d}, opts()).transpose(1, 2);
-    at::Tensor ang = at::rand({b, s, d}, opts(at::kFloat)) * 6.28;
-    at::Tensor c = ang.cos().to(at::kBFloat16), sn = ang.sin().to(at::kBFloat16);
-    const double bytes = 2 * tokens * heads * d * e + 2 * b * s * d * e;
-    fwd_bwd(
-        "rotary", tag, shape_str({b, heads, s, d}), {q, c, sn},
-        [](const auto& v) { return K::apply_rotary(v[0], v[1], v[2]); },
-        [](const auto& v) { return K::apply_rotary_reference(v[0], v[1], v[2]); },
-        {true, false, false}, bytes, bytes);
-  }
-  {
-    at::Tensor g = at::randn({tokens, f}, opts()), u = at::randn({tokens, f}, opts());
-    fwd_bwd(
-        "swiglu", tag, shape_str({tokens, f}), {g, u},
-        [](const auto& v) { return K::swiglu(v[0], v[1]); },
-        [](const auto& v) { return K::swiglu_reference(v[0], v[1]); }, {true, true},
-        3 * tokens * f * e, 5 * tokens * f * e);
-  }
+// The shapes of the row ops: a Llama preset's hidden, FFN and head sizes at a token count.
+struct Preset {
+  std::string name;
+  int64_t tokens, h, f, heads, kv, d;
+  std::string tag() const { return name + " T=" + std::to_string(tokens); }
+};
+
+std::vector<Preset> row_presets() {
+  if (!g_cuda) return {{"tiny", 512, 256, 688, 4, 2, 64}};
+  return {{"1b", 16384, 2048, 5632, 32, 4, 64},
+          {"7b", 4096, 4096, 11008, 32, 32, 128},
+          {"7b", 16384, 4096, 11008, 32, 32, 128}};
+}
+
+constexpr double kBf16 = 2;  // bytes per element of the benchmarks' working dtype
+
+void bench_rms_norm(const Preset& p) {
+  const int64_t tokens = p.tokens, h = p.h;
+  const double e = kBf16;
+  at::Tensor x = at::randn({tokens, h}, opts()), w = at::rand({h}, opts()) + 0.5;
+  fwd_bwd(
+      "rms_norm", p.tag(), shape_str({tokens, h}), {x, w},
+      [](const auto& v) { return K::rms_norm(v[0], v[1], 1e-5); },
+      [](const auto& v) { return K::rms_norm_reference(v[0], v[1], 1e-5); }, {true, true},
+      2 * tokens * h * e + 4.0 * tokens, 3 * tokens * h * e + 4.0 * tokens);
+}
+
+void bench_rotary(const Preset& p) {
+  const int64_t tokens = p.tokens, heads = p.heads, d = p.d;
+  const double e = kBf16;
+  // q as the projection produces it: [B, S, heads, D] viewed [B, heads, S, D]; B*S = tokens
+  const int64_t s = std::min<int64_t>(tokens, p.name == "1b" ? 2048 : 4096), b = tokens / s;
+  at::Tensor q = at::randn({b, s, heads, d}, opts()).transpose(1, 2);
+  at::Tensor ang = at::rand({b, s, d}, opts(at::kFloat)) * 6.28;
+  at::Tensor c = ang.cos().to(at::kBFloat16), sn = ang.sin().to(at::kBFloat16);
+  const double bytes = 2 * tokens * heads * d * e + 2 * b * s * d * e;
+  fwd_bwd(
+      "rotary", p.tag(), shape_str({b, heads, s, d}), {q, c, sn},
+      [](const auto& v) { return K::apply_rotary(v[0], v[1], v[2]); },
+      [](const auto& v) { return K::apply_rotary_reference(v[0], v[1], v[2]); },
+      {true, false, false}, bytes, bytes);
+}
+
+void bench_swiglu(const Preset& p) {
+  const int64_t tokens = p.tokens, f = p.f;
+  const double e = kBf16;
+  at::Tensor g = at::randn({tokens, f}, opts()), u = at::randn({tokens, f}, opts());
+  fwd_bwd(
+      "swiglu", p.tag(), shape_str({tokens, f}), {g, u},
+      [](const auto& v) { return K::swiglu(v[0], v[1]); },
+      [](const auto& v) { return K::swiglu_reference(v[0], v[1]); }, {true, true},
+      3 * tokens * f * e, 5 * tokens * f * e);
+}
+
+// The default run's row ops of one preset, in their historical order.
+void row_ops(const Preset& p) {
+  bench_rms_norm(p);
+  bench_rotary(p);
+  bench_swiglu(p);
 }
 
 // ---- AdamW ----
@@ -348,6 +380,92 @@ void sdpa(const std::string& name, int64_t b, int64_t h, int64_t kv, int64_t s, 
   }
 }
 
+// ---- ops measured only with --op ----
+// Residual add + RMSNorm; backward from the normed output y (the residual output's gradient
+// is left undefined, as at the last layer).
+void bench_add_rms_norm(const Preset& p) {
+  const int64_t tokens = p.tokens, h = p.h;
+  const double e = kBf16;
+  at::Tensor x = at::randn({tokens, h}, opts()), r = at::randn({tokens, h}, opts()),
+             w = at::rand({h}, opts()) + 0.5;
+  fwd_bwd(
+      "add_rms_norm", p.tag(), shape_str({tokens, h}), {x, r, w},
+      [](const auto& v) { return K::add_rms_norm(v[0], v[1], v[2], 1e-5).second; },
+      [](const auto& v) { return K::add_rms_norm_reference(v[0], v[1], v[2], 1e-5).second; },
+      {true, true, true}, 4 * tokens * h * e + 4.0 * tokens, 4 * tokens * h * e + 4.0 * tokens);
+}
+
+// gate and up packed in one [tokens, 2F] tensor, as linear_concat produces them.
+void bench_swiglu_packed(const Preset& p) {
+  const int64_t tokens = p.tokens, f = p.f;
+  const double e = kBf16;
+  at::Tensor gu = at::randn({tokens, 2 * f}, opts());
+  fwd_bwd(
+      "swiglu_packed", p.tag(), shape_str({tokens, 2 * f}), {gu},
+      [](const auto& v) { return K::swiglu_packed(v[0]); },
+      [](const auto& v) { return K::swiglu_packed_reference(v[0]); }, {true}, 3 * tokens * f * e,
+      5 * tokens * f * e);
+}
+
+// The q/k/v projection: one GEMM against the concatenated weights vs three GEMMs and a cat.
+// Rates are TFLOPS against the GEMM ceiling.
+void bench_linear_concat(const Preset& p) {
+  const int64_t tokens = p.tokens, h = p.h, kvd = p.kv * p.d;
+  at::Tensor x = at::randn({tokens, h}, opts()) * 0.1;
+  at::Tensor wq = at::randn({p.heads * p.d, h}, opts()) * 0.02,
+             wk = at::randn({kvd, h}, opts()) * 0.02, wv = at::randn({kvd, h}, opts()) * 0.02;
+  const double gemm = 2.0 * double(tokens) * double(h) * double(p.heads * p.d + 2 * kvd);
+  const size_t first = g_rows.size();
+  fwd_bwd(
+      "linear_concat", p.tag() + " qkv", shape_str({tokens, h}), {x, wq, wk, wv},
+      [](const auto& v) {
+        return K::linear_concat(v[0], {v[1], v[2], v[3]});
+      },
+      [](const auto& v) {
+        return K::linear_concat_reference(v[0], {v[1], v[2], v[3]});
+      },
+      {true, true, true, true}, 0, 0);
+  g_rows[first].flops = gemm;          // forward: one GEMM
+  g_rows[first + 1].flops = 2 * gemm;  // backward: dx and dW
+}
+
+// The fused CE's per-chunk step: in place on a [rows, V] logits block (restored before each
+// rep, untimed). One fp32-statistics read, one read and one write.
+void bench_cross_entropy_grad() {
+  const int64_t rows = g_cuda ? 8192 : 256, vocab = g_cuda ? 32000 : 1000;
+  at::Tensor src = at::randn({rows, vocab}, opts()), logits = at::empty_like(src);
+  at::Tensor targets = at::randint(vocab, {rows}, opts(at::kLong));
+  Row r{"cross_entropy_grad", "V=" + std::to_string(vocab), shape_str({rows, vocab}), "fwd+bwd"};
+  at::NoGradGuard ng;
+  auto restore = [&] { logits.copy_(src); };
+  r.fused_ms =
+      median_ms([&] { K::cross_entropy_grad_(logits, targets, -100, at::Tensor()); }, restore);
+  r.aten_ms = median_ms(
+      [&] { K::cross_entropy_grad_reference_(logits, targets, -100, at::Tensor()); }, restore);
+  r.bytes = 3.0 * double(rows) * double(vocab) * kBf16 + 12.0 * double(rows);
+  g_rows.push_back(r);
+}
+
+// The gradient norm's pass over a Llama parameter list of bf16 gradients.
+void bench_sum_squares() {
+  const auto shapes =
+      g_cuda ? llama_params(22, 2048, 5632, 32, 4, 32000) : llama_params(2, 256, 688, 4, 2, 1000);
+  std::vector<at::Tensor> ts;
+  double n = 0;
+  for (const auto& s : shapes) {
+    ts.push_back(at::randn(s, opts()));
+    n += double(ts.back().numel());
+  }
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.2fe9 elements, %zu tensors", n / 1e9, shapes.size());
+  Row r{"sum_squares", g_cuda ? "1b grads" : "tiny grads", buf, "fwd"};
+  at::NoGradGuard ng;
+  r.fused_ms = median_ms([&] { K::sum_squares(ts); });
+  r.aten_ms = median_ms([&] { K::sum_squares_reference(ts); });
+  r.bytes = n * kBf16;
+  g_rows.push_back(r);
+}
+
 void print_and_save() {
   std::printf("\n%-11s %-24s %-30s %-7s %10s %10s %7s %9s %7s\n", "kernel", "case", "shape", "dir",
               "fused ms", "aten ms", "speedup", "GB/s|TF", "%ceil");
@@ -395,6 +513,68 @@ void print_and_save() {
   std::printf("wrote %s\n", g_opts.json.c_str());
 }
 
+// The AdamW and SDPA cases of the default run.
+void adamw_cases() {
+  if (!g_cuda) {
+    adamw("tiny", llama_params(2, 256, 688, 4, 2, 1000));
+    return;
+  }
+  Accelerator::cuda().empty_cache();  // the 7b AdamW case needs ~135 GB
+  adamw("1b", llama_params(22, 2048, 5632, 32, 4, 32000));
+  Accelerator::cuda().empty_cache();
+  adamw("7b", llama_params(32, 4096, 11008, 32, 32, 32000));
+  Accelerator::cuda().empty_cache();
+}
+
+void sdpa_cases() {
+  sdpa("W1", 8, 32, 4, 2048, 64);
+  for (int64_t b : {1, 2, 4}) sdpa("W2", b, 32, 32, 4096, 128);
+}
+
+// ---- the ops `--op` selects (named as the kernel column of the table) ----
+struct Op {
+  const char* name;
+  const char* what;
+  bool cuda_only;
+  void (*run)();
+};
+
+template <void (*F)(const Preset&)>
+void each_preset() {
+  for (const Preset& p : row_presets()) F(p);
+}
+
+const std::vector<Op>& ops() {
+  static const std::vector<Op> table = {
+      {"host_copy", "pinned and pageable host<->device copies, both directions", true, host_copies},
+      {"rms_norm", "RMSNorm forward and backward at the preset shapes", false,
+       each_preset<bench_rms_norm>},
+      {"add_rms_norm", "residual add + RMSNorm forward and backward", false,
+       each_preset<bench_add_rms_norm>},
+      {"rotary", "rotary embedding of q forward and backward", false, each_preset<bench_rotary>},
+      {"swiglu", "SwiGLU on separate gate/up forward and backward", false,
+       each_preset<bench_swiglu>},
+      {"swiglu_packed", "SwiGLU on packed gate|up forward and backward", false,
+       each_preset<bench_swiglu_packed>},
+      {"linear_concat", "q/k/v as one concatenated GEMM vs three GEMMs and a cat", false,
+       each_preset<bench_linear_concat>},
+      {"cross_entropy_grad", "in-place softmax cross-entropy gradient of a logits block", false,
+       bench_cross_entropy_grad},
+      {"sum_squares", "sum of squares over a Llama gradient list (the norm's pass)", false,
+       bench_sum_squares},
+      {"fused_adamw", "multi-tensor AdamW over a Llama parameter list", false, adamw_cases},
+      {"sdpa", "SDPA backends (flash, cuDNN, memory-efficient) at the W1/W2 shapes", true,
+       sdpa_cases},
+  };
+  return table;
+}
+
+std::string op_names() {
+  std::string out;
+  for (const Op& o : ops()) out += (out.empty() ? "" : ", ") + std::string(o.name);
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -419,14 +599,39 @@ int main(int argc, char** argv) {
       g_opts.copies_only = true;
     else if (a == "--rows")
       g_opts.rows_only = true;
-    else {
+    else if (a == "--op")
+      g_opts.op = next();
+    else if (a == "--list") {
+      for (const Op& o : ops())
+        std::printf("%-19s %s%s\n", o.name, o.what, o.cuda_only ? " (CUDA only)" : "");
+      return 0;
+    } else {
       std::fprintf(stderr,
-                   "usage: bench_kernels [--reps N] [--warmup N] [--json FILE] [--cpu] [--copies] "
-                   "[--rows]\n");
+                   "usage: bench_kernels [--reps N] [--warmup N] [--json FILE] [--cpu] [--copies | "
+                   "--rows | --op NAME] | --list\n");
+      return 2;
+    }
+  }
+  const Op* op = nullptr;
+  if (!g_opts.op.empty()) {
+    for (const Op& o : ops())
+      if (g_opts.op == o.name) op = &o;
+    if (!op) {
+      std::fprintf(stderr, "bench_kernels: unknown op '%s'; valid ops: %s\n", g_opts.op.c_str(),
+                   op_names().c_str());
+      return 2;
+    }
+    if (g_opts.copies_only || g_opts.rows_only) {
+      std::fprintf(stderr, "bench_kernels: --op selects the cases; drop --copies / --rows\n");
       return 2;
     }
   }
   g_cuda = !g_opts.cpu && Accelerator::cuda().available();
+  if (op && op->cuda_only && !g_cuda) {
+    std::fprintf(stderr, "bench_kernels: op '%s' runs on CUDA only (this run is on the CPU)\n",
+                 op->name);
+    return 2;
+  }
   if (g_cuda) {
     Accelerator::cuda().set_device(0);
     auto devs = cuda_devices();
@@ -438,27 +643,20 @@ int main(int argc, char** argv) {
   }
   at::manual_seed(0);
   ceilings();
+  if (op) {
+    op->run();
+    print_and_save();
+    return 0;
+  }
   if (!g_opts.rows_only) host_copies();
   if (g_opts.copies_only) return 0;  // the printed lines are the result
-  if (g_cuda) {
-    row_ops("1b", 16384, 2048, 5632, 32, 64);
-    row_ops("7b", 4096, 4096, 11008, 32, 128);
-    row_ops("7b", 16384, 4096, 11008, 32, 128);
-    if (g_opts.rows_only) {
-      print_and_save();
-      return 0;
-    }
-    Accelerator::cuda().empty_cache();  // the 7b AdamW case needs ~135 GB
-    adamw("1b", llama_params(22, 2048, 5632, 32, 4, 32000));
-    Accelerator::cuda().empty_cache();
-    adamw("7b", llama_params(32, 4096, 11008, 32, 32, 32000));
-    Accelerator::cuda().empty_cache();
-    sdpa("W1", 8, 32, 4, 2048, 64);
-    for (int64_t b : {1, 2, 4}) sdpa("W2", b, 32, 32, 4096, 128);
-  } else {
-    row_ops("tiny", 512, 256, 688, 4, 64);
-    adamw("tiny", llama_params(2, 256, 688, 4, 2, 1000));
+  for (const Preset& p : row_presets()) row_ops(p);
+  if (g_opts.rows_only && g_cuda) {
+    print_and_save();
+    return 0;
   }
+  adamw_cases();
+  if (g_cuda) sdpa_cases();
   print_and_save();
   return 0;
 }

@@ -1,4 +1,5 @@
-// Launch wrappers of the CUDA kernels (src/kernels/cuda_kernels.cu). Plain C++: raw pointers,
+// Launch wrappers of the CUDA kernels, one section per op, each implemented in src/kernels/<op>.cu
+// (the ABI between an op's dispatch file <op>.cpp and its kernels). Plain C++: raw pointers,
 // element counts and strides, and the stream as the CUDA runtime's opaque handle, so that this
 // header compiles without the CUDA toolkit or LibTorch's CUDA headers (a CPU-only LibTorch
 // still builds and links the kernels; it never calls them). Every wrapper launches on `stream`
@@ -6,6 +7,8 @@
 #pragma once
 
 #include <cstdint>
+
+#include "colossal/kernels/adamw_hyper.h"
 
 struct CUstream_st;  // cudaStream_t is CUstream_st*
 
@@ -45,7 +48,8 @@ void swiglu_bwd(const void* dy, const void* gate, const void* up, void* dgate, v
                 DType dt, Stream stream);
 // Packed: gu [rows, 2*cols] contiguous (gate = first cols of a row, up = the rest), y [rows, cols];
 // the gradient dgu is packed the same way.
-void swiglu_packed_fwd(const void* gu, void* y, int64_t rows, int64_t cols, DType dt, Stream stream);
+void swiglu_packed_fwd(const void* gu, void* y, int64_t rows, int64_t cols, DType dt,
+                       Stream stream);
 void swiglu_packed_bwd(const void* dy, const void* gu, void* dgu, int64_t rows, int64_t cols,
                        DType dt, Stream stream);
 
@@ -75,11 +79,7 @@ struct AdamWTensor {
   void* w;  // nullptr: no working copy
   int64_t n;
 };
-struct AdamWHyper {
-  double lr, beta1, beta2, eps, weight_decay, grad_divisor;
-  int64_t step;
-};
 void adamw(const AdamWTensor* tensors, int count, DType grad_dt, DType work_dt,
-           const AdamWHyper& hyper, Stream stream);
+           const AdamWStep& hyper, Stream stream);
 
 }  // namespace colossal::kernels::cuda

@@ -10,7 +10,7 @@
 #include <tuple>
 
 #include "colossal/core/error.h"
-#include "colossal/kernels/fused.h"
+#include "colossal/kernels/adamw.h"
 
 namespace colossal::optim {
 
@@ -125,7 +125,7 @@ void adamw_update(const std::vector<at::Tensor>& params, const std::vector<at::T
 
 void AdamW::update(const GroupOptions& g, std::vector<at::Tensor>& params,
                    std::vector<at::Tensor>& grads, std::vector<ParamState*>& states) {
-  AdamWHyper h{g.lr, g.beta1, g.beta2, g.eps, g.weight_decay};
+  const AdamWHyper& h = g;
   // Parameters that skipped steps (no grad) have their own step counts: one call per count.
   std::map<int64_t, std::vector<size_t>> by_step;
   for (size_t i = 0; i < params.size(); ++i) by_step[states[i]->step].push_back(i);
@@ -149,9 +149,10 @@ bool AdamW::update_masters_fused(const GroupOptions& g, const std::vector<at::Te
   for (size_t i = 0; i < masters.size(); ++i)
     // CUDA only: on the CPU, ATen's vectorised fused AdamW (and CPU Adam for offload) is faster
     // than the scalar fused loop.
-    if (!masters[i].is_cuda() || !kernels::has_fused_kernels(masters[i]) || !masters[i].is_contiguous() ||
-        grads[i].device() != masters[i].device() || working[i].device() != masters[i].device() ||
-        !working[i].is_contiguous() || !grads[i].is_contiguous())
+    if (!masters[i].is_cuda() || !kernels::has_fused_kernels(masters[i]) ||
+        !masters[i].is_contiguous() || grads[i].device() != masters[i].device() ||
+        working[i].device() != masters[i].device() || !working[i].is_contiguous() ||
+        !grads[i].is_contiguous())
       return false;
   // One call per step count (parameters that skipped steps have their own).
   std::map<int64_t, std::vector<size_t>> by_step;
@@ -165,15 +166,7 @@ bool AdamW::update_masters_fused(const GroupOptions& g, const std::vector<at::Te
       V.push_back(states[i]->tensors.at("exp_avg_sq"));
       W.push_back(working[i]);
     }
-    kernels::AdamWStep h;
-    h.lr = g.lr;
-    h.beta1 = g.beta1;
-    h.beta2 = g.beta2;
-    h.eps = g.eps;
-    h.weight_decay = g.weight_decay;
-    h.step = step;
-    h.grad_divisor = grad_divisor();
-    kernels::fused_adamw(P, G, M, V, W, h);
+    kernels::fused_adamw(P, G, M, V, W, kernels::AdamWStep{g, step, grad_divisor()});
   }
   return true;
 }

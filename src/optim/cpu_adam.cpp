@@ -318,7 +318,7 @@ void cpu_adam_update(const std::vector<at::Tensor>& params, const std::vector<at
 
 void CPUAdam::update(const GroupOptions& g, std::vector<at::Tensor>& params,
                      std::vector<at::Tensor>& grads, std::vector<ParamState*>& states) {
-  AdamWHyper h{g.lr, g.beta1, g.beta2, g.eps, g.weight_decay};
+  const AdamWHyper& h = g;
   // One call per step count (parameters that skipped steps have their own); tensors the kernel
   // does not serve (not CPU fp32 contiguous) go through adamw_update.
   std::map<int64_t, std::vector<size_t>> by_step;

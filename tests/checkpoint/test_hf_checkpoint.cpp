@@ -4,7 +4,6 @@
 #include <gtest/gtest.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
-#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -13,6 +12,7 @@
 #include "colossal/checkpoint/hf.h"
 #include "colossal/core/error.h"
 #include "colossal/core/json.h"
+#include "common/temp_dir.h"
 
 namespace fs = std::filesystem;
 using namespace colossal;
@@ -20,21 +20,7 @@ using namespace colossal::checkpoint;
 
 namespace {
 
-class TempDir {
- public:
-  TempDir() {
-    path_ = fs::temp_directory_path() /
-            ("colossal_hf_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++));
-    remove_tree(path_.string());
-    fs::create_directories(path_);
-  }
-  ~TempDir() { remove_tree(path_.string()); }
-  std::string sub(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  static inline int counter_ = 0;
-  fs::path path_;
-};
+using colossal::tests::TempDir;
 
 std::set<std::string> files_in(const std::string& dir) {
   std::set<std::string> out;
@@ -86,12 +72,12 @@ TEST(HfCheckpoint, SingleFileRoundTrip) {
   TensorList in = {{"a", at::randn({8, 8})},
                    {"b", at::arange(10, at::kLong)},
                    {"c", at::randn({3}).to(at::kBFloat16)}};
-  save_state_dict(dir.sub("ck"), in);
-  EXPECT_EQ(files_in(dir.sub("ck")), (std::set<std::string>{"model.safetensors"}));
-  expect_same(load_state_dict(dir.sub("ck")), in);
-  expect_same(load_state_dict(dir.sub("ck/model.safetensors")), in);
+  save_state_dict(dir.file("ck"), in);
+  EXPECT_EQ(files_in(dir.file("ck")), (std::set<std::string>{"model.safetensors"}));
+  expect_same(load_state_dict(dir.file("ck")), in);
+  expect_same(load_state_dict(dir.file("ck/model.safetensors")), in);
   Metadata md;
-  load_safetensors(dir.sub("ck/model.safetensors"), &md);
+  load_safetensors(dir.file("ck/model.safetensors"), &md);
   EXPECT_EQ(md.at("format"), "pt");  // transformers refuses files without it
 }
 
@@ -106,7 +92,7 @@ TEST(HfCheckpoint, ShardedRoundTripAndIndex) {
   in.emplace_back("tiny2", at::arange(3, at::kInt));
   SaveOptions opts;
   opts.size_per_shard_mb = 1;
-  std::string ck = dir.sub("ck");
+  std::string ck = dir.file("ck");
   save_state_dict(ck, in, opts);
   std::set<std::string> expected = {"model.safetensors.index.json"};
   for (int k = 1; k <= 7; ++k)
@@ -167,26 +153,26 @@ TEST(HfCheckpoint, IndexErrorsNameTheShard) {
   TensorList in = {{"a", at::randn({300 * 1024})}, {"b", at::randn({300 * 1024})}};
   SaveOptions opts;
   opts.size_per_shard_mb = 1;
-  std::string ck = dir.sub("ck");
+  std::string ck = dir.file("ck");
   save_state_dict(ck, in, opts);
   fs::remove(ck + "/model-00002-of-00002.safetensors");
   std::string msg = message_of([&] { load_state_dict(ck); });
   EXPECT_NE(msg.find("model-00002-of-00002.safetensors"), std::string::npos) << msg;
-  EXPECT_NE(message_of([&] { load_state_dict(dir.sub("nothing")); }).find("does not exist"),
+  EXPECT_NE(message_of([&] { load_state_dict(dir.file("nothing")); }).find("does not exist"),
             std::string::npos);
-  fs::create_directories(dir.sub("empty"));
-  EXPECT_NE(message_of([&] { load_state_dict(dir.sub("empty")); }).find("model.safetensors"),
+  fs::create_directories(dir.file("empty"));
+  EXPECT_NE(message_of([&] { load_state_dict(dir.file("empty")); }).find("model.safetensors"),
             std::string::npos);
   // An index that escapes the folder is refused.
-  std::ofstream(dir.sub("evil.json")) << R"({"weight_map": {"a": "../../etc/passwd"}})";
+  std::ofstream(dir.file("evil.json")) << R"({"weight_map": {"a": "../../etc/passwd"}})";
   EXPECT_NE(
-      message_of([&] { load_state_dict(dir.sub("evil.json")); }).find("not a plain relative path"),
+      message_of([&] { load_state_dict(dir.file("evil.json")); }).find("not a plain relative path"),
       std::string::npos);
 }
 
 TEST(HfCheckpoint, SaveRejectsBadListBeforeWriting) {
   TempDir dir;
-  std::string ck = dir.sub("ck");
+  std::string ck = dir.file("ck");
   TensorList good = {{"a", at::ones({4})}};
   save_state_dict(ck, good);
   TensorList bad = {{"a", at::zeros({4})}, {"z", at::ones({2}, at::kComplexDouble)}};
@@ -211,8 +197,8 @@ TEST(HfCheckpoint, ModuleStateAndLoad) {
   // Saved as bf16: loading converts to the module's dtype.
   TensorList to_save;
   for (const auto& [n, t] : module_state(src)) to_save.emplace_back(n, t.detach());
-  save_state_dict(dir.sub("ck"), to_save);
-  load_into_module(dst, load_state_dict(dir.sub("ck")));
+  save_state_dict(dir.file("ck"), to_save);
+  load_into_module(dst, load_state_dict(dir.file("ck")));
   for (const auto& [n, t] : module_state(dst)) {
     bool found = false;
     for (const auto& [m, u] : module_state(src)) {
@@ -268,7 +254,7 @@ TEST(HfCheckpoint, StrictErrorsNameEveryTensor) {
 
 TEST(AtomicWrites, FailedWriteKeepsOldFile) {
   TempDir dir;
-  std::string p = dir.sub("f.txt");
+  std::string p = dir.file("f.txt");
   write_file_atomic(p, [&](int fd) { write_all(fd, "old", 3, p); });
   EXPECT_THROW(write_file_atomic(p,
                                  [&](int fd) {
@@ -279,12 +265,12 @@ TEST(AtomicWrites, FailedWriteKeepsOldFile) {
   std::ifstream f(p);
   std::string s((std::istreambuf_iterator<char>(f)), {});
   EXPECT_EQ(s, "old");
-  EXPECT_EQ(files_in(dir.sub("")), (std::set<std::string>{"f.txt"}));
+  EXPECT_EQ(files_in(dir.file("")), (std::set<std::string>{"f.txt"}));
 }
 
 TEST(AtomicWrites, StagedDirectorySwapsWholeFolder) {
   TempDir dir;
-  std::string target = dir.sub("ckpt");
+  std::string target = dir.file("ckpt");
   // The leftover of a crashed save is cleared, not published.
   fs::create_directories(target + ".staging");
   std::ofstream(target + ".staging/junk.txt") << "x";
@@ -305,7 +291,7 @@ TEST(AtomicWrites, StagedDirectorySwapsWholeFolder) {
   } catch (const Error&) {
   }
   EXPECT_TRUE(at::equal(load_state_dict(target)[0].second, at::full({2}, 1.0)));
-  EXPECT_EQ(files_in(dir.sub("")), (std::set<std::string>{"ckpt"}));
+  EXPECT_EQ(files_in(dir.file("")), (std::set<std::string>{"ckpt"}));
   // A committed second save replaces it completely (old files do not survive).
   std::ofstream(target + "/stale.txt") << "x";
   {
@@ -315,5 +301,5 @@ TEST(AtomicWrites, StagedDirectorySwapsWholeFolder) {
   }
   EXPECT_TRUE(at::equal(load_state_dict(target)[0].second, at::full({2}, 3.0)));
   EXPECT_FALSE(fs::exists(target + "/stale.txt"));
-  EXPECT_EQ(files_in(dir.sub("")), (std::set<std::string>{"ckpt"}));
+  EXPECT_EQ(files_in(dir.file("")), (std::set<std::string>{"ckpt"}));
 }

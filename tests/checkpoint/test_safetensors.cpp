@@ -2,15 +2,14 @@
 // headers, a fuzz loop) that must end in an InputError, never a crash.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
 #include <random>
 
-#include "colossal/checkpoint/atomic.h"
 #include "colossal/checkpoint/safetensors.h"
 #include "colossal/core/error.h"
+#include "common/temp_dir.h"
 
 namespace fs = std::filesystem;
 using namespace colossal;
@@ -18,22 +17,7 @@ using namespace colossal::checkpoint;
 
 namespace {
 
-class TempDir {
- public:
-  TempDir() {
-    path_ = fs::temp_directory_path() /
-            ("colossal_st_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++));
-    remove_tree(path_.string());
-    fs::create_directories(path_);
-  }
-  ~TempDir() { remove_tree(path_.string()); }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-  const fs::path& path() const { return path_; }
-
- private:
-  static inline int counter_ = 0;
-  fs::path path_;
-};
+using colossal::tests::TempDir;
 
 std::string raw_file(const std::string& header, const std::string& data) {
   std::string out(8, '\0');

@@ -4,7 +4,6 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
-#include <dirent.h>
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
@@ -13,30 +12,13 @@
 #include "colossal/core/error.h"
 #include "colossal/data/sampler.h"
 #include "colossal/data/token_file.h"
+#include "common/temp_dir.h"
 
 using namespace colossal;
 using namespace colossal::data;
 
 namespace {
-// POSIX only: std::filesystem::remove_all crashes when linked against this LibTorch (the wheel's
-// libtorch.so exports a clashing copy of it).
-struct TmpDir {
-  std::string p;
-  TmpDir() {
-    char tmpl[] = "/tmp/colossal_test_data_XXXXXX";
-    p = ::mkdtemp(tmpl);
-  }
-  ~TmpDir() {
-    if (DIR* d = ::opendir(p.c_str())) {
-      while (dirent* e = ::readdir(d))
-        if (std::string(e->d_name) != "." && std::string(e->d_name) != "..")
-          ::unlink(file(e->d_name).c_str());
-      ::closedir(d);
-    }
-    ::rmdir(p.c_str());
-  }
-  std::string file(const std::string& n) const { return p + "/" + n; }
-};
+using colossal::tests::TempDir;
 
 std::vector<int64_t> tokens(int64_t n, int64_t max) {
   std::vector<int64_t> t;
@@ -55,7 +37,7 @@ std::string error_of(const std::function<void()>& f) {
 }  // namespace
 
 TEST(TokenFile, RoundTripsEveryFormat) {
-  TmpDir d;
+  TempDir d;
   struct Case {
     std::string name;
     TokenFormat write, expect;
@@ -80,7 +62,7 @@ TEST(TokenFile, RoundTripsEveryFormat) {
 }
 
 TEST(TokenFile, CorruptAndShortFilesAreClearErrors) {
-  TmpDir d;
+  TempDir d;
   write_token_file(d.file("g.bin"), tokens(100, 1000), TokenFormat::LlmcGpt2);
   ASSERT_EQ(::truncate(d.file("g.bin").c_str(), 1024 + 150), 0);
   std::string e = error_of([&] { TokenFile f(d.file("g.bin")); });
@@ -115,7 +97,7 @@ TEST(TokenFile, CorruptAndShortFilesAreClearErrors) {
 }
 
 TEST(TokenDataset, SamplesAreShiftedWindows) {
-  TmpDir d;
+  TempDir d;
   auto t = tokens(1001, 60000);
   write_token_file(d.file("t.bin"), t, TokenFormat::RawU16);
   TokenDataset ds(std::make_shared<TokenFile>(d.file("t.bin")), 16);

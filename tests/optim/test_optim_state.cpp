@@ -159,7 +159,7 @@ TEST(OptimState, FlatShardFunctionsMatchClass) {
     for (auto& p : ps) gparts.push_back(p.grad().reshape(-1));
     at::Tensor gflat = at::cat(gparts);
     opt.step();
-    AdamWHyper h{go.lr, go.beta1, go.beta2, go.eps, go.weight_decay};
+    const AdamWHyper& h = go;  // a group passes as its AdamW hyper-parameters
     // Two "ranks" each update their own shard.
     adamw_update({flat.slice(0, 0, half)}, {gflat.slice(0, 0, half)}, {m.slice(0, 0, half)},
                  {v.slice(0, 0, half)}, s + 1, h, AdamWImpl::ForEach);

@@ -5,15 +5,18 @@
 // shards; the AdamW class applies it to named parameters.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+#include <colossal/kernels/adamw_hyper.h>
 #include <colossal/optim/optimizer.h>
 
+#include <cstdint>
+#include <string>
 #include <vector>
 
 namespace colossal::optim {
 
-struct AdamWHyper {
-  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
-};
+// The hyper-parameters (defined once in kernels/adamw_hyper.h; GroupOptions derives from it).
+using AdamWHyper = kernels::AdamWHyper;
 
 enum class AdamWImpl {
   Auto,    // Fused when ATen has the fused kernel for the tensors' device and dtype, else ForEach

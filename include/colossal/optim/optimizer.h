@@ -9,6 +9,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <colossal/core/json.h>
+#include <colossal/kernels/adamw_hyper.h>
 
 #include <cstdint>
 #include <map>
@@ -18,13 +19,12 @@
 
 namespace colossal::optim {
 
-// Hyper-parameters of one group. Fields an optimizer does not use are ignored by it.
-struct GroupOptions {
-  double lr = 1e-3;
-  double weight_decay = 0.0;
-  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;  // AdamW
-  double momentum = 0.0, dampening = 0.0;         // SGD
-  bool nesterov = false;                          // SGD
+// Hyper-parameters of one group. Fields an optimizer does not use are ignored by it. lr and
+// weight_decay (shared with SGD) and AdamW's beta1, beta2, eps come from kernels::AdamWHyper, the
+// one definition of AdamW's hyper-parameters: a group is passed to the AdamW math as it is.
+struct GroupOptions : kernels::AdamWHyper {
+  double momentum = 0.0, dampening = 0.0;  // SGD
+  bool nesterov = false;                   // SGD
 };
 
 struct NamedParam {
