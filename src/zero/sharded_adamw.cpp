@@ -49,8 +49,7 @@ void AdamWBatch::run(AdamWPath path, const optim::AdamWHyper& h, int64_t step,
   if (P.empty()) return;
   switch (path) {
     case AdamWPath::Fused: {
-      kernels::AdamWStep k{h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, step, divisor};
-      kernels::fused_adamw(P, G, M, V, W, k);
+      kernels::fused_adamw(P, G, M, V, W, kernels::AdamWStep{h, step, divisor});
       break;
     }
     case AdamWPath::Host:
@@ -63,7 +62,7 @@ void AdamWBatch::run(AdamWPath path, const optim::AdamWHyper& h, int64_t step,
 }
 
 optim::AdamWHyper hyper_of(const optim::GroupOptions& g) {
-  return optim::AdamWHyper{g.lr, g.beta1, g.beta2, g.eps, g.weight_decay};
+  return g;  // GroupOptions derives from the one hyper-parameter struct
 }
 
 }  // namespace colossal::zero
