@@ -2,8 +2,8 @@
 // need. Public headers still include only what they use; this only speeds compilation.
 #pragma once
 #include <ATen/ATen.h>
-#include <torch/nn/module.h>
 #include <torch/autograd.h>
+#include <torch/nn/module.h>
 
 #include <algorithm>
 #include <cstdint>

@@ -20,9 +20,9 @@
 #include "colossal/core/profiler.h"
 #include "colossal/dist/runtime.h"
 #include "colossal/kernels/fused.h"
+#include "colossal/models/llama/config.h"
 #include "colossal/models/llama/model.h"
 #include "colossal/nn/checkpointing.h"
-#include "colossal/models/llama/config.h"
 #include "colossal/nn/init.h"
 #include "colossal/optim/adamw.h"
 
@@ -293,9 +293,10 @@ double since(std::chrono::steady_clock::time_point t) {
 // The model built on meta and materialised on the device (values by name, as `colossal train`),
 // with the recompute mode, kernels and SDPA backend the config asks for.
 std::shared_ptr<models::CausalLM> build_model(const BenchConfig& c, const at::Device& device,
-                                          bool rank0) {
-  models::ModelConfig cfg = std::filesystem::exists(c.model) ? models::ModelConfig::from_file(c.model)
-                                                         : models::ModelConfig::preset(c.model);
+                                              bool rank0) {
+  models::ModelConfig cfg = std::filesystem::exists(c.model)
+                                ? models::ModelConfig::from_file(c.model)
+                                : models::ModelConfig::preset(c.model);
   COLOSSAL_CHECK_INPUT(c.seq_len <= cfg.max_position_embeddings, "-l ", c.seq_len,
                        " exceeds the model's max_position_embeddings ",
                        cfg.max_position_embeddings);

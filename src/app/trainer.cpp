@@ -23,8 +23,8 @@
 #include "colossal/data/sampler.h"
 #include "colossal/data/token_file.h"
 #include "colossal/dist/runtime.h"
-#include "colossal/models/llama/model.h"
 #include "colossal/models/llama/config.h"
+#include "colossal/models/llama/model.h"
 #include "colossal/nn/init.h"
 #include "colossal/optim/adamw.h"
 #include "colossal/optim/lr_scheduler.h"
@@ -243,7 +243,7 @@ void Trainer::build_model() {
     log_info("model from ", c_.init);
   } else {
     models::ModelConfig cfg = fs::exists(c_.model) ? models::ModelConfig::from_file(c_.model)
-                                               : models::ModelConfig::preset(c_.model);
+                                                   : models::ModelConfig::preset(c_.model);
     model_ = std::make_shared<models::CausalLM>(cfg);
     nn::InitOptions io;
     io.seed = static_cast<uint64_t>(c_.seed);

@@ -17,38 +17,47 @@ Precision precision_from_string(const std::string& s) {
 
 const char* to_string(Precision p) {
   switch (p) {
-    case Precision::FP32: return "fp32";
-    case Precision::FP16: return "fp16";
-    case Precision::BF16: return "bf16";
+    case Precision::FP32:
+      return "fp32";
+    case Precision::FP16:
+      return "fp16";
+    case Precision::BF16:
+      return "bf16";
   }
   return "?";
 }
 
 at::ScalarType working_dtype(Precision p) {
   switch (p) {
-    case Precision::FP16: return at::kHalf;
-    case Precision::BF16: return at::kBFloat16;
-    default: return at::kFloat;
+    case Precision::FP16:
+      return at::kHalf;
+    case Precision::BF16:
+      return at::kBFloat16;
+    default:
+      return at::kFloat;
   }
 }
 
 void Plugin::validate() const {
   auto precisions = supported_precisions();
-  COLOSSAL_CHECK_INPUT(std::find(precisions.begin(), precisions.end(), precision()) != precisions.end(), "plugin '",
-                       name(), "' does not support precision '", to_string(precision()), "'");
+  COLOSSAL_CHECK_INPUT(
+      std::find(precisions.begin(), precisions.end(), precision()) != precisions.end(), "plugin '",
+      name(), "' does not support precision '", to_string(precision()), "'");
   auto devices = supported_devices();
-  COLOSSAL_CHECK_INPUT(std::find(devices.begin(), devices.end(), device()) != devices.end(), "plugin '", name(),
-                       "' does not support device '", device(), "'");
+  COLOSSAL_CHECK_INPUT(std::find(devices.begin(), devices.end(), device()) != devices.end(),
+                       "plugin '", name(), "' does not support device '", device(), "'");
   if (device() == "cuda")
     COLOSSAL_CHECK_INPUT(Accelerator::cuda().available(), "plugin '", name(),
                          "': device 'cuda' was requested but no CUDA device is visible");
 }
 
-std::shared_ptr<data::DataLoader> Plugin::prepare_dataloader(std::shared_ptr<data::TokenDataset> dataset,
-                                                             int64_t batch_size, bool shuffle, uint64_t seed,
-                                                             int64_t accumulation) const {
-  COLOSSAL_CHECK_INPUT(batch_size >= 1, "prepare_dataloader: batch_size must be >= 1, got ", batch_size);
-  COLOSSAL_CHECK_INPUT(accumulation >= 1, "prepare_dataloader: accumulation must be >= 1, got ", accumulation);
+std::shared_ptr<data::DataLoader> Plugin::prepare_dataloader(
+    std::shared_ptr<data::TokenDataset> dataset, int64_t batch_size, bool shuffle, uint64_t seed,
+    int64_t accumulation) const {
+  COLOSSAL_CHECK_INPUT(batch_size >= 1, "prepare_dataloader: batch_size must be >= 1, got ",
+                       batch_size);
+  COLOSSAL_CHECK_INPUT(accumulation >= 1, "prepare_dataloader: accumulation must be >= 1, got ",
+                       accumulation);
   data::SamplerOptions o;
   o.micro_batch = batch_size;
   o.dp_size = dp_size();

@@ -20,7 +20,9 @@ OptimizerWrapper::OptimizerWrapper(std::shared_ptr<optim::Optimizer> optimizer, 
 
 OptimizerWrapper::~OptimizerWrapper() = default;
 
-double OptimizerWrapper::loss_scale() const { return scaler_ ? scaler_->scale() : 1.0; }
+double OptimizerWrapper::loss_scale() const {
+  return scaler_ ? scaler_->scale() : 1.0;
+}
 
 void OptimizerWrapper::backward(const at::Tensor& loss) {
   norm_valid_ = false;
@@ -42,7 +44,8 @@ double OptimizerWrapper::compute_grad_norm() {
 }
 
 double OptimizerWrapper::clip_grad_by_norm(double max_norm, double norm_type) {
-  COLOSSAL_CHECK_INPUT(norm_type == 2.0, "clip_grad_by_norm: only norm_type 2 is supported, got ", norm_type);
+  COLOSSAL_CHECK_INPUT(norm_type == 2.0, "clip_grad_by_norm: only norm_type 2 is supported, got ",
+                       norm_type);
   COLOSSAL_CHECK_INPUT(max_norm > 0, "clip_grad_by_norm: max_norm must be > 0, got ", max_norm);
   max_norm_ = max_norm;
   last_norm_ = grad_norm_now();
@@ -50,9 +53,13 @@ double OptimizerWrapper::clip_grad_by_norm(double max_norm, double norm_type) {
   return last_norm_;
 }
 
-void OptimizerWrapper::apply_update(double divisor) { optimizer_->step(divisor); }
+void OptimizerWrapper::apply_update(double divisor) {
+  optimizer_->step(divisor);
+}
 
-void OptimizerWrapper::drop_grads() { optimizer_->zero_grad(true); }
+void OptimizerWrapper::drop_grads() {
+  optimizer_->zero_grad(true);
+}
 
 bool OptimizerWrapper::step() {
   if (!norm_valid_) last_norm_ = grad_norm_now();
@@ -64,9 +71,11 @@ bool OptimizerWrapper::step() {
     if (scaler_) {
       double old = scaler_->scale();
       scaler_->update(true);
-      log_warn("fp16 gradient overflow: step skipped on every rank, loss scale ", old, " -> ", scaler_->scale());
+      log_warn("fp16 gradient overflow: step skipped on every rank, loss scale ", old, " -> ",
+               scaler_->scale());
     } else {
-      log_warn("non-finite gradient norm (", last_norm_, ") in ", to_string(precision_), ": step skipped");
+      log_warn("non-finite gradient norm (", last_norm_, ") in ", to_string(precision_),
+               ": step skipped");
     }
     drop_grads();
     return false;
@@ -83,13 +92,21 @@ bool OptimizerWrapper::step() {
   return true;
 }
 
-void OptimizerWrapper::zero_grad(bool set_to_none) { optimizer_->zero_grad(set_to_none); }
+void OptimizerWrapper::zero_grad(bool set_to_none) {
+  optimizer_->zero_grad(set_to_none);
+}
 
-optim::StateDict OptimizerWrapper::full_state_dict() { return optimizer_->state_dict(); }
+optim::StateDict OptimizerWrapper::full_state_dict() {
+  return optimizer_->state_dict();
+}
 
-void OptimizerWrapper::load_full_state_dict(const optim::StateDict& state) { optimizer_->load_state_dict(state); }
+void OptimizerWrapper::load_full_state_dict(const optim::StateDict& state) {
+  optimizer_->load_state_dict(state);
+}
 
-void OptimizerWrapper::sync_masters_from_params() { optimizer_->sync_masters_from_params(); }
+void OptimizerWrapper::sync_masters_from_params() {
+  optimizer_->sync_masters_from_params();
+}
 
 json::Value OptimizerWrapper::state() const {
   json::Value s = json::Value::object();

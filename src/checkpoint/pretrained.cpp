@@ -35,7 +35,7 @@ at::ScalarType hf_dtype_from_name(const std::string& n) {
 }
 
 std::shared_ptr<models::CausalLM> load_pretrained(const std::string& dir,
-                                              const PretrainedOptions& opts) {
+                                                  const PretrainedOptions& opts) {
   COLOSSAL_CHECK_INPUT(fs::is_directory(dir), "model folder '", dir,
                        "' does not exist or is not a folder");
   const std::string cfg_path = (fs::path(dir) / "config.json").string();
@@ -55,7 +55,8 @@ std::shared_ptr<models::CausalLM> load_pretrained(const std::string& dir,
   return model;
 }
 
-void save_pretrained(const models::CausalLM& model, const std::string& dir, const SaveOptions& opts) {
+void save_pretrained(const models::CausalLM& model, const std::string& dir,
+                     const SaveOptions& opts) {
   COLOSSAL_CHECK(model.first_block() == 0 && model.end_block() == model.num_blocks(),
                  "save_pretrained needs the whole model (this one holds blocks [",
                  model.first_block(), ", ", model.end_block(), "))");

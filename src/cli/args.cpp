@@ -1,7 +1,7 @@
 #include "cli/args.h"
 
-#include <cstdio>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 
 #include "colossal/core/error.h"
@@ -48,8 +48,10 @@ std::string Args::usage() const {
     if (!s.is_flag) line += " VALUE";
     if (line.size() < 30) line.append(30 - line.size(), ' ');
     line += " " + s.help;
-    if (s.required) line += " (required)";
-    else if (!s.is_flag && !s.def.empty()) line += " [default: " + s.def + "]";
+    if (s.required)
+      line += " (required)";
+    else if (!s.is_flag && !s.def.empty())
+      line += " [default: " + s.def + "]";
     u += line + "\n";
   }
   if (!rest_name_.empty()) u += "  " + rest_name_ + ": " + rest_help_ + "\n";
@@ -89,7 +91,8 @@ void Args::parse(int argc, char** argv) {
     }
     if (s->is_flag) {
       if (has_value && value != "true" && value != "false")
-        throw InputError(colossal::str("option --", s->name, " takes true or false, got '", value, "'"));
+        throw InputError(
+            colossal::str("option --", s->name, " takes true or false, got '", value, "'"));
       values_[s->name] = has_value ? value : "true";
     } else {
       if (!has_value) {
@@ -110,8 +113,12 @@ void Args::parse(int argc, char** argv) {
       throw InputError(colossal::str("colossal ", prog_, ": option --", s.name, " is required"));
 }
 
-bool Args::has(const std::string& name) const { return values_.count(norm(name)) > 0; }
-bool Args::given(const std::string& name) const { return given_.count(norm(name)) > 0; }
+bool Args::has(const std::string& name) const {
+  return values_.count(norm(name)) > 0;
+}
+bool Args::given(const std::string& name) const {
+  return given_.count(norm(name)) > 0;
+}
 
 std::string Args::str(const std::string& name) const {
   auto it = values_.find(norm(name));

@@ -13,7 +13,8 @@ namespace colossal::cli {
 
 class Args {
  public:
-  Args(std::string prog, std::string summary) : prog_(std::move(prog)), summary_(std::move(summary)) {}
+  Args(std::string prog, std::string summary)
+      : prog_(std::move(prog)), summary_(std::move(summary)) {}
 
   // A boolean switch (`--flag`, or `--flag=true|false`).
   Args& flag(const std::string& name, const std::string& help, const std::string& alias = "");
@@ -26,7 +27,7 @@ class Args {
   // Parses argv[1..]; on --help prints usage and exits 0. Throws InputError.
   void parse(int argc, char** argv);
 
-  bool has(const std::string& name) const;  // given on the command line, or has a default
+  bool has(const std::string& name) const;    // given on the command line, or has a default
   bool given(const std::string& name) const;  // given on the command line
   std::string str(const std::string& name) const;
   int64_t i64(const std::string& name) const;

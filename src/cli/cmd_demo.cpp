@@ -21,7 +21,8 @@ namespace {
 using colossal::data::SortTask;
 
 int cmd_demo_data(int argc, char** argv) {
-  colossal::cli::Args args("demo-data", "Writes the demo's synthetic sort-task token file (uint16, llm.c format).");
+  colossal::cli::Args args(
+      "demo-data", "Writes the demo's synthetic sort-task token file (uint16, llm.c format).");
   args.option("out", "output folder", "", true)
       .option("tokens", "training tokens", "1000000")
       .option("length", "digits per example", "6")
@@ -30,11 +31,13 @@ int cmd_demo_data(int argc, char** argv) {
   SortTask task;
   task.length = args.i64("length");
   int64_t n = args.i64("tokens");
-  COLOSSAL_CHECK_INPUT(n > task.example_tokens(), "--tokens must exceed one example (", task.example_tokens(), ")");
+  COLOSSAL_CHECK_INPUT(n > task.example_tokens(), "--tokens must exceed one example (",
+                       task.example_tokens(), ")");
   std::string out = args.str("out");
   std::filesystem::create_directories(out);
   auto stream = task.training_stream(n, static_cast<uint64_t>(args.i64("seed")));
-  colossal::data::write_token_file(out + "/train.bin", stream, colossal::data::TokenFormat::LlmcGpt2);
+  colossal::data::write_token_file(out + "/train.bin", stream,
+                                   colossal::data::TokenFormat::LlmcGpt2);
   colossal::log_info("wrote ", out, "/train.bin: ", n, " tokens of the sort task (", task.length,
                      " digits; inputs divisible by 7 held out)");
   return 0;
@@ -49,7 +52,8 @@ std::string resolve_model(const std::string& dir) {
     f >> step;
     return dir + "/" + step + "/model";
   }
-  throw colossal::InputError(colossal::str(dir, " holds no model (no config.json) and no training checkpoints (no latest)"));
+  throw colossal::InputError(colossal::str(
+      dir, " holds no model (no config.json) and no training checkpoints (no latest)"));
 }
 
 std::string show(const std::vector<int64_t>& toks) {
@@ -63,8 +67,9 @@ std::string show(const std::vector<int64_t>& toks) {
 }
 
 int cmd_demo_eval(int argc, char** argv) {
-  colossal::cli::Args args("demo-eval",
-                           "Exact-match accuracy of a model on held-out sort-task inputs (never seen in training).");
+  colossal::cli::Args args(
+      "demo-eval",
+      "Exact-match accuracy of a model on held-out sort-task inputs (never seen in training).");
   args.option("model", "HF model folder, or a training save_dir (its latest checkpoint)", "", true)
       .option("examples", "held-out inputs to score", "500")
       .option("length", "digits per example", "6")
@@ -91,10 +96,12 @@ int cmd_demo_eval(int argc, char** argv) {
     bool ok = got == task.answer(digits[static_cast<size_t>(i)]);
     correct += ok;
     if (i < args.i64("show"))
-      std::printf("sample: %s  ->  %s   %s\n", show(task.prompt(digits[static_cast<size_t>(i)])).c_str(),
-                  show(got).c_str(), ok ? "(correct)" : "(wrong)");
+      std::printf("sample: %s  ->  %s   %s\n",
+                  show(task.prompt(digits[static_cast<size_t>(i)])).c_str(), show(got).c_str(),
+                  ok ? "(correct)" : "(wrong)");
   }
-  std::printf("held-out exact match: %lld/%lld = %.1f%%\n", static_cast<long long>(correct), static_cast<long long>(n),
+  std::printf("held-out exact match: %lld/%lld = %.1f%%\n", static_cast<long long>(correct),
+              static_cast<long long>(n),
               100.0 * static_cast<double>(correct) / static_cast<double>(n));
   return 0;
 }

@@ -21,5 +21,6 @@ const std::vector<Command>& commands();
 
 }  // namespace colossal::cli
 
-#define COLOSSAL_COMMAND(NAME, SUMMARY, FN) \
-  static const bool colossal_cmd_registered_##FN = ::colossal::cli::register_command({NAME, SUMMARY, FN})
+#define COLOSSAL_COMMAND(NAME, SUMMARY, FN)        \
+  static const bool colossal_cmd_registered_##FN = \
+      ::colossal::cli::register_command({NAME, SUMMARY, FN})

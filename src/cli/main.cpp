@@ -22,22 +22,29 @@ bool register_command(const Command& c) {
   registry().push_back(c);
   return true;
 }
-const std::vector<Command>& commands() { return registry(); }
+const std::vector<Command>& commands() {
+  return registry();
+}
 
 }  // namespace colossal::cli
 
 namespace {
 void print_help() {
-  std::printf("colossal %s: ColossalAI's large-model training system in C++\n\n", colossal::version().c_str());
-  std::printf("usage: colossal <command> [options]   (colossal <command> --help for its options)\n\ncommands:\n");
+  std::printf("colossal %s: ColossalAI's large-model training system in C++\n\n",
+              colossal::version().c_str());
+  std::printf(
+      "usage: colossal <command> [options]   (colossal <command> --help for its "
+      "options)\n\ncommands:\n");
   auto cmds = colossal::cli::commands();
-  std::sort(cmds.begin(), cmds.end(), [](auto& a, auto& b) { return std::strcmp(a.name, b.name) < 0; });
+  std::sort(cmds.begin(), cmds.end(),
+            [](auto& a, auto& b) { return std::strcmp(a.name, b.name) < 0; });
   for (const auto& c : cmds) std::printf("  %-10s %s\n", c.name, c.summary);
 }
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h") || !std::strcmp(argv[1], "help")) {
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h") ||
+      !std::strcmp(argv[1], "help")) {
     print_help();
     return argc < 2 ? 2 : 0;
   }

@@ -15,13 +15,20 @@ namespace colossal::json {
 
 const char* Value::type_name() const {
   switch (type_) {
-    case Type::Null: return "null";
-    case Type::Bool: return "bool";
-    case Type::Int: return "integer";
-    case Type::Double: return "number";
-    case Type::String: return "string";
-    case Type::Array: return "array";
-    case Type::Object: return "object";
+    case Type::Null:
+      return "null";
+    case Type::Bool:
+      return "bool";
+    case Type::Int:
+      return "integer";
+    case Type::Double:
+      return "number";
+    case Type::String:
+      return "string";
+    case Type::Array:
+      return "array";
+    case Type::Object:
+      return "object";
   }
   return "?";
 }
@@ -105,12 +112,18 @@ bool operator==(const Value& a, const Value& b) {
   }
   if (a.type_ != b.type_) return false;
   switch (a.type_) {
-    case Value::Type::Null: return true;
-    case Value::Type::Bool: return a.b_ == b.b_;
-    case Value::Type::String: return a.s_ == b.s_;
-    case Value::Type::Array: return a.a_ == b.a_;
-    case Value::Type::Object: return a.o_ == b.o_;
-    default: return false;
+    case Value::Type::Null:
+      return true;
+    case Value::Type::Bool:
+      return a.b_ == b.b_;
+    case Value::Type::String:
+      return a.s_ == b.s_;
+    case Value::Type::Array:
+      return a.a_ == b.a_;
+    case Value::Type::Object:
+      return a.o_ == b.o_;
+    default:
+      return false;
   }
 }
 
@@ -119,13 +132,27 @@ void dump_string(std::string& out, const std::string& s) {
   out += '"';
   for (unsigned char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\b':
+        out += "\\b";
+        break;
+      case '\f':
+        out += "\\f";
+        break;
       default:
         if (c < 0x20) {
           char buf[8];
@@ -147,9 +174,15 @@ void newline(std::string& out, int indent, int depth) {
 
 void Value::dump_to(std::string& out, int indent, int depth) const {
   switch (type_) {
-    case Type::Null: out += "null"; break;
-    case Type::Bool: out += b_ ? "true" : "false"; break;
-    case Type::Int: out += std::to_string(i_); break;
+    case Type::Null:
+      out += "null";
+      break;
+    case Type::Bool:
+      out += b_ ? "true" : "false";
+      break;
+    case Type::Int:
+      out += std::to_string(i_);
+      break;
     case Type::Double: {
       if (!std::isfinite(d_)) {
         out += "null";  // JSON has no inf/nan
@@ -162,7 +195,9 @@ void Value::dump_to(std::string& out, int indent, int depth) const {
       out += s;
       break;
     }
-    case Type::String: dump_string(out, s_); break;
+    case Type::String:
+      dump_string(out, s_);
+      break;
     case Type::Array: {
       out += '[';
       for (size_t i = 0; i < a_.size(); ++i) {
@@ -224,7 +259,8 @@ class Parser {
     throw InputError(str(src_, ": invalid JSON: ", what, " at line ", line, " column ", col));
   }
   void skip_ws() {
-    while (p_ < t_.size() && (t_[p_] == ' ' || t_[p_] == '\t' || t_[p_] == '\n' || t_[p_] == '\r')) ++p_;
+    while (p_ < t_.size() && (t_[p_] == ' ' || t_[p_] == '\t' || t_[p_] == '\n' || t_[p_] == '\r'))
+      ++p_;
   }
   char peek() {
     if (p_ >= t_.size()) fail("unexpected end of input");
@@ -238,12 +274,21 @@ class Parser {
     if (depth > max_depth_) fail(str("nesting deeper than ", max_depth_));
     char c = peek();
     switch (c) {
-      case '{': return object(depth);
-      case '[': return array(depth);
-      case '"': return Value(string());
-      case 't': expect("true"); return Value(true);
-      case 'f': expect("false"); return Value(false);
-      case 'n': expect("null"); return Value();
+      case '{':
+        return object(depth);
+      case '[':
+        return array(depth);
+      case '"':
+        return Value(string());
+      case 't':
+        expect("true");
+        return Value(true);
+      case 'f':
+        expect("false");
+        return Value(false);
+      case 'n':
+        expect("null");
+        return Value();
       default:
         if (c == '-' || (c >= '0' && c <= '9')) return number();
         fail(str("unexpected character '", c, "'"));
@@ -252,7 +297,8 @@ class Parser {
   Value object(int depth) {
     ++p_;
     Value v = Value::object();
-    std::unordered_set<std::string> seen;  // O(1) duplicate check: safetensors headers hold 10^4+ keys
+    std::unordered_set<std::string>
+        seen;  // O(1) duplicate check: safetensors headers hold 10^4+ keys
     skip_ws();
     if (peek() == '}') {
       ++p_;
@@ -306,10 +352,14 @@ class Parser {
     for (int i = 0; i < 4; ++i) {
       char c = t_[p_++];
       v <<= 4;
-      if (c >= '0' && c <= '9') v |= static_cast<uint32_t>(c - '0');
-      else if (c >= 'a' && c <= 'f') v |= static_cast<uint32_t>(c - 'a' + 10);
-      else if (c >= 'A' && c <= 'F') v |= static_cast<uint32_t>(c - 'A' + 10);
-      else fail("bad hex digit in \\u escape");
+      if (c >= '0' && c <= '9')
+        v |= static_cast<uint32_t>(c - '0');
+      else if (c >= 'a' && c <= 'f')
+        v |= static_cast<uint32_t>(c - 'a' + 10);
+      else if (c >= 'A' && c <= 'F')
+        v |= static_cast<uint32_t>(c - 'A' + 10);
+      else
+        fail("bad hex digit in \\u escape");
     }
     return v;
   }
@@ -328,14 +378,30 @@ class Parser {
       if (p_ >= t_.size()) fail("unterminated escape");
       char e = t_[p_++];
       switch (e) {
-        case '"': out += '"'; break;
-        case '\\': out += '\\'; break;
-        case '/': out += '/'; break;
-        case 'b': out += '\b'; break;
-        case 'f': out += '\f'; break;
-        case 'n': out += '\n'; break;
-        case 'r': out += '\r'; break;
-        case 't': out += '\t'; break;
+        case '"':
+          out += '"';
+          break;
+        case '\\':
+          out += '\\';
+          break;
+        case '/':
+          out += '/';
+          break;
+        case 'b':
+          out += '\b';
+          break;
+        case 'f':
+          out += '\f';
+          break;
+        case 'n':
+          out += '\n';
+          break;
+        case 'r':
+          out += '\r';
+          break;
+        case 't':
+          out += '\t';
+          break;
         case 'u': {
           uint32_t cp = hex4();
           if (cp >= 0xD800 && cp <= 0xDBFF) {
@@ -348,7 +414,8 @@ class Parser {
           append_utf8(out, cp);
           break;
         }
-        default: fail(str("bad escape '\\", e, "'"));
+        default:
+          fail(str("bad escape '\\", e, "'"));
       }
     }
   }

@@ -25,10 +25,18 @@ LogLevel level_from_env() {
 std::atomic<int> g_level{static_cast<int>(level_from_env())};
 }  // namespace
 
-void set_log_rank(int rank) { g_rank = rank; }
-int log_rank() { return g_rank; }
-void set_log_level(LogLevel level) { g_level = static_cast<int>(level); }
-LogLevel log_level() { return static_cast<LogLevel>(g_level.load()); }
+void set_log_rank(int rank) {
+  g_rank = rank;
+}
+int log_rank() {
+  return g_rank;
+}
+void set_log_level(LogLevel level) {
+  g_level = static_cast<int>(level);
+}
+LogLevel log_level() {
+  return static_cast<LogLevel>(g_level.load());
+}
 
 void log_message(LogLevel level, std::string_view message) {
   static const char* names[] = {"debug", "info", "warn", "error"};

@@ -30,20 +30,24 @@ OptionSet& OptionSet::add_opt(Opt o) {
   opts_.push_back(std::move(o));
   return *this;
 }
-OptionSet& OptionSet::add(const std::string& s, const std::string& n, int64_t* t, const std::string& h) {
+OptionSet& OptionSet::add(const std::string& s, const std::string& n, int64_t* t,
+                          const std::string& h) {
   return add_opt({s, n, h, t, {}, false, false, 0, 0, repr(*t), {}});
 }
-OptionSet& OptionSet::add(const std::string& s, const std::string& n, int* t, const std::string& h) {
+OptionSet& OptionSet::add(const std::string& s, const std::string& n, int* t,
+                          const std::string& h) {
   return add_opt({s, n, h, t, {}, false, false, 0, 0, repr(*t), {}});
 }
-OptionSet& OptionSet::add(const std::string& s, const std::string& n, double* t, const std::string& h) {
+OptionSet& OptionSet::add(const std::string& s, const std::string& n, double* t,
+                          const std::string& h) {
   return add_opt({s, n, h, t, {}, false, false, 0, 0, repr(*t), {}});
 }
-OptionSet& OptionSet::add(const std::string& s, const std::string& n, bool* t, const std::string& h) {
+OptionSet& OptionSet::add(const std::string& s, const std::string& n, bool* t,
+                          const std::string& h) {
   return add_opt({s, n, h, t, {}, false, false, 0, 0, *t ? "true" : "false", {}});
 }
-OptionSet& OptionSet::add(const std::string& s, const std::string& n, std::string* t, const std::string& h,
-                          std::vector<std::string> choices) {
+OptionSet& OptionSet::add(const std::string& s, const std::string& n, std::string* t,
+                          const std::string& h, std::vector<std::string> choices) {
   return add_opt({s, n, h, t, std::move(choices), false, false, 0, 0, *t, {}});
 }
 OptionSet& OptionSet::min(const std::string& name, double lo) {
@@ -148,7 +152,8 @@ void OptionSet::set_from_string(Opt& o, const std::string& v, const std::string&
           char* end = nullptr;
           errno = 0;
           long long x = std::strtoll(v.c_str(), &end, 10);
-          COLOSSAL_CHECK_INPUT(!v.empty() && *end == '\0' && errno == 0, what, " expects an integer, got '", v, "'");
+          COLOSSAL_CHECK_INPUT(!v.empty() && *end == '\0' && errno == 0, what,
+                               " expects an integer, got '", v, "'");
           if constexpr (std::is_same_v<T, int>) {
             COLOSSAL_CHECK_INPUT(x >= INT32_MIN && x <= INT32_MAX, what, " is out of range: ", v);
           }
@@ -168,7 +173,8 @@ void OptionSet::apply(const json::Value& config, const std::string& source) {
       COLOSSAL_CHECK_INPUT(known_section, source, ": unknown section [", key, "]");
       for (const auto& [k2, v2] : value.as_object()) {
         Opt* o = find(k2);
-        COLOSSAL_CHECK_INPUT(o && o->section == key, source, ": unknown option '", k2, "' in [", key, "]");
+        COLOSSAL_CHECK_INPUT(o && o->section == key, source, ": unknown option '", k2, "' in [",
+                             key, "]");
         set_from_json(*o, v2, source);
       }
       continue;
@@ -179,7 +185,8 @@ void OptionSet::apply(const json::Value& config, const std::string& source) {
   }
 }
 
-std::vector<std::string> OptionSet::apply_flags(const std::vector<std::string>& args, bool allow_rest) {
+std::vector<std::string> OptionSet::apply_flags(const std::vector<std::string>& args,
+                                                bool allow_rest) {
   std::vector<std::string> rest;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -289,7 +296,8 @@ json::Value OptionSet::to_json() const {
   for (const auto& o : opts_) {
     json::Value v;
     std::visit([&](auto* p) { v = json::Value(*p); }, o.target);
-    auto it = std::find_if(sections.begin(), sections.end(), [&](const auto& kv) { return kv.first == o.section; });
+    auto it = std::find_if(sections.begin(), sections.end(),
+                           [&](const auto& kv) { return kv.first == o.section; });
     if (it == sections.end()) {
       sections.emplace_back(o.section, json::Value::object());
       it = sections.end() - 1;

@@ -2,7 +2,9 @@
 
 namespace colossal {
 
-std::string version() { return "0.1.0"; }
+std::string version() {
+  return "0.1.0";
+}
 
 bool built_with_cuda() {
 #ifdef COLOSSAL_WITH_CUDA

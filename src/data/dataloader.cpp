@@ -11,6 +11,8 @@ DataLoader::DataLoader(std::shared_ptr<TokenDataset> dataset, SamplerOptions opt
         return options;
       }()) {}
 
-std::pair<at::Tensor, at::Tensor> DataLoader::next() { return dataset_->batch(sampler_.next()); }
+std::pair<at::Tensor, at::Tensor> DataLoader::next() {
+  return dataset_->batch(sampler_.next());
+}
 
 }  // namespace colossal::data

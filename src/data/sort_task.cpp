@@ -35,8 +35,10 @@ bool SortTask::held_out(const std::vector<int64_t>& d) const {
   return v % 7 == 0;
 }
 
-std::vector<std::vector<int64_t>> SortTask::draw(int64_t count, uint64_t seed, bool want_held_out) const {
-  COLOSSAL_CHECK_INPUT(length >= 1 && length <= 18, "sort task: length must be in [1, 18], got ", length);
+std::vector<std::vector<int64_t>> SortTask::draw(int64_t count, uint64_t seed,
+                                                 bool want_held_out) const {
+  COLOSSAL_CHECK_INPUT(length >= 1 && length <= 18, "sort task: length must be in [1, 18], got ",
+                       length);
   std::vector<std::vector<int64_t>> out;
   uint64_t s = seed;
   while (static_cast<int64_t>(out.size()) < count) {

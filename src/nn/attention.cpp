@@ -40,8 +40,8 @@ at::Tensor SdpaAttention::forward(const at::Tensor& q, const at::Tensor& k, cons
     return at::scaled_dot_product_attention(q, k, v, mask.mask, 0.0, false, std::nullopt, gqa);
   // is_causal aligns the query block at the top-left of the keys: right only without a cache
   // (the model passes an explicit mask otherwise) and for more than one query.
-  return at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0,
-                                          mask.causal && q.size(2) > 1, std::nullopt, gqa);
+  return at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, mask.causal && q.size(2) > 1,
+                                          std::nullopt, gqa);
 }
 
 }  // namespace colossal::nn

@@ -15,8 +15,10 @@ Embedding::Embedding(const EmbeddingOptions& o)
       dim_(o.embedding_dim()),
       full_num_(o.num_embeddings()),
       padding_idx_(o.padding_idx()) {
-  COLOSSAL_CHECK_INPUT(num_ > 0 && dim_ > 0, "Embedding: num_embeddings and embedding_dim must be "
-                       "> 0, got ", num_, " and ", dim_);
+  COLOSSAL_CHECK_INPUT(num_ > 0 && dim_ > 0,
+                       "Embedding: num_embeddings and embedding_dim must be "
+                       "> 0, got ",
+                       num_, " and ", dim_);
   COLOSSAL_CHECK_INPUT(!padding_idx_ || (*padding_idx_ >= 0 && *padding_idx_ < num_),
                        "pad_token_id ", padding_idx_.value_or(0), " is outside the vocabulary of ",
                        num_);
@@ -60,6 +62,8 @@ at::Tensor Embedding::shard_slice(const std::string&, const at::Tensor& full) co
   return shard_spec_ ? full.narrow(0, vocab_begin_, num_) : full;
 }
 
-std::vector<int64_t> Embedding::full_shape(const std::string&) const { return {full_num_, dim_}; }
+std::vector<int64_t> Embedding::full_shape(const std::string&) const {
+  return {full_num_, dim_};
+}
 
 }  // namespace colossal::nn

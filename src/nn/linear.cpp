@@ -25,8 +25,9 @@ Linear::Linear(const LinearOptions& o)
       full_in_(o.in_features()),
       full_out_(o.out_features()),
       has_bias_(o.bias()) {
-  COLOSSAL_CHECK_INPUT(in_ > 0 && out_ > 0, "Linear: in_features and out_features must be > 0, got ",
-                       in_, " and ", out_);
+  COLOSSAL_CHECK_INPUT(in_ > 0 && out_ > 0,
+                       "Linear: in_features and out_features must be > 0, got ", in_, " and ",
+                       out_);
   register_parameter("weight", at::empty({out_, in_}, o.tensor_options()));
   if (has_bias_) register_parameter("bias", at::empty({out_}, o.tensor_options()));
 }

@@ -49,9 +49,9 @@ const char* to_string(SequenceParallelMode mode) {
 }
 
 SequenceParallelMode sequence_parallel_mode_from_string(const std::string& name) {
-  for (auto m : {SequenceParallelMode::None, SequenceParallelMode::SplitGather,
-                 SequenceParallelMode::Ring, SequenceParallelMode::AllToAll,
-                 SequenceParallelMode::RingAttn})
+  for (auto m :
+       {SequenceParallelMode::None, SequenceParallelMode::SplitGather, SequenceParallelMode::Ring,
+        SequenceParallelMode::AllToAll, SequenceParallelMode::RingAttn})
     if (name == to_string(m)) return m;
   throw InputError(str("sequence parallelism mode '", name,
                        "' is unknown; expected none, split_gather, ring, all_to_all or ring_attn"));
@@ -124,8 +124,8 @@ void Module::replace_child(const std::string& name, std::shared_ptr<torch::nn::M
   auto it = slots_.find(name);
   COLOSSAL_CHECK_INPUT(it != slots_.end() && named_children().contains(name), "module ",
                        this->name(), " has no replaceable child '", name, "'");
-  COLOSSAL_CHECK_INPUT(it->second.set(module), "cannot replace ", this->name(), ".", name,
-                       ": a ", module->name(), " is not a ", c10::demangle(it->second.type));
+  COLOSSAL_CHECK_INPUT(it->second.set(module), "cannot replace ", this->name(), ".", name, ": a ",
+                       module->name(), " is not a ", c10::demangle(it->second.type));
   replace_module(name, std::move(module));
 }
 
@@ -153,8 +153,7 @@ torch::nn::Module* resolve(torch::nn::Module& root, const std::string& path,
     auto children = at->named_children();
     const auto* child = children.find(part);
     COLOSSAL_CHECK_INPUT(child != nullptr, "no module '", path, "': '", part,
-                         "' is not a child of '", begin == 0 ? "" : path.substr(0, begin - 1),
-                         "'");
+                         "' is not a child of '", begin == 0 ? "" : path.substr(0, begin - 1), "'");
     *holder = *child;
     at = holder->get();
     begin = end + 1;
@@ -176,8 +175,8 @@ void replace_module(torch::nn::Module& root, const std::string& path,
   COLOSSAL_CHECK_INPUT(!path.empty(), "replace_module: empty path");
   const size_t dot = path.rfind('.');
   std::shared_ptr<torch::nn::Module> holder;
-  auto* parent =
-      dynamic_cast<Module*>(resolve(root, dot == std::string::npos ? "" : path.substr(0, dot), &holder));
+  auto* parent = dynamic_cast<Module*>(
+      resolve(root, dot == std::string::npos ? "" : path.substr(0, dot), &holder));
   COLOSSAL_CHECK_INPUT(parent != nullptr, "replace_module: the parent of '", path,
                        "' is not a colossal::nn::Module (its children cannot be re-pointed)");
   parent->replace_child(dot == std::string::npos ? path : path.substr(dot + 1), std::move(module));

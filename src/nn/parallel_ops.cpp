@@ -32,8 +32,8 @@ at::Tensor all_gather_dim(const at::Tensor& x, const dist::Communicator& g, int6
 
 at::Tensor reduce_scatter_dim(const at::Tensor& x, const dist::Communicator& g, int64_t dim) {
   const int64_t w = g.size();
-  COLOSSAL_CHECK(x.size(dim) % w == 0, "reduce_scatter over ", g.name(), ": dim ", dim,
-                 " of size ", x.size(dim), " is not divisible by the group size ", w);
+  COLOSSAL_CHECK(x.size(dim) % w == 0, "reduce_scatter over ", g.name(), ": dim ", dim, " of size ",
+                 x.size(dim), " is not divisible by the group size ", w);
   at::Tensor moved = x.movedim(dim, 0).contiguous();
   std::vector<int64_t> shape = moved.sizes().vec();
   shape[0] /= w;
@@ -71,7 +71,9 @@ struct RegionOp : torch::autograd::Function<RegionOp<Fwd, Bwd>> {
   }
 };
 
-at::Tensor identity(const at::Tensor& x, const dist::Communicator&, int64_t) { return x; }
+at::Tensor identity(const at::Tensor& x, const dist::Communicator&, int64_t) {
+  return x;
+}
 at::Tensor reduce(const at::Tensor& x, const dist::Communicator& g, int64_t) {
   return all_reduce_sum(x, g);
 }
@@ -93,8 +95,7 @@ at::Tensor reduce_from_region(const at::Tensor& x, const dist::Communicator& gro
   return apply<RegionOp<reduce, identity>>(x, group, 0);
 }
 
-at::Tensor gather_from_sequence(const at::Tensor& x, const dist::Communicator& group,
-                                int64_t dim) {
+at::Tensor gather_from_sequence(const at::Tensor& x, const dist::Communicator& group, int64_t dim) {
   return apply<RegionOp<all_gather_dim, reduce_scatter_dim>>(x, group, dim);
 }
 

@@ -35,7 +35,8 @@ int64_t apply_plan(torch::nn::Module& root, const ParallelPlan& plan, const Plan
   const bool shard = options.tp.valid() && options.tp.size() > 1;
   // Paths first (replacing a module changes the tree under it, not the paths of its siblings).
   std::vector<std::string> paths;
-  for (const auto& item : root.named_modules("", /*include_self=*/false)) paths.push_back(item.key());
+  for (const auto& item : root.named_modules("", /*include_self=*/false))
+    paths.push_back(item.key());
   std::map<std::string, std::string> sharded_by;  // path -> pattern
   int64_t changed = 0;
   for (const PlanRule& rule : plan) {
@@ -70,8 +71,8 @@ int64_t apply_plan(torch::nn::Module& root, const ParallelPlan& plan, const Plan
         ++changed;
       }
     }
-    COLOSSAL_CHECK_INPUT(hits > 0 || !options.every_rule_matches, "parallel plan rule '", rule.pattern,
-                         "' matches no module of this model");
+    COLOSSAL_CHECK_INPUT(hits > 0 || !options.every_rule_matches, "parallel plan rule '",
+                         rule.pattern, "' matches no module of this model");
   }
   return changed;
 }

@@ -11,8 +11,8 @@
 namespace colossal::nn {
 
 inline void check_shard(const ShardSpec& s, int64_t size, const std::string& what) {
-  COLOSSAL_CHECK(s.world >= 1 && s.rank >= 0 && s.rank < s.world, "shard spec of ", what,
-                 ": rank ", s.rank, " / world ", s.world, " is invalid");
+  COLOSSAL_CHECK(s.world >= 1 && s.rank >= 0 && s.rank < s.world, "shard spec of ", what, ": rank ",
+                 s.rank, " / world ", s.world, " is invalid");
   COLOSSAL_CHECK(!s.group.valid() || (s.group.rank() == s.rank && s.group.size() == s.world),
                  "shard spec of ", what, ": rank ", s.rank, " / world ", s.world,
                  " contradicts its group ", s.group.name(), " (rank ", s.group.rank(), " of ",

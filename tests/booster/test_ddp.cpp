@@ -12,8 +12,8 @@
 #include <limits>
 
 #include "colossal/booster/booster.h"
-#include "colossal/booster/plugins/ddp_plugin.h"
 #include "colossal/booster/grad_sync.h"
+#include "colossal/booster/plugins/ddp_plugin.h"
 #include "colossal/data/dataloader.h"
 #include "colossal/data/token_file.h"
 #include "colossal/optim/adamw.h"
@@ -53,7 +53,8 @@ std::shared_ptr<optim::AdamW> make_adamw(torch::nn::Module& m) {
 
 // The global batch: 4 rows per rank per micro-step, for every step and micro-step.
 at::Tensor global_rows(int step, int micro, int64_t rows) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(100 * step + micro + 7));
+  auto gen =
+      at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(100 * step + micro + 7));
   return at::randn({rows, 8}, gen);
 }
 
@@ -103,9 +104,13 @@ void check_against_single_process(int accum, double bucket_cap_mb) {
   }
 }
 
-TEST(DDP, MatchesSingleProcess) { check_against_single_process(/*accum=*/1, 25.0); }
+TEST(DDP, MatchesSingleProcess) {
+  check_against_single_process(/*accum=*/1, 25.0);
+}
 
-TEST(DDP, NoSyncAccumulationMatchesBigBatch) { check_against_single_process(/*accum=*/4, 25.0); }
+TEST(DDP, NoSyncAccumulationMatchesBigBatch) {
+  check_against_single_process(/*accum=*/4, 25.0);
+}
 
 TEST(DDP, SmallBucketsAndUnusedParameter) {
   // 1 KB buckets: several buckets; `unused` gets no gradient and must not break the ordering.
@@ -122,7 +127,8 @@ TEST(DDP, BroadcastsRankZeroWeightsAtBoost) {
   booster::Booster booster(std::make_shared<booster::DDPPlugin>());
   auto b = booster.boost(model, make_adamw(*model));
   auto e = expected->named_parameters(true);
-  for (auto& item : model->named_parameters(true)) EXPECT_TRUE(item.value().equal(e[item.key()])) << item.key();
+  for (auto& item : model->named_parameters(true))
+    EXPECT_TRUE(item.value().equal(e[item.key()])) << item.key();
 }
 
 TEST(DDP, BucketsFollowReverseOrder) {

@@ -7,7 +7,8 @@ using colossal::json::parse;
 using colossal::json::Value;
 
 TEST(Json, RoundTrip) {
-  std::string text = R"({"a": 1, "b": [true, false, null, -2.5e3, "x\"y\u00e9"], "c": {"d": 18446744073709551615}})";
+  std::string text =
+      R"({"a": 1, "b": [true, false, null, -2.5e3, "x\"y\u00e9"], "c": {"d": 18446744073709551615}})";
   Value v = parse(text);
   EXPECT_EQ(v.at("a").as_int(), 1);
   EXPECT_EQ(v.at("b").as_array().size(), 5u);

@@ -26,7 +26,8 @@ struct Cfg {
 TEST(Options, FileThenFlags) {
   Cfg c;
   auto o = c.options();
-  auto cfg = colossal::json::parse(R"({"steps": 5, "optim": {"lr": 0.1}, "plugin": {"bucket_cap_mb": 4}})");
+  auto cfg = colossal::json::parse(
+      R"({"steps": 5, "optim": {"lr": 0.1}, "plugin": {"bucket_cap_mb": 4}})");
   o.apply(cfg, "run.toml");
   o.apply_flags({"--lr=0.5", "--shuffle", "--bucket-cap-mb", "8"});
   o.validate();
@@ -52,7 +53,8 @@ TEST(Options, ErrorsNameTheOption) {
   auto o = c.options();
   expect_error([&] { o.apply(colossal::json::parse(R"({"stepz": 1})"), "run.toml"); }, "stepz");
   expect_error([&] { o.apply(colossal::json::parse(R"({"steps": "x"})"), "run.toml"); }, "steps");
-  expect_error([&] { o.apply(colossal::json::parse(R"({"optim": {"steps": 1}})"), "run.toml"); }, "steps");
+  expect_error([&] { o.apply(colossal::json::parse(R"({"optim": {"steps": 1}})"), "run.toml"); },
+               "steps");
   expect_error([&] { o.apply_flags({"--nope", "1"}); }, "--nope");
   expect_error([&] { o.apply_flags({"--steps", "1.5"}); }, "steps");
   expect_error([&] { o.apply_flags({"--steps"}); }, "steps");
@@ -90,7 +92,8 @@ TEST(Options, AliasesReachTheSameField) {
     o.validate();
     ADD_FAILURE() << "steps 0 accepted";
   } catch (const colossal::InputError& e) {
-    EXPECT_NE(std::string(e.what()).find("'steps' (-s, --num_steps) must be >= 1"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("'steps' (-s, --num_steps) must be >= 1"),
+              std::string::npos)
         << e.what();
   }
   try {

@@ -14,8 +14,8 @@
 
 #include "colossal/core/accelerator.h"
 #include "colossal/kernels/fused.h"
-#include "colossal/models/llama/model.h"
 #include "colossal/models/llama/config.h"
+#include "colossal/models/llama/model.h"
 #include "colossal/nn/init.h"
 #include "nn/recording_layers.h"
 

@@ -160,13 +160,13 @@ TEST(ParallelPlan, ReplaceRulesApplyFromOutsideTheModel) {
   const at::Tensor ids = ids_for(c);
   const at::Tensor before = m->forward(ids);
   std::vector<std::shared_ptr<RecordingLinear>> made;
-  ParallelPlan plan{{"model.layers.*.mlp.down_proj",
-                     [&](const std::string&, const std::shared_ptr<torch::nn::Module>& cur) {
-                       made.push_back(std::make_shared<RecordingLinear>(
-                           *std::dynamic_pointer_cast<Linear>(cur)));
-                       return made.back();
-                     },
-                     std::nullopt}};
+  ParallelPlan plan{
+      {"model.layers.*.mlp.down_proj",
+       [&](const std::string&, const std::shared_ptr<torch::nn::Module>& cur) {
+         made.push_back(std::make_shared<RecordingLinear>(*std::dynamic_pointer_cast<Linear>(cur)));
+         return made.back();
+       },
+       std::nullopt}};
   EXPECT_EQ(apply_plan(*m, plan, {}), 2);
   EXPECT_TRUE(at::equal(m->forward(ids), before));
   ASSERT_EQ(made.size(), 2u);

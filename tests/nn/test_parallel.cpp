@@ -150,7 +150,8 @@ TEST(TensorParallel, LlamaPlanEqualsTheWholeModel) {
   // fp32: the sharded GEMMs sum the hidden dim in two partial products then an all-reduce,
   // the whole model in one; both round at 2^-24 relative, so 1e-5 of the scale is ample.
   EXPECT_LT(max_rel(tp->forward(ids), whole->forward(ids)), 1e-5);
-  at::Tensor loss_tp = tp->forward_loss(ids, targets), loss_whole = whole->forward_loss(ids, targets);
+  at::Tensor loss_tp = tp->forward_loss(ids, targets),
+             loss_whole = whole->forward_loss(ids, targets);
   EXPECT_NEAR(loss_tp.item<double>(), loss_whole.item<double>(), 1e-5);
   loss_tp.backward();
   loss_whole.backward();

@@ -511,9 +511,11 @@ struct Wrapped : nn::Module {
 
 struct HookedMLP : nn::Module {
   HookedMLP() {
-    fc1 = register_module("fc1", std::make_shared<nn::Linear>(nn::LinearOptions(7, 13).tensor_options(at::kFloat)));
+    fc1 = register_module(
+        "fc1", std::make_shared<nn::Linear>(nn::LinearOptions(7, 13).tensor_options(at::kFloat)));
     mid = register_module("mid", std::make_shared<Wrapped>());
-    fc2 = register_module("fc2", std::make_shared<nn::Linear>(nn::LinearOptions(13, 5).tensor_options(at::kFloat)));
+    fc2 = register_module(
+        "fc2", std::make_shared<nn::Linear>(nn::LinearOptions(13, 5).tensor_options(at::kFloat)));
     tail = register_module("tail", torch::nn::Linear(5, 5));
     at::manual_seed(1);
     c10::NoGradGuard g;

@@ -48,7 +48,8 @@ class GradSync {
     std::function<void(size_t, const at::Tensor&)> on_shard;
   };
 
-  GradSync(std::vector<std::pair<std::string, at::Tensor>> params, dist::Communicator comm, Options options);
+  GradSync(std::vector<std::pair<std::string, at::Tensor>> params, dist::Communicator comm,
+           Options options);
   ~GradSync();
   GradSync(const GradSync&) = delete;
   GradSync& operator=(const GradSync&) = delete;

@@ -22,12 +22,13 @@ class Optimizer;
 namespace colossal::data {
 class DataLoader;
 class TokenDataset;
-}
+}  // namespace colossal::data
 
 namespace colossal::booster {
 
 enum class Precision { FP32, FP16, BF16 };
-Precision precision_from_string(const std::string& s);  // "fp32" | "fp16" | "bf16"; InputError otherwise
+Precision precision_from_string(
+    const std::string& s);  // "fp32" | "fp16" | "bf16"; InputError otherwise
 const char* to_string(Precision p);
 at::ScalarType working_dtype(Precision p);
 
@@ -62,9 +63,10 @@ class Plugin {
 
   // Moves/casts the model in place (the module object stays the same), registers what the
   // strategy needs and returns the wrappers. `optimizer` may be null (inference).
-  virtual std::shared_ptr<ModelWrapper> configure_model(std::shared_ptr<torch::nn::Module> model) = 0;
-  virtual std::shared_ptr<OptimizerWrapper> configure_optimizer(std::shared_ptr<optim::Optimizer> optimizer,
-                                                                ModelWrapper& model) = 0;
+  virtual std::shared_ptr<ModelWrapper> configure_model(
+      std::shared_ptr<torch::nn::Module> model) = 0;
+  virtual std::shared_ptr<OptimizerWrapper> configure_optimizer(
+      std::shared_ptr<optim::Optimizer> optimizer, ModelWrapper& model) = 0;
 
   // Checks the combination of options against the capabilities above; throws InputError naming
   // the plugin and the option.
@@ -74,8 +76,9 @@ class Plugin {
   // `batch_size` rows per rank, sample order by global position (see data/sampler.h), so the
   // samples of a step are the same for any number of data-parallel ranks. There is no
   // drop_last: epochs roll over seamlessly.
-  std::shared_ptr<data::DataLoader> prepare_dataloader(std::shared_ptr<data::TokenDataset> dataset, int64_t batch_size,
-                                                       bool shuffle = false, uint64_t seed = 1024,
+  std::shared_ptr<data::DataLoader> prepare_dataloader(std::shared_ptr<data::TokenDataset> dataset,
+                                                       int64_t batch_size, bool shuffle = false,
+                                                       uint64_t seed = 1024,
                                                        int64_t accumulation = 1) const;
 };
 

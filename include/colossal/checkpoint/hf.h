@@ -27,7 +27,8 @@ struct SaveOptions {
 // Writes tensors in the HF layout into `dir` (created if needed). Every file is written
 // atomically and the index last; stale shards of an earlier save with the same prefix are
 // removed only after the new files are in place.
-void save_state_dict(const std::string& dir, const TensorList& tensors, const SaveOptions& opts = {});
+void save_state_dict(const std::string& dir, const TensorList& tensors,
+                     const SaveOptions& opts = {});
 
 // Copies checkpoint tensors into a module's parameters and buffers (named as
 // module.named_parameters() / named_buffers() name them), converting dtype and device.

@@ -1,5 +1,5 @@
-// A Hugging Face model folder <-> a colossal::models::CausalLM: config.json plus safetensors weights
-// in HF names (one file or index + shards). What save_pretrained writes loads with
+// A Hugging Face model folder <-> a colossal::models::CausalLM: config.json plus safetensors
+// weights in HF names (one file or index + shards). What save_pretrained writes loads with
 // transformers.AutoModelForCausalLM.from_pretrained, and the other way round.
 #pragma once
 
@@ -26,7 +26,7 @@ struct PretrainedOptions {
 // or mis-shaped tensor is an InputError naming it). A tied model's redundant lm_head.weight in
 // the checkpoint is accepted and ignored, as transformers does.
 std::shared_ptr<models::CausalLM> load_pretrained(const std::string& dir,
-                                              const PretrainedOptions& opts = {});
+                                                  const PretrainedOptions& opts = {});
 
 // Writes DIR/config.json (dtype taken from the parameters) and the weights.
 void save_pretrained(const models::CausalLM& model, const std::string& dir,

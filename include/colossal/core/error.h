@@ -45,13 +45,13 @@ std::string str(Args&&... args) {
 }  // namespace colossal
 
 // COLOSSAL_CHECK(cond, "message parts", value, ...) throws colossal::Error.
-#define COLOSSAL_CHECK(cond, ...)                                   \
-  do {                                                              \
+#define COLOSSAL_CHECK(cond, ...)                                       \
+  do {                                                                  \
     if (!(cond)) throw ::colossal::Error(::colossal::str(__VA_ARGS__)); \
   } while (0)
 
 // COLOSSAL_CHECK_INPUT: the same for user-caused problems (throws colossal::InputError).
-#define COLOSSAL_CHECK_INPUT(cond, ...)                                  \
-  do {                                                                   \
+#define COLOSSAL_CHECK_INPUT(cond, ...)                                      \
+  do {                                                                       \
     if (!(cond)) throw ::colossal::InputError(::colossal::str(__VA_ARGS__)); \
   } while (0)

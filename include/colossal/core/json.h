@@ -48,7 +48,7 @@ class Value {
 
   // Typed access; a wrong type throws colossal::InputError naming `what` (e.g. the key path).
   bool as_bool(std::string_view what = "value") const;
-  int64_t as_int(std::string_view what = "value") const;  // integral numbers only
+  int64_t as_int(std::string_view what = "value") const;    // integral numbers only
   double as_double(std::string_view what = "value") const;  // ints convert
   const std::string& as_string(std::string_view what = "value") const;
   const Array& as_array(std::string_view what = "value") const;

@@ -21,7 +21,8 @@ void log_message(LogLevel level, std::string_view message);
 
 template <class... Args>
 void log_debug(Args&&... args) {
-  if (log_level() <= LogLevel::Debug) log_message(LogLevel::Debug, str(std::forward<Args>(args)...));
+  if (log_level() <= LogLevel::Debug)
+    log_message(LogLevel::Debug, str(std::forward<Args>(args)...));
 }
 template <class... Args>
 void log_info(Args&&... args) {

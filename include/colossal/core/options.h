@@ -19,12 +19,16 @@ class OptionSet {
  public:
   // `name` is the flag (--name, '-' and '_' equivalent) and the key in the file; `section` is
   // the TOML table it may also appear under ([section] name = ...). Each add() returns *this.
-  OptionSet& add(const std::string& section, const std::string& name, int64_t* target, const std::string& help);
-  OptionSet& add(const std::string& section, const std::string& name, int* target, const std::string& help);
-  OptionSet& add(const std::string& section, const std::string& name, double* target, const std::string& help);
-  OptionSet& add(const std::string& section, const std::string& name, bool* target, const std::string& help);
-  OptionSet& add(const std::string& section, const std::string& name, std::string* target, const std::string& help,
-                 std::vector<std::string> choices = {});
+  OptionSet& add(const std::string& section, const std::string& name, int64_t* target,
+                 const std::string& help);
+  OptionSet& add(const std::string& section, const std::string& name, int* target,
+                 const std::string& help);
+  OptionSet& add(const std::string& section, const std::string& name, double* target,
+                 const std::string& help);
+  OptionSet& add(const std::string& section, const std::string& name, bool* target,
+                 const std::string& help);
+  OptionSet& add(const std::string& section, const std::string& name, std::string* target,
+                 const std::string& help, std::vector<std::string> choices = {});
   // Range checks applied by validate(); messages name the option and the value.
   OptionSet& min(const std::string& name, double lo);
   OptionSet& max(const std::string& name, double hi);
@@ -42,7 +46,8 @@ class OptionSet {
   // --flag true|false, and without allow_rest any word after a bool flag is its value, so
   // `--flag maybe` is an error naming the flag). Returns the arguments it did not consume only
   // when allow_rest; otherwise an unknown flag is an error.
-  std::vector<std::string> apply_flags(const std::vector<std::string>& args, bool allow_rest = false);
+  std::vector<std::string> apply_flags(const std::vector<std::string>& args,
+                                       bool allow_rest = false);
   // Checks min/max/choices of every option (call after apply/apply_flags).
   void validate() const;
   bool was_set(const std::string& name) const;  // by file or flag (any of its names)

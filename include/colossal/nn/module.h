@@ -135,13 +135,12 @@ class Module : public torch::nn::Module {
   std::shared_ptr<T> register_slot(const std::string& name, std::shared_ptr<T>& member,
                                    std::shared_ptr<T> module) {
     member = register_module(name, std::move(module));
-    register_setter(name, typeid(T).name(),
-                    [&member](const std::shared_ptr<torch::nn::Module>& m) {
-                      auto typed = std::dynamic_pointer_cast<T>(m);
-                      if (!typed && m) return false;
-                      member = std::move(typed);
-                      return true;
-                    });
+    register_setter(name, typeid(T).name(), [&member](const std::shared_ptr<torch::nn::Module>& m) {
+      auto typed = std::dynamic_pointer_cast<T>(m);
+      if (!typed && m) return false;
+      member = std::move(typed);
+      return true;
+    });
     return member;
   }
   // The same for children held elsewhere (an element of a vector): `set` re-points the holder

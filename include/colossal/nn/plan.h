@@ -27,7 +27,7 @@ struct PlanRule {
   // A dotted module path where '*' stands for exactly one component:
   // "model.layers.*.self_attn.q_proj".
   std::string pattern;
-  LayerFactory replace;                // optional: swap the layer kind first
+  LayerFactory replace;                  // optional: swap the layer kind first
   std::optional<ShardSpec::Kind> shard;  // optional: then shard it over the plan's group
 };
 using ParallelPlan = std::vector<PlanRule>;
@@ -43,10 +43,10 @@ struct PlanOptions {
 bool plan_matches(const std::string& pattern, const std::string& path);
 
 // Applies every rule to every module of `root` whose path matches it, in the plan's order.
-// A rule that matches no module (unless options.every_rule_matches is off), or a module that two rules would shard, is an InputError
-// naming the pattern (a plan written for another model must not half-apply silently); a layer
-// that cannot take its spec (sizes not divisible by the group) is an InputError naming its path.
-// Returns the number of modules changed.
+// A rule that matches no module (unless options.every_rule_matches is off), or a module that two
+// rules would shard, is an InputError naming the pattern (a plan written for another model must not
+// half-apply silently); a layer that cannot take its spec (sizes not divisible by the group) is an
+// InputError naming its path. Returns the number of modules changed.
 int64_t apply_plan(torch::nn::Module& root, const ParallelPlan& plan, const PlanOptions& options);
 
 }  // namespace colossal::nn

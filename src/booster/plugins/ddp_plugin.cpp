@@ -17,27 +17,38 @@ namespace colossal::booster {
 void DDPOptions::register_options(OptionSet& set) {
   set.add("plugin", "precision", &precision, "training precision", {"fp32", "bf16", "fp16"})
       .add("plugin", "bucket_cap_mb", &bucket_cap_mb, "ddp: gradient bucket size in MB")
-      .add("plugin", "broadcast_buffers", &broadcast_buffers, "ddp: broadcast buffers from rank 0 at boost")
-      .add("plugin", "fp32_grad_reduce", &fp32_grad_reduce, "ddp: all-reduce bf16/fp16 gradients in fp32")
+      .add("plugin", "broadcast_buffers", &broadcast_buffers,
+           "ddp: broadcast buffers from rank 0 at boost")
+      .add("plugin", "fp32_grad_reduce", &fp32_grad_reduce,
+           "ddp: all-reduce bf16/fp16 gradients in fp32")
       .add("plugin", "initial_scale", &loss_scale.initial_scale, "fp16: initial loss scale")
       .add("plugin", "min_scale", &loss_scale.min_scale, "fp16: minimum loss scale")
       .add("plugin", "max_scale", &loss_scale.max_scale, "fp16: maximum loss scale")
       .add("plugin", "growth_factor", &loss_scale.growth_factor, "fp16: loss-scale growth factor")
-      .add("plugin", "backoff_factor", &loss_scale.backoff_factor, "fp16: loss-scale backoff factor")
-      .add("plugin", "growth_interval", &loss_scale.growth_interval, "fp16: clean steps before growing the scale")
+      .add("plugin", "backoff_factor", &loss_scale.backoff_factor,
+           "fp16: loss-scale backoff factor")
+      .add("plugin", "growth_interval", &loss_scale.growth_interval,
+           "fp16: clean steps before growing the scale")
       .add("plugin", "hysteresis", &loss_scale.hysteresis, "fp16: overflows before backing off");
-  set.min("bucket_cap_mb", 1e-6).min("initial_scale", 1e-30).min("min_scale", 1e-30).min("growth_factor", 1.0);
-  set.min("backoff_factor", 1e-9).max("backoff_factor", 1.0).min("growth_interval", 1).min("hysteresis", 1);
+  set.min("bucket_cap_mb", 1e-6)
+      .min("initial_scale", 1e-30)
+      .min("min_scale", 1e-30)
+      .min("growth_factor", 1.0);
+  set.min("backoff_factor", 1e-9)
+      .max("backoff_factor", 1.0)
+      .min("growth_interval", 1)
+      .min("hysteresis", 1);
 }
 
 namespace {
 
 class DDPModel : public ModelWrapper {
  public:
-  DDPModel(std::shared_ptr<torch::nn::Module> module, dist::Communicator comm, GradSync::Options opts,
-           std::vector<std::pair<std::string, at::Tensor>> masters)
+  DDPModel(std::shared_ptr<torch::nn::Module> module, dist::Communicator comm,
+           GradSync::Options opts, std::vector<std::pair<std::string, at::Tensor>> masters)
       : ModelWrapper(std::move(module)), masters(std::move(masters)) {
-    if (comm.size() > 1) sync = std::make_unique<GradSync>(plugins::trainable(this->module()), comm, opts);
+    if (comm.size() > 1)
+      sync = std::make_unique<GradSync>(plugins::trainable(this->module()), comm, opts);
   }
   void set_require_grad_sync(bool s) override {
     if (sync) sync->set_enabled(s);
@@ -52,15 +63,16 @@ class DDPModel : public ModelWrapper {
   bool require_sync_ = true;
 };
 
-std::shared_ptr<OptimizerWrapper> wrap_optimizer(std::shared_ptr<optim::Optimizer> optimizer, ModelWrapper& model,
-                                                 Precision precision, const LossScaleOptions& ls,
-                                                 std::vector<std::pair<std::string, at::Tensor>>& masters,
-                                                 amp::GradReducer reducer) {
+std::shared_ptr<OptimizerWrapper> wrap_optimizer(
+    std::shared_ptr<optim::Optimizer> optimizer, ModelWrapper& model, Precision precision,
+    const LossScaleOptions& ls, std::vector<std::pair<std::string, at::Tensor>>& masters,
+    amp::GradReducer reducer) {
   if (!optimizer) return nullptr;
   plugins::check_optimizer_params(*optimizer, model.module());
   if (precision != Precision::FP32) optimizer->adopt_masters(masters);
   masters.clear();
-  return std::make_shared<OptimizerWrapper>(std::move(optimizer), precision, ls, std::move(reducer));
+  return std::make_shared<OptimizerWrapper>(std::move(optimizer), precision, ls,
+                                            std::move(reducer));
 }
 
 }  // namespace
@@ -75,8 +87,12 @@ DDPPlugin::DDPPlugin(DDPOptions options, dist::Communicator comm)
 std::vector<Precision> DDPPlugin::supported_precisions() const {
   return {Precision::FP32, Precision::BF16, Precision::FP16};
 }
-int DDPPlugin::dp_rank() const { return comm_.rank(); }
-int DDPPlugin::dp_size() const { return comm_.size(); }
+int DDPPlugin::dp_rank() const {
+  return comm_.rank();
+}
+int DDPPlugin::dp_size() const {
+  return comm_.size();
+}
 
 std::shared_ptr<ModelWrapper> DDPPlugin::configure_model(std::shared_ptr<torch::nn::Module> model) {
   COLOSSAL_CHECK(model, "boost(): model is null");
@@ -85,22 +101,27 @@ std::shared_ptr<ModelWrapper> DDPPlugin::configure_model(std::shared_ptr<torch::
   plugins::broadcast_from_rank0(comm_, *model, masters, options_.broadcast_buffers);
   GradSync::Options gs;
   gs.bucket_cap_mb = options_.bucket_cap_mb;
-  if (options_.fp32_grad_reduce && precision_ != Precision::FP32) gs.communication_dtype = at::kFloat;
+  if (options_.fp32_grad_reduce && precision_ != Precision::FP32)
+    gs.communication_dtype = at::kFloat;
   return std::make_shared<DDPModel>(std::move(model), comm_, gs, std::move(masters));
 }
 
-std::shared_ptr<OptimizerWrapper> DDPPlugin::configure_optimizer(std::shared_ptr<optim::Optimizer> optimizer,
-                                                                 ModelWrapper& model) {
+std::shared_ptr<OptimizerWrapper> DDPPlugin::configure_optimizer(
+    std::shared_ptr<optim::Optimizer> optimizer, ModelWrapper& model) {
   auto* ddp = dynamic_cast<DDPModel*>(&model);
   COLOSSAL_CHECK(ddp, "ddp plugin: the model was not configured by this plugin");
   // Gradients are identical on every rank after the all-reduce: norms and overflow are local.
-  return wrap_optimizer(std::move(optimizer), model, precision_, options_.loss_scale, ddp->masters, amp::GradReducer{});
+  return wrap_optimizer(std::move(optimizer), model, precision_, options_.loss_scale, ddp->masters,
+                        amp::GradReducer{});
 }
 
 NonePlugin::NonePlugin(std::string precision, std::string device, LossScaleOptions loss_scale)
-    : precision_(precision_from_string(precision)), device_(std::move(device)), loss_scale_(loss_scale) {
-  COLOSSAL_CHECK_INPUT(!dist::is_initialized() || dist::world_size() == 1, "plugin 'none' runs a single process, but ",
-                       dist::world_size(), " ranks were started: use --plugin ddp");
+    : precision_(precision_from_string(precision)),
+      device_(std::move(device)),
+      loss_scale_(loss_scale) {
+  COLOSSAL_CHECK_INPUT(!dist::is_initialized() || dist::world_size() == 1,
+                       "plugin 'none' runs a single process, but ", dist::world_size(),
+                       " ranks were started: use --plugin ddp");
   validate();
 }
 
@@ -111,23 +132,26 @@ std::vector<Precision> NonePlugin::supported_precisions() const {
 namespace {
 class PlainModel : public ModelWrapper {
  public:
-  PlainModel(std::shared_ptr<torch::nn::Module> m, std::vector<std::pair<std::string, at::Tensor>> masters)
+  PlainModel(std::shared_ptr<torch::nn::Module> m,
+             std::vector<std::pair<std::string, at::Tensor>> masters)
       : ModelWrapper(std::move(m)), masters(std::move(masters)) {}
   std::vector<std::pair<std::string, at::Tensor>> masters;
 };
 }  // namespace
 
-std::shared_ptr<ModelWrapper> NonePlugin::configure_model(std::shared_ptr<torch::nn::Module> model) {
+std::shared_ptr<ModelWrapper> NonePlugin::configure_model(
+    std::shared_ptr<torch::nn::Module> model) {
   COLOSSAL_CHECK(model, "boost(): model is null");
   auto masters = plugins::cast_module_in_place(*model, working_dtype(precision_), device_);
   return std::make_shared<PlainModel>(std::move(model), std::move(masters));
 }
 
-std::shared_ptr<OptimizerWrapper> NonePlugin::configure_optimizer(std::shared_ptr<optim::Optimizer> optimizer,
-                                                                  ModelWrapper& model) {
+std::shared_ptr<OptimizerWrapper> NonePlugin::configure_optimizer(
+    std::shared_ptr<optim::Optimizer> optimizer, ModelWrapper& model) {
   auto* plain = dynamic_cast<PlainModel*>(&model);
   COLOSSAL_CHECK(plain, "none plugin: the model was not configured by this plugin");
-  return wrap_optimizer(std::move(optimizer), model, precision_, loss_scale_, plain->masters, amp::GradReducer{});
+  return wrap_optimizer(std::move(optimizer), model, precision_, loss_scale_, plain->masters,
+                        amp::GradReducer{});
 }
 
 }  // namespace colossal::booster

@@ -135,8 +135,7 @@ std::vector<Precision> LowLevelZeroPlugin::supported_precisions() const {
 std::shared_ptr<ModelWrapper> LowLevelZeroPlugin::configure_model(
     std::shared_ptr<torch::nn::Module> model) {
   COLOSSAL_CHECK(model, "boost(): model is null");
-  auto masters =
-      plugins::cast_module_in_place(*model, working_dtype(precision_), options_.device);
+  auto masters = plugins::cast_module_in_place(*model, working_dtype(precision_), options_.device);
   // Every rank starts from rank 0's weights.
   plugins::broadcast_from_rank0(comm_, *model, masters, /*buffers=*/true);
   return std::make_shared<ZeroModel>(std::move(model), std::move(masters));
@@ -198,9 +197,13 @@ double ZeroOptimizerWrapper::grad_norm_now() {
   return zero_->grad_norm(loss_scale());
 }
 
-void ZeroOptimizerWrapper::apply_update(double divisor) { zero_->step(divisor); }
+void ZeroOptimizerWrapper::apply_update(double divisor) {
+  zero_->step(divisor);
+}
 
-void ZeroOptimizerWrapper::drop_grads() { zero_->zero_grad(); }
+void ZeroOptimizerWrapper::drop_grads() {
+  zero_->zero_grad();
+}
 
 void ZeroOptimizerWrapper::zero_grad(bool set_to_none) {
   (void)set_to_none;  // shards are zeroed in place; working .grad always dropped

@@ -7,8 +7,8 @@
 #include <utility>
 
 #include "colossal/core/error.h"
-#include "colossal/nn/fused_ce.h"
 #include "colossal/kernels/fused.h"
+#include "colossal/nn/fused_ce.h"
 
 namespace colossal::models {
 
@@ -186,7 +186,8 @@ DecoderModel::DecoderModel(const ModelConfig& cfg, const at::TensorOptions& opts
   register_slot("layers", layers, std::make_shared<LayerList>());
   for (int64_t i = 0; i < cfg.num_hidden_layers; ++i)
     layers->add(std::make_shared<DecoderLayer>(cfg, i, opts));
-  register_slot("norm", norm, std::make_shared<nn::RMSNorm>(cfg.hidden_size, cfg.rms_norm_eps, opts));
+  register_slot("norm", norm,
+                std::make_shared<nn::RMSNorm>(cfg.hidden_size, cfg.rms_norm_eps, opts));
   register_slot("rotary_emb", rotary_emb, std::make_shared<nn::RotaryEmbedding>(cfg.rotary()));
 }
 
@@ -195,9 +196,10 @@ CausalLM::CausalLM(const ModelConfig& cfg, const at::TensorOptions& opts)
   config_.validate();
   register_slot("model", model, std::make_shared<DecoderModel>(config_, opts));
   if (!config_.tie_word_embeddings) {
-    register_slot("lm_head", lm_head,
-                  std::make_shared<nn::Linear>(
-                      LinearOptions(cfg.hidden_size, cfg.vocab_size).bias(false).tensor_options(opts)));
+    register_slot(
+        "lm_head", lm_head,
+        std::make_shared<nn::Linear>(
+            LinearOptions(cfg.hidden_size, cfg.vocab_size).bias(false).tensor_options(opts)));
   }
 }
 
@@ -228,8 +230,7 @@ void CausalLM::set_activation_checkpointing(CheckpointMode mode, int64_t num_lay
   int64_t given = 0;
   for (auto& layer : model->layers->layers)
     if (layer)
-      layer->checkpointing =
-          (num_layers < 0 || given++ < num_layers) ? mode : CheckpointMode::None;
+      layer->checkpointing = (num_layers < 0 || given++ < num_layers) ? mode : CheckpointMode::None;
   checkpointing_ = num_layers == 0 ? CheckpointMode::None : mode;
 }
 

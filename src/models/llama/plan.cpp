@@ -8,8 +8,8 @@ namespace colossal::models {
 void check_tensor_parallel(const ModelConfig& cfg, int64_t tp) {
   COLOSSAL_CHECK_INPUT(tp >= 1, "tensor parallel size must be >= 1, got ", tp);
   auto divisible = [&](int64_t n, const char* what) {
-    COLOSSAL_CHECK_INPUT(n % tp == 0, "tensor parallel size ", tp, " does not divide ", what,
-                         " = ", n);
+    COLOSSAL_CHECK_INPUT(n % tp == 0, "tensor parallel size ", tp, " does not divide ", what, " = ",
+                         n);
   };
   divisible(cfg.num_attention_heads, "num_attention_heads");
   divisible(cfg.num_key_value_heads, "num_key_value_heads");

@@ -62,7 +62,8 @@ class DDPPlugin : public Plugin {
 // Single process: no communication. Refuses to run with more than one rank (use ddp).
 class NonePlugin : public Plugin {
  public:
-  explicit NonePlugin(std::string precision = "fp32", std::string device = "cpu", LossScaleOptions loss_scale = {});
+  explicit NonePlugin(std::string precision = "fp32", std::string device = "cpu",
+                      LossScaleOptions loss_scale = {});
   std::string name() const override { return "none"; }
   std::vector<Precision> supported_precisions() const override;
   std::vector<std::string> supported_devices() const override { return {"cpu", "cuda"}; }
