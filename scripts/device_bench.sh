@@ -187,14 +187,17 @@ for phase in "$@"; do
     # Two packed builds side by side (issue 17: "no regression from the indirection"): W1 (1b,
     # seq 2048, batch 8) and W2 (7b, seq 4096, batch 1) in the order A B B A, so a drift of the
     # machine during the call cancels; each run's figure is the median of its timed steps.
-    # AB_A / AB_B name the folders (default build-before / build-carry).
+    # AB_A / AB_B name the folders (default build-before / build-carry); AB_WORKLOADS may add g13
+    # (13b gemini_auto, about 4 minutes a run) and AB_ORDER change the order (default A B B A).
     step "A/B: W1 and W2, ${AB_A:-build-before} vs ${AB_B:-build-carry}"
     for w in ${AB_WORKLOADS:-w1 w2}; do
-      for side in A B B A; do
+      for side in ${AB_ORDER:-A B B A}; do
         dir=${AB_A:-build-before}; [ $side = B ] && dir=${AB_B:-build-carry}
         n=$(ls "$LOGS" | grep -c "^ab_${w}_${side}" || true)
         if [ $w = w1 ]; then
           C=$dir/colossal ours "ab_${w}_${side}$n" -c 1b -p ddp -b 8 -l 2048 -s ${AB_W1_STEPS:-15} -i 3
+        elif [ $w = g13 ]; then  # 13b gemini_auto: 4 steps, the first (first use of pinned buffers) ignored
+          C=$dir/colossal G13_TIMEOUT=${G13_TIMEOUT:-480} ours "ab_${w}_${side}$n" -c 13b -p gemini_auto -b 8 -l 4096 -s ${AB_G13_STEPS:-4} -i 1 -g
         else
           C=$dir/colossal ours "ab_${w}_${side}$n" -c 7b -p ddp -b 1 -l 4096 -s ${AB_W2_STEPS:-10} -i 2
         fi

@@ -22,6 +22,7 @@
 #include "colossal/data/dataloader.h"
 #include "colossal/data/sampler.h"
 #include "colossal/data/token_file.h"
+#include "colossal/dist/parallel_dims.h"
 #include "colossal/dist/runtime.h"
 #include "colossal/models/llama/config.h"
 #include "colossal/models/llama/model.h"
@@ -199,6 +200,7 @@ class Trainer {
   const TrainConfig& c_;
   const json::Value& config_json_;
   const bool distributed_, rank0_;
+  std::shared_ptr<dist::ParallelDims> dims_;
   std::shared_ptr<Plugin> plugin_;
   std::shared_ptr<models::CausalLM> model_;
   std::shared_ptr<data::TokenDataset> dataset_;
@@ -217,7 +219,16 @@ Trainer::Trainer(const TrainConfig& c, const json::Value& config_json)
       config_json_(config_json),
       distributed_(dist::is_initialized()),
       rank0_(!distributed_ || dist::rank() == 0) {
-  plugin_ = make_plugin(c.plugin, c.device);  // checks the device is there
+  // The run's layout: every rank data parallel (the other degrees come with the hybrid plugin);
+  // the plugin takes its dp axis from it. make_plugin checks that the device is there.
+  if (distributed_) {
+    dist::ParallelDegrees degrees;
+    degrees.dp = dist::world_size();
+    dims_ = std::make_shared<dist::ParallelDims>(degrees);
+    plugin_ = make_plugin(c.plugin, c.device, *dims_);
+  } else {
+    plugin_ = make_plugin(c.plugin, c.device);
+  }
   build_model();
   build_data();
   auto adamw = build_optimizer();

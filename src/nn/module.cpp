@@ -32,31 +32,6 @@ const char* to_string(ShardSpec::Kind kind) {
   return "?";
 }
 
-const char* to_string(SequenceParallelMode mode) {
-  switch (mode) {
-    case SequenceParallelMode::None:
-      return "none";
-    case SequenceParallelMode::SplitGather:
-      return "split_gather";
-    case SequenceParallelMode::Ring:
-      return "ring";
-    case SequenceParallelMode::AllToAll:
-      return "all_to_all";
-    case SequenceParallelMode::RingAttn:
-      return "ring_attn";
-  }
-  return "?";
-}
-
-SequenceParallelMode sequence_parallel_mode_from_string(const std::string& name) {
-  for (auto m :
-       {SequenceParallelMode::None, SequenceParallelMode::SplitGather, SequenceParallelMode::Ring,
-        SequenceParallelMode::AllToAll, SequenceParallelMode::RingAttn})
-    if (name == to_string(m)) return m;
-  throw InputError(str("sequence parallelism mode '", name,
-                       "' is unknown; expected none, split_gather, ring, all_to_all or ring_attn"));
-}
-
 ShardSpec ShardSpec::over(Kind kind, const dist::Communicator& group, SequenceParallelMode sp) {
   COLOSSAL_CHECK(group.valid(), "ShardSpec::over: the ", to_string(kind),
                  " group is not valid on this rank");

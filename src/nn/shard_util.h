@@ -24,11 +24,11 @@ inline void check_shard(const ShardSpec& s, int64_t size, const std::string& wha
 // The sequence-parallel modes a sharded layer implements itself: none and split_gather (the
 // others change attention, not the linear layers, and come with their core attention).
 inline void check_sequence_mode(const ShardSpec& s, const std::string& layer) {
-  COLOSSAL_CHECK_INPUT(s.sequence_parallel == SequenceParallelMode::None ||
+  COLOSSAL_CHECK_INPUT(s.sequence_parallel == SequenceParallelMode::Off ||
                            s.sequence_parallel == SequenceParallelMode::SplitGather,
                        layer, " sharding: sequence parallelism mode '",
-                       to_string(s.sequence_parallel),
-                       "' is not implemented by this layer (none and split_gather are)");
+                       dist::to_string(s.sequence_parallel),
+                       "' is not implemented by this layer (off and split_gather are)");
 }
 
 // narrow + clone + set_data: the parameter keeps its identity (optimizer/hooks stay valid).

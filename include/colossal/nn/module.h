@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "colossal/dist/communicator.h"
+#include "colossal/dist/parallel_dims.h"
 
 namespace colossal::nn {
 
@@ -44,11 +45,8 @@ class HookHandle {
 };
 
 // How activations are laid out along the sequence between the tensor-parallel layers
-// (ColossalAI's sequence_parallelism_mode). None: every rank holds the whole sequence.
-enum class SequenceParallelMode { None, SplitGather, Ring, AllToAll, RingAttn };
-const char* to_string(SequenceParallelMode mode);
-// "none" | "split_gather" | "ring" | "all_to_all" | "ring_attn"; InputError naming the value.
-SequenceParallelMode sequence_parallel_mode_from_string(const std::string& name);
+// (ColossalAI's sequence_parallelism_mode): dist::SequenceParallel, shared with ParallelDims.
+using SequenceParallelMode = dist::SequenceParallel;
 
 // How a layer's storage is split over a tensor-parallel group, and the group its forward talks
 // to. The communication belongs to the sharded layer itself (Megatron's rule), so the model's
@@ -76,11 +74,11 @@ struct ShardSpec {
   int64_t rank = 0;
   int64_t world = 1;
   dist::Communicator group;  // the tensor-parallel group; invalid: storage only
-  SequenceParallelMode sequence_parallel = SequenceParallelMode::None;
+  SequenceParallelMode sequence_parallel = SequenceParallelMode::Off;
 
   // A spec over `group` (rank and world taken from it).
   static ShardSpec over(Kind kind, const dist::Communicator& group,
-                        SequenceParallelMode sp = SequenceParallelMode::None);
+                        SequenceParallelMode sp = SequenceParallelMode::Off);
   bool communicates() const { return group.valid() && world > 1; }
 };
 const char* to_string(ShardSpec::Kind kind);

@@ -34,7 +34,7 @@ using ParallelPlan = std::vector<PlanRule>;
 
 struct PlanOptions {
   dist::Communicator tp;  // what shard rules shard over; invalid or of size 1: they are skipped
-  SequenceParallelMode sequence_parallel = SequenceParallelMode::None;
+  SequenceParallelMode sequence_parallel = SequenceParallelMode::Off;
   // Every rule must match a module. A pipeline stage, which holds only some blocks, turns it off.
   bool every_rule_matches = true;
 };

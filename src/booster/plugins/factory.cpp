@@ -5,6 +5,7 @@
 
 #include "colossal/core/error.h"
 #include "colossal/core/options.h"
+#include "colossal/dist/parallel_dims.h"
 
 namespace colossal::booster {
 
@@ -74,6 +75,15 @@ std::shared_ptr<Plugin> make_plugin(const PluginOptions& o, const std::string& d
   zero.device = device;
   zero.loss_scale = o.ddp.loss_scale;
   return std::make_shared<LowLevelZeroPlugin>(zero, std::move(comm));
+}
+
+std::shared_ptr<Plugin> make_plugin(const PluginOptions& o, const std::string& device,
+                                    dist::ParallelDims& dims) {
+  const dist::ParallelDegrees& d = dims.degrees();
+  COLOSSAL_CHECK_INPUT(d.pp == 1 && d.tp == 1 && d.sp == 1 && d.ep == 1, "plugin '", o.name,
+                       "' is data parallel only; the layout ", d.describe(),
+                       " needs the hybrid plugin");
+  return make_plugin(o, device, dims.dp());
 }
 
 }  // namespace colossal::booster

@@ -14,6 +14,9 @@
 namespace colossal {
 class OptionSet;
 }
+namespace colossal::dist {
+class ParallelDims;
+}
 
 namespace colossal::booster {
 
@@ -47,5 +50,10 @@ std::string plugin_names_text();  // "none, ddp, ..., gemini or gemini_auto"
 // (ColossalAI's benchmark names zero1/zero2/gemini_auto; the option structs keep its plugins'.)
 std::shared_ptr<Plugin> make_plugin(const PluginOptions& options, const std::string& device,
                                     dist::Communicator comm = {});
+// The same over a run's parallel layout: the plugin gets the data-parallel axis of `dims`.
+// Today's plugins are data parallel, so every other degree must be 1: an InputError naming the
+// degrees otherwise (tensor, sequence and pipeline layouts are the hybrid plugin's).
+std::shared_ptr<Plugin> make_plugin(const PluginOptions& options, const std::string& device,
+                                    dist::ParallelDims& dims);
 
 }  // namespace colossal::booster
