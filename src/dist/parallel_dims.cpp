@@ -93,18 +93,18 @@ void ParallelDims::validate(const ParallelDegrees& d, int world, const ModelFact
           ": all_to_all sequence parallelism scatters the heads over tp*sp = ", d.tp * d.sp,
           " ranks but num_attention_heads=", m.num_attention_heads, " is not divisible by it");
   }
+  // Key/value heads are split when there are at least tp of them, and replicated in groups when
+  // fewer (each rank holds the one head its query heads read): either way each must divide the
+  // other.
   if (m.num_key_value_heads > 0)
-    COLOSSAL_CHECK_INPUT(m.num_key_value_heads % d.tp == 0, "parallel degrees ", all,
-                         ": num_key_value_heads=", m.num_key_value_heads,
-                         " is not divisible by tp=", d.tp);
+    COLOSSAL_CHECK_INPUT(
+        m.num_key_value_heads % d.tp == 0 || d.tp % m.num_key_value_heads == 0, "parallel degrees ",
+        all, ": num_key_value_heads=", m.num_key_value_heads, " and tp=", d.tp,
+        " must divide one another (heads split over tp, or replicated when fewer)");
   if (m.num_layers > 0)
     COLOSSAL_CHECK_INPUT(
         m.num_layers >= d.pp, "parallel degrees ", all, ": pp=", d.pp,
         " stages need at least one layer each but num_hidden_layers=", m.num_layers);
-  if (m.vocab_size > 0)
-    COLOSSAL_CHECK_INPUT(m.vocab_size % d.tp == 0, "parallel degrees ", all,
-                         ": vocab_size=", m.vocab_size, " is not divisible by tp=", d.tp,
-                         " (the vocab-sharded embedding cuts it into equal parts)");
 }
 
 namespace {

@@ -75,17 +75,16 @@ TEST(ParallelDims, RejectsEveryImpossibleCombinationNamingTheDegrees) {
        {"all_to_all", "sp > 1", "sp=1"}},
       {"ring_attn without sp", deg(4, 1, 1, 1, 1, SP::RingAttn), 4, {}, {"ring_attn", "sp=1"}},
       {"heads % tp", deg(1, 1, 4, 1, 1), 4, facts(6, 6, 4, 64), {"tp=4", "num_attention_heads=6"}},
-      {"kv heads % tp",
+      {"kv heads and tp do not divide one another",
        deg(1, 1, 4, 1, 1),
        4,
-       facts(8, 2, 4, 64),
-       {"tp=4", "num_key_value_heads=2"}},
+       facts(8, 6, 4, 64),
+       {"tp=4", "num_key_value_heads=6"}},
       {"fewer layers than stages",
        deg(1, 4, 1, 1, 1),
        4,
        facts(8, 8, 3, 64),
        {"pp=4", "num_hidden_layers=3"}},
-      {"vocab % tp", deg(2, 1, 2, 1, 1), 4, facts(8, 8, 4, 65), {"tp=2", "vocab_size=65"}},
       {"all_to_all heads % tp*sp",
        deg(1, 1, 2, 2, 1, SP::AllToAll),
        4,
@@ -115,7 +114,10 @@ TEST(ParallelDims, AcceptsTheBoundaryCases) {
   ParallelDims::validate(deg(1, 1, 4, 1, 1), 4, facts(8, 4, 2, 64));
   ParallelDims::validate(deg(2, 1, 2, 1, 1, SP::SplitGather), 4, facts(4, 2, 2, 64));
   ParallelDims::validate(deg(1, 1, 2, 2, 2, SP::AllToAll), 4, facts(8, 2, 2, 64));
-  ParallelDims::validate(deg(2, 1, 1, 2, 4, SP::RingAttn), 4, {});  // ep over dp*sp
+  ParallelDims::validate(deg(2, 1, 1, 2, 4, SP::RingAttn), 4, {});    // ep over dp*sp
+  ParallelDims::validate(deg(1, 1, 4, 1, 1), 4, facts(8, 2, 2, 64));  // kv heads replicated
+  ParallelDims::validate(deg(1, 1, 4, 1, 1), 4, facts(8, 1, 2, 64));  // multi-query
+  ParallelDims::validate(deg(2, 1, 2, 1, 1), 4, facts(8, 8, 4, 65));  // vocabulary padded
 }
 
 // Global ranks of the (dp, pp, tp, sp) grid agreeing with `me` on every axis not in `free`.

@@ -13,9 +13,10 @@
 //   sequence parallelism: off -> sp == 1; split_gather / ring (Megatron's, inside the TP group)
 //   -> tp > 1 and sp == 1; all_to_all (Ulysses) / ring_attn -> sp > 1 (ColossalAI accepts
 //   split_gather with sp > 1 by ignoring sp; here it is refused instead of dropped silently);
-//   model facts, when given (> 0): heads % tp == 0, kv heads % tp == 0, layers >= pp,
-//   vocab % tp == 0 (the vocab-sharded embedding cuts the vocabulary into equal parts), and for
-//   all_to_all heads % (tp * sp) == 0 (each rank attends over whole heads).
+//   model facts, when given (> 0): heads % tp == 0; kv heads % tp == 0 or tp % kv heads == 0
+//   (fewer key/value heads than tp are replicated, which ColossalAI refuses); layers >= pp; for
+//   all_to_all heads % (tp * sp) == 0 (each rank attends over whole heads). The vocabulary is
+//   not checked: the vocab-parallel layers pad it to make_vocab_size_divisible_by * tp.
 #pragma once
 
 #include <cstdint>
