@@ -17,6 +17,8 @@ namespace colossal::kernels {
 
 #ifdef COLOSSAL_WITH_CUDA
 COLOSSAL_REGISTER_CUDA_KERNEL("cross_entropy_grad");
+COLOSSAL_REGISTER_CUDA_KERNEL("softmax_row_stats");
+COLOSSAL_REGISTER_CUDA_KERNEL("softmax_grad_given_lse");
 #endif
 
 // ---- CPU loops ----
@@ -120,6 +122,76 @@ at::Tensor cross_entropy_grad_(at::Tensor& logits, const at::Tensor& targets, in
       ignore_index, cuda_dtype(logits.scalar_type()), stream_of(logits));
 #endif
   return loss;
+}
+
+at::Tensor softmax_row_stats_(const at::Tensor& logits) {
+  check_dtype("softmax_row_stats_", "logits", logits);
+  COLOSSAL_CHECK_INPUT(logits.dim() == 2 && logits.is_contiguous(),
+                       "softmax_row_stats_: logits must be a contiguous [n, V] tensor, got ",
+                       logits.sizes(), logits.is_contiguous() ? "" : " (not contiguous)");
+#ifdef COLOSSAL_WITH_CUDA
+  const int64_t n = logits.size(0);
+  if (path_for(logits) == Path::Cuda && logits.size(1) > 0) {
+    const auto f32 = logits.options().dtype(at::kFloat);
+    c10::DeviceGuard guard(logits.device());
+    at::Tensor stats = at::empty({n, 2}, f32);
+    cuda::softmax_row_stats(logits.const_data_ptr(), stats.mutable_data_ptr<float>(), n,
+                            logits.size(1), cuda_dtype(logits.scalar_type()), stream_of(logits));
+    return stats;
+  }
+#endif
+  return softmax_row_stats_reference_(logits);
+}
+
+at::Tensor softmax_row_stats_reference_(const at::Tensor& logits) {
+  const int64_t n = logits.size(0);
+  const auto f32 = logits.options().dtype(at::kFloat);
+  if (logits.size(1) == 0)
+    return at::stack({at::full({n}, -INFINITY, f32), at::zeros({n}, f32)}, 1);
+  at::Tensor x = logits.to(at::kFloat);
+  at::Tensor m = std::get<0>(x.max(1, /*keepdim=*/true));
+  return at::cat({m, (x - m).exp_().sum(1, /*keepdim=*/true)}, 1);
+}
+
+void softmax_grad_given_lse_(at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
+                             const at::Tensor& row_scale) {
+  check_dtype("softmax_grad_given_lse_", "logits", logits);
+  COLOSSAL_CHECK_INPUT(logits.dim() == 2 && logits.is_contiguous(),
+                       "softmax_grad_given_lse_: logits must be a contiguous [n, V] tensor, got ",
+                       logits.sizes(), logits.is_contiguous() ? "" : " (not contiguous)");
+  const int64_t n = logits.size(0), V = logits.size(1);
+  auto row_vector = [&](const at::Tensor& t, at::ScalarType st, const char* name) {
+    COLOSSAL_CHECK_INPUT(t.defined() && t.scalar_type() == st && t.dim() == 1 && t.size(0) == n &&
+                             t.is_contiguous() && t.device() == logits.device(),
+                         "softmax_grad_given_lse_: ", name, " must be a contiguous ", st, " [", n,
+                         "] on ", logits.device(), ", got ",
+                         t.defined() ? t.sizes() : at::IntArrayRef{});
+  };
+  row_vector(targets, at::kLong, "targets");
+  row_vector(lse, at::kFloat, "lse");
+  row_vector(row_scale, at::kFloat, "row_scale");
+  if (V == 0) return;
+#ifdef COLOSSAL_WITH_CUDA
+  if (path_for(logits) == Path::Cuda) {
+    c10::DeviceGuard guard(logits.device());
+    cuda::softmax_grad_given_lse(logits.mutable_data_ptr(), targets.const_data_ptr<int64_t>(),
+                                 lse.const_data_ptr<float>(), row_scale.const_data_ptr<float>(), n,
+                                 V, cuda_dtype(logits.scalar_type()), stream_of(logits));
+    return;
+  }
+#endif
+  softmax_grad_given_lse_reference_(logits, targets, lse, row_scale);
+}
+
+void softmax_grad_given_lse_reference_(at::Tensor& logits, const at::Tensor& targets,
+                                       const at::Tensor& lse, const at::Tensor& row_scale) {
+  const int64_t V = logits.size(1);
+  if (V == 0) return;
+  at::Tensor p = (logits.to(at::kFloat) - lse.unsqueeze(1)).exp_();
+  at::Tensor owned = (targets >= 0) & (targets < V);
+  p.scatter_add_(1, at::where(owned, targets, 0).unsqueeze(1), -owned.to(at::kFloat).unsqueeze(1));
+  p.mul_(row_scale.unsqueeze(1));
+  logits.copy_(p);
 }
 
 }  // namespace colossal::kernels

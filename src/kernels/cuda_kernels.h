@@ -66,6 +66,14 @@ void sum_squares(const void* const* tensors, const int64_t* numels, int count, D
 // row_loss [rows] fp32 = logsumexp - logit[target] and logits := (softmax - onehot) * scale. ----
 void cross_entropy_grad(void* logits, const int64_t* targets, float* row_loss, const float* scale,
                         int64_t rows, int64_t V, int64_t ignore_index, DType dt, Stream stream);
+// The split-softmax steps: stats [rows, 2] fp32 = (max, sum exp(x - max)) of each row;
+// logits := (exp(x - lse[r]) - onehot(targets[r])) * row_scale[r] (targets outside [0, V): no
+// onehot).
+void softmax_row_stats(const void* logits, float* stats, int64_t rows, int64_t V, DType dt,
+                       Stream stream);
+void softmax_grad_given_lse(void* logits, const int64_t* targets, const float* lse,
+                            const float* row_scale, int64_t rows, int64_t V, DType dt,
+                            Stream stream);
 
 // ---- Multi-tensor AdamW: fp32 p/m/v, grads of `grad_dt`, optional working copies of
 // `work_dt` (work == nullptr entries: none). One launch per group of up to kAdamWMaxTensors

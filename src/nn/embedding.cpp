@@ -4,9 +4,12 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+
 #include "colossal/core/error.h"
 #include "colossal/nn/parallel_ops.h"
 #include "nn/shard_util.h"
+#include "nn/vocab_head.h"
 
 namespace colossal::nn {
 
@@ -14,6 +17,7 @@ Embedding::Embedding(const EmbeddingOptions& o)
     : num_(o.num_embeddings()),
       dim_(o.embedding_dim()),
       full_num_(o.num_embeddings()),
+      padded_num_(o.num_embeddings()),
       padding_idx_(o.padding_idx()) {
   COLOSSAL_CHECK_INPUT(num_ > 0 && dim_ > 0,
                        "Embedding: num_embeddings and embedding_dim must be "
@@ -41,9 +45,36 @@ at::Tensor Embedding::forward(const at::Tensor& ids) {
   at::Tensor y = local_lookup(ids);
   if (!shard_spec_ || !shard_spec_->communicates()) return y;
   const ShardSpec& s = *shard_spec_;
-  return s.sequence_parallel == SequenceParallelMode::SplitGather
-             ? reduce_scatter_sequence(y, s.group, 1)
-             : reduce_from_region(y, s.group);
+  return s.sequence_split() ? reduce_scatter_sequence(y, s.group, 1)
+                            : reduce_from_region(y, s.group);
+}
+
+int64_t Embedding::valid_rows() const {
+  return std::clamp<int64_t>(full_num_ - vocab_begin_, 0, num_);
+}
+
+bool Embedding::vocab_parallel_head() const {
+  return shard_spec_ && shard_spec_->communicates();
+}
+
+at::Tensor Embedding::project(const at::Tensor& hidden) {
+  if (!shard_spec_) return at::linear(hidden, weight());
+  const ShardSpec& s = *shard_spec_;
+  // A storage-only shard holds a slice of the rows: its product would be a slice of the
+  // logits, silently, with nobody to gather them.
+  COLOSSAL_CHECK(s.communicates() || s.world == 1, "the tied head reads embedding ", name(),
+                 ", which holds ", num_, " of the ", full_num_,
+                 " vocabulary rows on this rank without a group to gather the rest over");
+  if (!s.communicates()) return at::linear(hidden, weight()).narrow(-1, 0, full_num_);
+  at::Tensor logits = at::linear(enter_column_region(hidden, s), weight());
+  return s.gather_output ? gather_vocab(logits, s, full_num_) : logits;
+}
+
+at::Tensor Embedding::vocab_parallel_loss(const at::Tensor& hidden, const at::Tensor& targets,
+                                          const FusedCEOptions& opts) {
+  COLOSSAL_CHECK(vocab_parallel_head(), "Embedding::vocab_parallel_loss: embedding ", name(),
+                 " is not vocab-sharded over a group");
+  return vocab_head_loss(hidden, weight(), targets, *shard_spec_, vocab_begin_, full_num_, opts);
 }
 
 void Embedding::shard(const ShardSpec& spec) {
@@ -51,15 +82,19 @@ void Embedding::shard(const ShardSpec& spec) {
   COLOSSAL_CHECK(spec.kind == ShardSpec::Kind::Vocab, "Embedding supports vocab sharding, not ",
                  to_string(spec.kind));
   check_sequence_mode(spec, "Embedding");
-  check_shard(spec, num_, "Embedding vocabulary");
-  shard_in_place(weight(), 0, spec);
-  num_ /= spec.world;
+  COLOSSAL_CHECK_INPUT(!spec.gather_output || spec.communicates(), "Embedding ", name(),
+                       ": gather_output needs a group to gather over");
+  const int64_t padded = padded_size(spec, full_num_, "Embedding vocabulary");
+  check_shard(spec, padded, "Embedding vocabulary");
+  shard_in_place(weight(), 0, spec, padded);
+  padded_num_ = padded;
+  num_ = padded / spec.world;
   vocab_begin_ = spec.rank * num_;
   shard_spec_ = spec;
 }
 
 at::Tensor Embedding::shard_slice(const std::string&, const at::Tensor& full) const {
-  return shard_spec_ ? full.narrow(0, vocab_begin_, num_) : full;
+  return shard_spec_ ? pad_rows(full, padded_num_).narrow(0, vocab_begin_, num_) : full;
 }
 
 std::vector<int64_t> Embedding::full_shape(const std::string&) const {

@@ -6,6 +6,8 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
+#include <cmath>
+#include <utility>
 
 #include "colossal/core/error.h"
 #include "colossal/kernels/fused.h"
@@ -17,6 +19,12 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
+
+// The group travels into the autograd function as a custom class (not a tensor argument).
+struct VocabGroup : torch::CustomClassHolder {
+  explicit VocabGroup(VocabParallel v) : vp(std::move(v)) {}
+  VocabParallel vp;
+};
 
 struct FusedLinearCE : public torch::autograd::Function<FusedLinearCE> {
   // h [N, H], w [V, H], t [N] int64. Returns the fp32 scalar mean loss; saves dL/dh and dL/dw
@@ -102,27 +110,146 @@ struct FusedLinearCE : public torch::autograd::Function<FusedLinearCE> {
   }
 };
 
+// In-place all-reduce over the group (the tensor is the caller's own temporary).
+void all_reduce_(at::Tensor& t, const dist::Communicator& g, dist::ReduceOp op) {
+  const_cast<dist::Communicator&>(g).all_reduce(t, op);
+}
+
+// FusedLinearCE over a vocabulary split across vp.group (fused_ce.h). Saves the same gradients
+// for the same backward.
+struct VocabParallelLinearCE : public torch::autograd::Function<VocabParallelLinearCE> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& w,
+                            const at::Tensor& t, int64_t chunk, int64_t ignore_index,
+                            const c10::intrusive_ptr<VocabGroup>& vg) {
+    const VocabParallel& vp = vg->vp;
+    const bool need_h = h.requires_grad(), need_w = w.requires_grad();
+    const int64_t n_tok = h.size(0);
+    const at::ScalarType dtype = h.scalar_type();
+    const bool fp32 = dtype == at::kFloat;
+    const bool defer = dtype == at::kHalf;  // as in FusedLinearCE
+    // The real rows of this rank's shard (the rows past vocab_size are padding): the logits
+    // are computed over them only, so padding never enters the softmax and gets no gradient.
+    const int64_t rows = std::clamp<int64_t>(vp.vocab_size - vp.vocab_begin, 0, w.size(0));
+    const at::Tensor wr = w.narrow(0, 0, rows);
+    at::Tensor valid = t != ignore_index;
+    at::Tensor owned = valid & (t >= vp.vocab_begin) & (t < vp.vocab_begin + rows);
+    // Local target columns; -1 where the target is another rank's (or the row is ignored).
+    at::Tensor local_t = at::where(owned, t - vp.vocab_begin, -1);
+    at::Tensor inv = valid.sum().to(at::kFloat).reciprocal();
+    at::Tensor loss_sum = at::zeros({}, h.options().dtype(at::kFloat));
+    at::Tensor grad_h = need_h ? at::empty_like(h, at::MemoryFormat::Contiguous) : at::Tensor();
+    at::Tensor grad_w32 =
+        need_w ? at::zeros(w.sizes(), w.options().dtype(at::kFloat)) : at::Tensor();
+    at::Tensor grad_wr = need_w ? grad_w32.narrow(0, 0, rows) : at::Tensor();
+    const bool kernels_on = use_fused_kernels(h);
+    for (int64_t s = 0; s < n_tok; s += chunk) {
+      const int64_t n = std::min(chunk, n_tok - s);
+      at::Tensor hc = h.narrow(0, s, n);
+      at::Tensor vf = valid.narrow(0, s, n).to(at::kFloat);
+      at::Tensor tc = local_t.narrow(0, s, n);
+      at::Tensor of = owned.narrow(0, s, n).to(at::kFloat);
+      at::Tensor logits = at::mm(hc, wr.t());  // [n, rows] working dtype
+      // Local statistics (max, sum of exp(x - max)), then the whole row's over the group.
+      at::Tensor stats = kernels_on ? kernels::softmax_row_stats_(logits)
+                                    : kernels::softmax_row_stats_reference_(logits);
+      at::Tensor m = stats.select(1, 0).contiguous();
+      all_reduce_(m, vp.group, dist::ReduceOp::Max);
+      // The target logit (on its owner, 0 elsewhere) travels with the rescaled sums: one
+      // all-reduce for both.
+      at::Tensor target_logit =
+          rows > 0 ? logits.gather(1, tc.clamp_min(0).unsqueeze(1)).squeeze(1).to(at::kFloat) * of
+                   : at::zeros({n}, vf.options());
+      at::Tensor local_m = stats.select(1, 0);
+      at::Tensor scaled = at::where(local_m == -INFINITY, at::zeros_like(local_m),
+                                    stats.select(1, 1) * (local_m - m).exp());
+      at::Tensor sums = at::stack({scaled, target_logit}, 1);
+      all_reduce_(sums, vp.group, dist::ReduceOp::Sum);
+      at::Tensor lse = m + sums.select(1, 0).log();
+      loss_sum.add_(((lse - sums.select(1, 1)) * vf).sum());
+      if (!need_h && !need_w) continue;
+      at::Tensor row_scale = defer ? vf : vf * inv;
+      at::Tensor dl;
+      if (kernels_on) {
+        kernels::softmax_grad_given_lse_(logits, tc.contiguous(), lse.contiguous(),
+                                         row_scale.contiguous());
+        dl = logits;
+      } else {
+        // The composite computes in fp32 from the working-dtype logits (as FusedLinearCE).
+        kernels::softmax_grad_given_lse_reference_(logits, tc, lse, row_scale);
+        dl = logits;
+      }
+      logits = at::Tensor();
+      if (need_h) {
+        at::Tensor out = grad_h.narrow(0, s, n);
+        if (rows > 0)
+          at::mm_out(out, dl, wr);
+        else
+          out.zero_();  // no real rows here: this rank's partial sum is zero
+      }
+      if (!need_w || rows == 0) continue;
+      if (fp32)
+        grad_wr.addmm_(dl.t(), hc);
+      else if (h.is_cuda())
+        at::addmm_out(grad_wr, grad_wr, dl.t(), hc, at::kFloat);
+      else
+        grad_wr.add_(at::mm(dl.t(), hc));
+    }
+    at::Tensor grad_w = need_w && !fp32 && !defer ? grad_w32.to(w.scalar_type()) : grad_w32;
+    ctx->save_for_backward({grad_h, grad_w, inv});
+    ctx->saved_data["defer"] = defer;
+    ctx->saved_data["wdtype"] = static_cast<int64_t>(w.scalar_type());
+    return loss_sum * inv;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    variable_list g = FusedLinearCE::backward(ctx, std::move(grad_outputs));
+    g.push_back(at::Tensor());
+    return g;
+  }
+};
+
+void check_inputs(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
+                  const at::Tensor& targets, const FusedCEOptions& opts) {
+  COLOSSAL_CHECK(hidden.dim() >= 1 && weight.dim() == 2 && hidden.size(-1) == weight.size(1), op,
+                 ": hidden [..., H] and weight [V, H] expected, got ", hidden.sizes(), " and ",
+                 weight.sizes());
+  COLOSSAL_CHECK(hidden.scalar_type() == weight.scalar_type(), op, ": hidden is ",
+                 hidden.scalar_type(), " but weight is ", weight.scalar_type(),
+                 "; cast one of them");
+  COLOSSAL_CHECK(
+      targets.scalar_type() == at::kLong && targets.numel() * hidden.size(-1) == hidden.numel(), op,
+      ": targets must be int64 with hidden's leading shape ", hidden.sizes(), ", got ",
+      targets.scalar_type(), " ", targets.sizes());
+  COLOSSAL_CHECK(opts.chunk_tokens >= 0, op, ": chunk_tokens must be >= 0, got ",
+                 opts.chunk_tokens);
+}
+
 }  // namespace
 
 at::Tensor fused_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
                                       const at::Tensor& targets, const FusedCEOptions& opts) {
-  COLOSSAL_CHECK(hidden.dim() >= 1 && weight.dim() == 2 && hidden.size(-1) == weight.size(1),
-                 "fused_linear_cross_entropy: hidden [..., H] and weight [V, H] expected, got ",
-                 hidden.sizes(), " and ", weight.sizes());
-  COLOSSAL_CHECK(hidden.scalar_type() == weight.scalar_type(),
-                 "fused_linear_cross_entropy: hidden is ", hidden.scalar_type(), " but weight is ",
-                 weight.scalar_type(), "; cast one of them");
-  COLOSSAL_CHECK(
-      targets.scalar_type() == at::kLong && targets.numel() * hidden.size(-1) == hidden.numel(),
-      "fused_linear_cross_entropy: targets must be int64 with hidden's leading shape ",
-      hidden.sizes(), ", got ", targets.scalar_type(), " ", targets.sizes());
-  COLOSSAL_CHECK(opts.chunk_tokens >= 0,
-                 "fused_linear_cross_entropy: chunk_tokens must be >= 0, got ", opts.chunk_tokens);
+  check_inputs("fused_linear_cross_entropy", hidden, weight, targets, opts);
   at::Tensor h = hidden.reshape({-1, hidden.size(-1)});
   at::Tensor t = targets.reshape({-1}).to(h.device());
   const int64_t chunk =
       opts.chunk_tokens == 0 ? std::max<int64_t>(h.size(0), 1) : opts.chunk_tokens;
   return FusedLinearCE::apply(h, weight, t, chunk, opts.ignore_index);
+}
+
+at::Tensor vocab_parallel_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
+                                               const at::Tensor& targets, const VocabParallel& vp,
+                                               const FusedCEOptions& opts) {
+  check_inputs("vocab_parallel_linear_cross_entropy", hidden, weight, targets, opts);
+  COLOSSAL_CHECK(vp.group.valid(), "vocab_parallel_linear_cross_entropy: the group is not valid");
+  COLOSSAL_CHECK(vp.vocab_begin >= 0 && vp.vocab_size > 0,
+                 "vocab_parallel_linear_cross_entropy: vocab_begin ", vp.vocab_begin,
+                 " and vocab_size ", vp.vocab_size, " are invalid");
+  at::Tensor h = hidden.reshape({-1, hidden.size(-1)});
+  at::Tensor t = targets.reshape({-1}).to(h.device());
+  const int64_t chunk =
+      opts.chunk_tokens == 0 ? std::max<int64_t>(h.size(0), 1) : opts.chunk_tokens;
+  return VocabParallelLinearCE::apply(h, weight, t, chunk, opts.ignore_index,
+                                      c10::make_intrusive<VocabGroup>(vp));
 }
 
 }  // namespace colossal::nn

@@ -108,4 +108,8 @@ at::Tensor split_sequence(const at::Tensor& x, const dist::Communicator& group, 
   return apply<RegionOp<own_slice, all_gather_dim>>(x, group, dim);
 }
 
+at::Tensor gather_from_region(const at::Tensor& x, const dist::Communicator& group, int64_t dim) {
+  return apply<RegionOp<all_gather_dim, own_slice>>(x, group, dim);
+}
+
 }  // namespace colossal::nn

@@ -62,7 +62,10 @@ int64_t apply_plan(torch::nn::Module& root, const ParallelPlan& plan, const Plan
         COLOSSAL_CHECK_INPUT(layer != nullptr, "parallel plan rule '", rule.pattern, "': ", path,
                              " is not a colossal::nn layer and cannot be sharded");
         try {
-          layer->shard(ShardSpec::over(*rule.shard, options.tp, options.sequence_parallel));
+          ShardSpec spec = ShardSpec::over(*rule.shard, options.tp, options.sequence_parallel);
+          spec.pad_multiple = rule.pad_multiple;
+          spec.gather_output = rule.gather_output;
+          layer->shard(spec);
         } catch (const Error& e) {
           throw InputError(str("parallel plan rule '", rule.pattern, "' on ", path, " (",
                                to_string(*rule.shard), " over ", options.tp.size(),

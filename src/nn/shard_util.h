@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <string>
+#include <vector>
 
 #include "colossal/core/error.h"
 #include "colossal/nn/module.h"
@@ -31,11 +32,31 @@ inline void check_sequence_mode(const ShardSpec& s, const std::string& layer) {
                        "' is not implemented by this layer (off and split_gather are)");
 }
 
+// The size of a split dimension of `size` after the spec's padding: the next multiple of
+// pad_multiple * world (size itself when pad_multiple is 1).
+inline int64_t padded_size(const ShardSpec& s, int64_t size, const std::string& what) {
+  COLOSSAL_CHECK_INPUT(s.pad_multiple >= 1, "shard spec of ", what,
+                       ": pad_multiple must be >= 1, got ", s.pad_multiple);
+  const int64_t m = s.pad_multiple * s.world;
+  return s.pad_multiple == 1 ? size : (size + m - 1) / m * m;
+}
+
+// t with zero rows appended along dim 0 up to `rows` (t itself when it has them already).
+inline at::Tensor pad_rows(const at::Tensor& t, int64_t rows) {
+  if (t.size(0) == rows) return t;
+  std::vector<int64_t> shape = t.sizes().vec();
+  shape[0] = rows - t.size(0);
+  return at::cat({t, at::zeros(shape, t.options())}, 0);
+}
+
 // narrow + clone + set_data: the parameter keeps its identity (optimizer/hooks stay valid).
-inline void shard_in_place(const at::Tensor& p, int64_t dim, const ShardSpec& s) {
+// `padded` (dim 0 only): the rows the dimension is padded to with zeros before it is split.
+inline void shard_in_place(const at::Tensor& p, int64_t dim, const ShardSpec& s,
+                           int64_t padded = 0) {
   at::NoGradGuard ng;
-  int64_t chunk = p.size(dim) / s.world;
-  const_cast<at::Tensor&>(p).set_data(p.narrow(dim, s.rank * chunk, chunk).clone());
+  const at::Tensor whole = dim == 0 && padded > 0 ? pad_rows(p, padded) : p;
+  int64_t chunk = whole.size(dim) / s.world;
+  const_cast<at::Tensor&>(p).set_data(whole.narrow(dim, s.rank * chunk, chunk).clone());
 }
 
 }  // namespace colossal::nn

@@ -193,9 +193,27 @@ TEST(ParallelPlan, LlamaPlanChecksTheSizes) {
   }
   EXPECT_THROW(check_tensor_parallel(c, 4), InputError);  // 2 kv heads
   EXPECT_THROW(check_tensor_parallel(c, 0), InputError);
-  // A tied embedding stays whole: the plan has no rule for it.
-  for (const auto& r : tensor_parallel_plan(small_config(true)))
-    EXPECT_NE(r.pattern, "model.embed_tokens");
+  // A tied head is the embedding's shard: the plan shards the embedding and has no lm_head
+  // rule; an untied head is column-sharded over the padded vocabulary.
+  int64_t embed = 0;
+  for (const auto& r : tensor_parallel_plan(small_config(true))) {
+    EXPECT_NE(r.pattern, "lm_head");
+    if (r.pattern == "model.embed_tokens") ++embed;
+  }
+  EXPECT_EQ(embed, 1);
+  TensorParallelOptions tpo;
+  tpo.make_vocab_size_divisible_by = 8;
+  int64_t head = 0;
+  for (const auto& r : tensor_parallel_plan(c, tpo)) {
+    if (r.pattern != "lm_head") continue;
+    ++head;
+    EXPECT_EQ(r.shard, ShardSpec::Kind::Column);
+    EXPECT_EQ(r.pad_multiple, 8);
+    EXPECT_FALSE(r.gather_output);
+  }
+  EXPECT_EQ(head, 1);
+  tpo.make_vocab_size_divisible_by = 0;
+  EXPECT_THROW(tensor_parallel_plan(c, tpo), InputError);
 }
 
 TEST(SequenceShard, ArgumentsAreChecked) {

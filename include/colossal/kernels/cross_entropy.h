@@ -23,4 +23,19 @@ at::Tensor cross_entropy_grad_(at::Tensor& logits, const at::Tensor& targets, in
 at::Tensor cross_entropy_grad_reference_(at::Tensor& logits, const at::Tensor& targets,
                                          int64_t ignore_index, const at::Tensor& scale);
 
+// ---- The same step for a softmax split over ranks (the vocabulary-parallel cross-entropy) ----
+// logits [n, V] contiguous fp32/bf16/fp16. Returns fp32 [n, 2]: each row's max and the sum of
+// exp(x - max) over the row (V == 0: -inf and 0), to be combined over the ranks' parts.
+at::Tensor softmax_row_stats_(const at::Tensor& logits);
+// With lse [n] fp32 the logsumexp of each whole row (every rank's part), overwrites logits with
+// (exp(x - lse) - onehot(target)) * row_scale, rounded to logits' dtype. targets [n] int64 are
+// local columns; a target outside [0, V) (held by another rank) adds no onehot. row_scale [n]
+// fp32 (0 for ignored rows). On the CPU and other devices both run as ATen composites.
+void softmax_grad_given_lse_(at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse,
+                             const at::Tensor& row_scale);
+// The ATen composites (what the CPU runs), without argument checks.
+at::Tensor softmax_row_stats_reference_(const at::Tensor& logits);
+void softmax_grad_given_lse_reference_(at::Tensor& logits, const at::Tensor& targets,
+                                       const at::Tensor& lse, const at::Tensor& row_scale);
+
 }  // namespace colossal::kernels

@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "colossal/dist/communicator.h"
+
 namespace colossal::nn {
 
 struct FusedCEOptions {
@@ -26,5 +28,30 @@ struct FusedCEOptions {
 // the loss and dW are accumulated in fp32.
 at::Tensor fused_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
                                       const at::Tensor& targets, const FusedCEOptions& opts = {});
+
+// The vocabulary split of an output head over a tensor-parallel group: this rank holds the rows
+// [vocab_begin, vocab_begin + weight.size(0)) of the (padded) vocabulary, of which only those
+// below vocab_size are real; the rest are padding and excluded from the softmax.
+struct VocabParallel {
+  dist::Communicator group;
+  int64_t vocab_begin = 0;
+  int64_t vocab_size = 0;  // the whole, unpadded vocabulary
+};
+
+// The vocabulary-parallel form of fused_linear_cross_entropy (Megatron's
+// vocab_parallel_cross_entropy fused with the head's GEMM; ColossalAI's parallel_output=true
+// loss): every rank of vp.group passes the same hidden and targets and its own rows `weight`
+// [V_local, H]; per chunk of tokens the logits of the real local rows are computed, the row max
+// is all-reduced (max) and the sum of exponentials and the target logit (taken on the rank that
+// owns the target, 0 elsewhere) are all-reduced (sum), so no rank ever holds the logits of the
+// whole vocabulary. Returns the loss over the whole vocabulary, the same on every rank. Its
+// gradients are local: dL/dweight is this rank's rows of the whole gradient (zero on padding
+// rows), dL/dhidden is this rank's partial sum (softmax - onehot restricted to its columns,
+// times its rows): the caller enters the region with copy_to_region (or gathers the sequence)
+// so that backward sums it over the group. On CUDA with the fused kernels each chunk runs
+// kernels::softmax_row_stats_ and kernels::softmax_grad_given_lse_.
+at::Tensor vocab_parallel_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
+                                               const at::Tensor& targets, const VocabParallel& vp,
+                                               const FusedCEOptions& opts = {});
 
 }  // namespace colossal::nn

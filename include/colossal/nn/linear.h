@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "colossal/nn/fused_ce.h"
 #include "colossal/nn/module.h"
 
 namespace colossal::nn {
@@ -34,7 +35,8 @@ struct LinearOptions {
 };
 
 // y = x W^T + b. weight [out, in], optional bias [out]. Sharded with a group (ShardSpec), the
-// layer does its own region operations (module.h).
+// layer does its own region operations (module.h); column-sharded with gather_output it returns
+// the whole [.., out] (padding cut).
 class Linear : public Module {
  public:
   explicit Linear(const LinearOptions& options);
@@ -54,8 +56,23 @@ class Linear : public Module {
   void shard(const ShardSpec& spec) override;
   at::Tensor shard_slice(const std::string& name, const at::Tensor& full) const override;
   std::vector<int64_t> full_shape(const std::string& name) const override;
-  int64_t in_features() const { return in_; }  // current (local) sizes
+  int64_t in_features() const { return in_; }  // current (local) sizes (padding included)
   int64_t out_features() const { return out_; }
+  // Column sharding with padding (ShardSpec::pad_multiple): the output features padded to
+  // padded_out_features() before the split; the real ones are full_shape("weight")[0].
+  int64_t padded_out_features() const { return padded_out_; }
+
+  // A vocabulary head: whether this is a plain Linear column-sharded over a group, whose
+  // output features (this rank's rows of the padded vocabulary) are the classes of
+  // vocab_parallel_loss.
+  bool vocab_parallel_head() const;
+  // The mean cross-entropy of targets (hidden's leading shape; ignore_index as in opts) over
+  // the whole vocabulary from this rank's rows, by vocab_parallel_linear_cross_entropy
+  // (fused_ce.h): the logits are never gathered, whatever gather_output says. The input enters the
+  // region as in forward (under split_gather / ring the hidden states and targets are gathered
+  // along dim 1 first). Fires this layer's hooks. Needs vocab_parallel_head() and no bias.
+  at::Tensor vocab_parallel_loss(const at::Tensor& hidden, const at::Tensor& targets,
+                                 const FusedCEOptions& opts);
   const LinearOptions& options() const { return options_; }
 
  protected:
@@ -64,7 +81,7 @@ class Linear : public Module {
 
  private:
   LinearOptions options_;
-  int64_t in_, out_, full_in_, full_out_;
+  int64_t in_, out_, full_in_, full_out_, padded_out_;
   bool has_bias_;
 };
 

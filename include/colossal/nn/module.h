@@ -75,11 +75,28 @@ struct ShardSpec {
   int64_t world = 1;
   dist::Communicator group;  // the tensor-parallel group; invalid: storage only
   SequenceParallelMode sequence_parallel = SequenceParallelMode::Off;
+  // Vocab (Embedding) and Column (a vocabulary head) only: the split dimension is padded with
+  // zero rows to a multiple of pad_multiple * world before it is split (ColossalAI's
+  // make_vocab_size_divisible_by), so a vocabulary need not be divisible by the group. Padded
+  // rows are never looked up and are excluded from the loss; full_shape() and shard_slice()
+  // keep the unpadded (HF) shape, so concatenating the shards along dim 0 and cutting at
+  // full_shape()[0] gives the whole tensor. 1: no padding (the size must be divisible).
+  int64_t pad_multiple = 1;
+  // Column only: all-gather the output features after the local GEMM and cut the padding, so
+  // the layer returns the whole output (a vocabulary head with ColossalAI's
+  // parallel_output=false); a Vocab embedding applies it to its tied-head logits (project()).
+  bool gather_output = false;
 
   // A spec over `group` (rank and world taken from it).
   static ShardSpec over(Kind kind, const dist::Communicator& group,
                         SequenceParallelMode sp = SequenceParallelMode::Off);
   bool communicates() const { return group.valid() && world > 1; }
+  // Whether activations are split along the sequence between the layers (split_gather, ring):
+  // the sharded layers gather / reduce-scatter the sequence instead of copy / all-reduce.
+  bool sequence_split() const {
+    return sequence_parallel == SequenceParallelMode::SplitGather ||
+           sequence_parallel == SequenceParallelMode::Ring;
+  }
 };
 const char* to_string(ShardSpec::Kind kind);
 

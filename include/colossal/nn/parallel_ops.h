@@ -6,6 +6,7 @@
 //   gather_from_sequence    forward all-gather on dim   backward reduce-scatter on dim
 //   reduce_scatter_sequence forward reduce-scatter dim  backward all-gather on dim
 //   split_sequence          forward keep own slice      backward all-gather on dim
+//   gather_from_region      forward all-gather on dim   backward keep own slice
 // With a group of one rank each is the identity.
 #pragma once
 
@@ -26,5 +27,8 @@ at::Tensor gather_from_sequence(const at::Tensor& x, const dist::Communicator& g
 at::Tensor reduce_scatter_sequence(const at::Tensor& x, const dist::Communicator& group,
                                    int64_t dim = 1);
 at::Tensor split_sequence(const at::Tensor& x, const dist::Communicator& group, int64_t dim = 1);
+// The whole of a tensor split over the group along dim, for consumers that are the same on every
+// rank (Megatron's gather_from_tensor_model_parallel_region: a column layer's gathered output).
+at::Tensor gather_from_region(const at::Tensor& x, const dist::Communicator& group, int64_t dim);
 
 }  // namespace colossal::nn

@@ -29,6 +29,10 @@ struct PlanRule {
   std::string pattern;
   LayerFactory replace;                  // optional: swap the layer kind first
   std::optional<ShardSpec::Kind> shard;  // optional: then shard it over the plan's group
+  // Copied into the shard spec (module.h): the vocabulary padding multiple of a Vocab or
+  // Column head, and whether a Column head gathers its output.
+  int64_t pad_multiple = 1;
+  bool gather_output = false;
 };
 using ParallelPlan = std::vector<PlanRule>;
 

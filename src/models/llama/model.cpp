@@ -307,9 +307,20 @@ at::Tensor CausalLM::forward_loss(const at::Tensor& input, const at::Tensor& tar
                                   int64_t chunk_tokens, const ForwardOptions& opts) {
   COLOSSAL_CHECK(end_ == num_blocks(), "CausalLM::forward_loss needs the stage holding lm_head");
   at::Tensor h = forward_blocks(input, opts, end_ - 1);
+  nn::FusedCEOptions fo;
+  fo.chunk_tokens = chunk_tokens;
+  // A head sharded over the vocabulary (lm_head, or the embedding it is tied to) takes the
+  // vocab-parallel loss, which owns its collectives and never gathers the logits.
+  if (lm_head && lm_head->vocab_parallel_head())
+    return lm_head->vocab_parallel_loss(h, targets, fo);
+  if (!lm_head && model->embed_tokens && model->embed_tokens->vocab_parallel_head())
+    return model->embed_tokens->vocab_parallel_loss(h, targets, fo);
   if (lm_head && !lm_head->fusable()) {
-    // A head of another kind (parallel, adapted, FP8) computes its own logits.
+    // A head of another kind (adapted, FP8) computes its own logits.
     at::Tensor logits = lm_head->forward(h);
+    COLOSSAL_CHECK(logits.size(-1) == config_.vocab_size, "lm_head ", lm_head->name(), " returned ",
+                   logits.size(-1), " logits per token for a vocabulary of ", config_.vocab_size,
+                   " (a vocab-sharded head of this kind cannot take the loss)");
     return at::cross_entropy_loss(logits.to(at::kFloat).reshape({-1, logits.size(-1)}),
                                   targets.to(logits.device()).reshape({-1}), std::nullopt,
                                   at::Reduction::Mean, -100);
@@ -317,8 +328,6 @@ at::Tensor CausalLM::forward_loss(const at::Tensor& input, const at::Tensor& tar
   std::optional<ForwardScope> head_scope;
   if (lm_head) head_scope.emplace(*lm_head);  // lm_head's hooks fire as in forward()
   check_tied_head();
-  nn::FusedCEOptions fo;
-  fo.chunk_tokens = chunk_tokens;
   return nn::fused_linear_cross_entropy(h, head_weight(), targets.to(h.device()), fo);
 }
 
@@ -394,8 +403,10 @@ at::Tensor CausalLM::forward_blocks(const at::Tensor& input, const ForwardOption
       if (lm_head) {
         x = lm_head->forward(x);
       } else {
-        check_tied_head();
-        x = at::linear(x, head_weight());
+        // The tied head: the embedding's own projection (vocab-sharded logits when it is
+        // sharded over a group, the whole vocabulary when its spec gathers them).
+        if (!model->embed_tokens->vocab_parallel_head()) check_tied_head();
+        x = model->embed_tokens->project(x);
       }
     }
   }

@@ -127,8 +127,11 @@ class CausalLM : public nn::Module {
   // opts.device(at::kMeta) builds the shapes only (no memory); see init.h to materialize.
   explicit CausalLM(const ModelConfig& cfg, const at::TensorOptions& opts = {});
 
-  // A whole model: ids [B, S] -> logits [B, S, vocab]. A pipeline stage: its first block's input
-  // (ids for the embedding, else hidden states [B, S, hidden]) -> its last block's output.
+  // A whole model: ids [B, S] -> logits [B, S, vocab]; with a vocab-sharded head (lm_head
+  // column-sharded, or the tied embedding vocab-sharded, over a group) this rank's columns of
+  // the padded vocabulary [B, S, P/tp] unless its spec gathers output (parallel_output=false).
+  // A pipeline stage: its first block's input (ids for the embedding, else hidden states
+  // [B, S, hidden]) -> its last block's output.
   at::Tensor forward(const at::Tensor& input, const ForwardOptions& opts = {});
 
   // Blocks in order: embed_tokens, layers.0..N-1, norm, lm_head (lm_head's module is null when
@@ -153,7 +156,10 @@ class CausalLM : public nn::Module {
   // The output projection's weight ([vocab, hidden]): lm_head's, or the embedding's when tied.
   const at::Tensor& head_weight() const;
   // Mean cross-entropy of `targets` [B, S] (the next token of each position; ignore_index
-  // -100). While the head is a plain linear (or tied to an unsharded embedding) it is computed
+  // -100). A vocab-sharded head (see forward) takes the vocab-parallel fused cross-entropy
+  // (nn::vocab_parallel_linear_cross_entropy, through the layer, which owns the collectives;
+  // under split_gather the loss is over the whole gathered sequence). While the head is a
+  // plain linear (or tied to an unsharded embedding) it is computed
   // straight from the final hidden states by fused_linear_cross_entropy over head_weight(),
   // chunk_tokens tokens at a time, so the [B, S, vocab] logits never exist; a head of another
   // kind runs its own forward and the loss is taken from its logits. Equals

@@ -1,7 +1,9 @@
 // The tensor-parallel plan of the Llama family (what ColossalAI's LlamaPolicy and torchtitan's
 // llama parallelize do), as data for nn::apply_plan: q/k/v and gate/up column-parallel, o and
-// down row-parallel, the embedding vocab-parallel. Norms, rotary tables and lm_head stay
-// replicated (the vocab-parallel head and its loss belong to the tensor-parallel plugin).
+// down row-parallel, the embedding vocab-parallel and lm_head column-parallel over the
+// vocabulary, both padded to a multiple of make_vocab_size_divisible_by * tp. A tied head is
+// the embedding's shard itself (one weight, sharded once, both uses accumulate into its
+// gradient). Norms and rotary tables stay replicated.
 #pragma once
 
 #include <cstdint>
@@ -11,11 +13,25 @@
 
 namespace colossal::models {
 
-// InputError naming the size when cfg cannot be split over tp ranks (attention heads, kv heads,
-// intermediate size or vocabulary not divisible by tp).
+// ColossalAI's shard_config knobs of the vocabulary-parallel layers.
+struct TensorParallelOptions {
+  // The vocabulary is padded to a multiple of this times tp (ColossalAI's
+  // make_vocab_size_divisible_by); padded rows are zero, never looked up, never saved.
+  int64_t make_vocab_size_divisible_by = 64;
+  // true: the head's logits stay vocab-sharded (CausalLM::forward returns this rank's columns
+  // of the padded vocabulary; forward_loss takes the vocab-parallel cross-entropy); false:
+  // the head gathers them and forward returns [.., vocab_size].
+  bool parallel_output = true;
+};
+
+// InputError naming the size when cfg cannot be split over tp ranks (attention heads, kv heads
+// or intermediate size not divisible by tp; the vocabulary is padded instead).
 void check_tensor_parallel(const ModelConfig& cfg, int64_t tp);
 
-// The plan for this config. A tied embedding stays whole (the tied head reads all of it).
-nn::ParallelPlan tensor_parallel_plan(const ModelConfig& cfg);
+// The plan for this config: with an untied head, model.embed_tokens Vocab and lm_head Column,
+// both padded; tied, model.embed_tokens alone (lm_head is its weight). InputError when
+// make_vocab_size_divisible_by < 1.
+nn::ParallelPlan tensor_parallel_plan(const ModelConfig& cfg,
+                                      const TensorParallelOptions& options = {});
 
 }  // namespace colossal::models
