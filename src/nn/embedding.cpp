@@ -81,7 +81,8 @@ void Embedding::shard(const ShardSpec& spec) {
   COLOSSAL_CHECK(!shard_spec_, "Embedding ", name(), " is already sharded");
   COLOSSAL_CHECK(spec.kind == ShardSpec::Kind::Vocab, "Embedding supports vocab sharding, not ",
                  to_string(spec.kind));
-  check_sequence_mode(spec, "Embedding");
+  // The embedding's part of split_gather and of ring is the same reduce-scatter.
+  if (spec.sequence_parallel != SequenceParallelMode::Ring) check_sequence_mode(spec, "Embedding");
   COLOSSAL_CHECK_INPUT(!spec.gather_output || spec.communicates(), "Embedding ", name(),
                        ": gather_output needs a group to gather over");
   const int64_t padded = padded_size(spec, full_num_, "Embedding vocabulary");

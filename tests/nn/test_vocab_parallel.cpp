@@ -188,6 +188,13 @@ TEST(VocabParallel, PaddedEmbeddingEqualsTheWholeOne) {
   init_parameters(seq, io);
   const int64_t s = 8 / w;
   EXPECT_TRUE(at::equal(seq.forward(ids), y_whole.detach().narrow(1, g.rank() * s, s)));
+  // ring: the embedding's part is the same reduce-scatter.
+  Embedding ring(EmbeddingOptions(V, D).padding_idx(3));
+  ShardSpec rspec = ShardSpec::over(ShardSpec::Kind::Vocab, g, SequenceParallelMode::Ring);
+  rspec.pad_multiple = 4;
+  ring.shard(rspec);
+  init_parameters(ring, io);
+  EXPECT_TRUE(at::equal(ring.forward(ids), y_whole.detach().narrow(1, g.rank() * s, s)));
   // Bad input is named.
   Embedding bad(EmbeddingOptions(V, D));
   ShardSpec bspec = ShardSpec::over(ShardSpec::Kind::Vocab, g);

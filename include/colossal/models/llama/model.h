@@ -153,7 +153,8 @@ class CausalLM : public nn::Module {
 
   const ModelConfig& config() const { return config_; }
   bool tied() const { return config_.tie_word_embeddings; }
-  // The output projection's weight ([vocab, hidden]): lm_head's, or the embedding's when tied.
+  // The output projection's weight ([vocab, hidden]): lm_head's, or the embedding's when tied
+  // (this rank's rows of the padded vocabulary when the head is vocab-sharded).
   const at::Tensor& head_weight() const;
   // Mean cross-entropy of `targets` [B, S] (the next token of each position; ignore_index
   // -100). A vocab-sharded head (see forward) takes the vocab-parallel fused cross-entropy
@@ -173,7 +174,8 @@ class CausalLM : public nn::Module {
  private:
   // forward over the owned blocks [first_, stop).
   at::Tensor forward_blocks(const at::Tensor& input, const ForwardOptions& opts, int64_t stop);
-  // A tied head reads the embedding's weight, which must hold the whole vocabulary.
+  // A tied head that is not vocab-sharded over a group reads the embedding's weight, which must
+  // then hold the whole vocabulary.
   void check_tied_head() const;
   ModelConfig config_;
   int64_t first_ = 0, end_;
