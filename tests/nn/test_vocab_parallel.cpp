@@ -129,6 +129,42 @@ TEST(VocabParallelCE, HiddenAndWeightGradientsEqualTheWholeOnes) {
   EXPECT_LT(max_rel(wp.grad(), padded_rows(ww.grad(), P, r * n, n)), 1e-5);
 }
 
+// bf16 and fp16 (whose dlogits stay unscaled until backward): against the whole fused CE in the
+// same dtype. Both round the logits and dlogits to the working dtype, at different points of
+// the same sums, so the bound is a few ulps of the dtype (2^-8 bf16, 2^-11 fp16) of the scale.
+TEST(VocabParallelCE, ReducedPrecisionEqualsTheWholeFusedCE) {
+  dist::Communicator g = dist::world();
+  const int64_t w = g.size(), r = g.rank();
+  const int64_t V = 37, N = 24, H = 8;
+  const at::Tensor targets = shared_targets({N}, V, 8);
+  for (auto dt : {at::kBFloat16, at::kHalf}) {
+    const double tol = dt == at::kBFloat16 ? 4.0 / 256 : 4.0 / 2048;
+    const at::Tensor h0 = shared_randn({N, H}, 9).to(dt), w0 = shared_randn({V, H}, 10).to(dt);
+    at::Tensor hw = h0.clone().requires_grad_(), ww = w0.clone().requires_grad_();
+    FusedCEOptions fo;
+    fo.chunk_tokens = 7;
+    at::Tensor expect = fused_linear_cross_entropy(hw, ww, targets, fo);
+    (expect * 1024).backward();  // a loss scale, as the fp16 optimizer applies
+    const int64_t m = 4 * w, P = (V + m - 1) / m * m, n = P / w;
+    at::Tensor hp = h0.clone().requires_grad_();
+    at::Tensor wp = padded_rows(w0, P, r * n, n).contiguous().requires_grad_();
+    VocabParallel vp;
+    vp.group = g;
+    vp.vocab_begin = r * n;
+    vp.vocab_size = V;
+    at::Tensor loss =
+        vocab_parallel_linear_cross_entropy(copy_to_region(hp, g), wp, targets, vp, fo);
+    EXPECT_EQ(loss.scalar_type(), at::kFloat);
+    EXPECT_LT(max_rel(loss, expect), tol) << dt;
+    (loss * 1024).backward();
+    EXPECT_EQ(wp.grad().scalar_type(), dt);
+    EXPECT_LT(max_rel(hp.grad().to(at::kFloat), hw.grad().to(at::kFloat)), tol) << dt;
+    EXPECT_LT(max_rel(wp.grad().to(at::kFloat), padded_rows(ww.grad().to(at::kFloat), P, r * n, n)),
+              tol)
+        << dt;
+  }
+}
+
 TEST(VocabParallel, PaddedEmbeddingEqualsTheWholeOne) {
   dist::Communicator g = dist::world();
   const int64_t w = g.size();
@@ -272,6 +308,14 @@ void check_llama(const Case& k) {
       ASSERT_EQ(lt.sizes(), lw.sizes());
       EXPECT_LT(max_rel(lt, lw), 1e-5);
     }
+  }
+  // Decoding needs the whole vocabulary's logits: refused while they stay sharded.
+  if (k.sp == SequenceParallelMode::Off) {
+    const at::Tensor prompt = ids.narrow(1, 0, 4);
+    if (k.parallel_output)
+      EXPECT_THROW(generate_greedy(*tp, prompt, 3), InputError);
+    else
+      EXPECT_TRUE(at::equal(generate_greedy(*tp, prompt, 3), generate_greedy(*whole, prompt, 3)));
   }
   at::Tensor loss_tp = tp->forward_loss(ids, targets, /*chunk_tokens=*/7),
              loss_whole = whole->forward_loss(ids, targets);

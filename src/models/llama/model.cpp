@@ -450,6 +450,10 @@ at::Tensor generate_greedy(CausalLM& m, const at::Tensor& prompt, int64_t max_ne
     ForwardOptions fo;
     fo.cache = &cache;
     at::Tensor logits = m.forward(input, fo);
+    COLOSSAL_CHECK_INPUT(logits.size(-1) == m.config().vocab_size, "generate: the head returns ",
+                         logits.size(-1), " logits per token of a vocabulary of ",
+                         m.config().vocab_size,
+                         " (vocab-sharded); shard it with parallel_output=false to decode");
     at::Tensor next = logits.select(1, logits.size(1) - 1).to(at::kFloat).argmax(-1);
     out.push_back(next);
     if (eos) {
