@@ -53,9 +53,10 @@ at::Tensor Attention::forward(const at::Tensor& x, const LayerContext& ctx) {
   q = q.view({b, s, -1, head_dim_}).transpose(1, 2);
   k = k.view({b, s, -1, head_dim_}).transpose(1, 2);
   v = v.view({b, s, -1, head_dim_}).transpose(1, 2);
-  // The tables cover the whole step; a layer holding only this rank's tokens takes their part.
+  // The tables cover the whole step (unless built from ForwardOptions::positions: then they are
+  // this rank's already); a layer holding only this rank's tokens takes their part.
   at::Tensor cos = ctx.cos, sin = ctx.sin;
-  if (ctx.seq.sharded() && s == ctx.seq.local_len) {
+  if (ctx.seq.sharded() && s == ctx.seq.local_len && cos.size(1) == ctx.seq.global_len) {
     cos = cos.narrow(1, ctx.seq.offset, s);
     sin = sin.narrow(1, ctx.seq.offset, s);
   }
@@ -341,6 +342,16 @@ at::Tensor CausalLM::forward_blocks(const at::Tensor& input, const ForwardOption
                                           !opts.attention_mask.defined()),
                        "CausalLM::forward: a sequence shard takes no KV cache, position_ids or "
                        "attention_mask");
+  if (opts.positions.defined()) {
+    COLOSSAL_CHECK_INPUT(opts.positions.dim() == 1 && opts.positions.size(0) == s &&
+                             opts.positions.scalar_type() == at::kLong,
+                         "CausalLM::forward: positions must be int64 [", s, "], got ",
+                         opts.positions.scalar_type(), " ", opts.positions.sizes());
+    COLOSSAL_CHECK_INPUT(
+        !opts.cache && !opts.position_ids.defined() && !opts.attention_mask.defined(),
+        "CausalLM::forward: positions take no KV cache, position_ids or "
+        "attention_mask");
+  }
   if (opts.cache) {
     const int64_t first_layer = std::max<int64_t>(first_ - 1, 0);
     if (first_layer < L) seq.past = opts.cache->length(first_layer);
@@ -363,7 +374,10 @@ at::Tensor CausalLM::forward_blocks(const at::Tensor& input, const ForwardOption
       if (!context_ready) {
         // Tables and masks of the whole step (every sequence shard's positions).
         std::tie(full.cos, full.sin) =
-            opts.position_ids.defined()
+            opts.positions.defined()
+                ? model->rotary_emb->forward(opts.positions.to(x.device()).unsqueeze(0),
+                                             x.scalar_type())
+            : opts.position_ids.defined()
                 ? model->rotary_emb->forward(opts.position_ids.to(x.device()), x.scalar_type())
                 : model->rotary_emb->forward_range(past, kv, x.device(), x.scalar_type());
         full.cache = opts.cache;
