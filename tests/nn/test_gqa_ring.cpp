@@ -48,6 +48,7 @@ ModelConfig config(int64_t kv_heads) {
   c.layer_sliding.assign(2, false);
   c.qkv_bias = true;  // the replicated bias's gradient is summed like the weight's
   c.o_bias = true;
+  c.tie_word_embeddings = false;  // the embedding is vocab-parallel (reduce-scatter under SP)
   return c;
 }
 
