@@ -13,7 +13,12 @@ void check_tensor_parallel(const ModelConfig& cfg, int64_t tp) {
                          n);
   };
   divisible(cfg.num_attention_heads, "num_attention_heads");
-  divisible(cfg.num_key_value_heads, "num_key_value_heads");
+  // Fewer key/value heads than tp: each head is replicated on the tp / kv ranks whose query
+  // heads read it (Linear's heads option); tp must then be a multiple of the kv heads.
+  COLOSSAL_CHECK_INPUT(cfg.num_key_value_heads % tp == 0 || tp % cfg.num_key_value_heads == 0,
+                       "tensor parallel size ", tp,
+                       " and num_key_value_heads = ", cfg.num_key_value_heads,
+                       ": one must divide the other (kv heads fewer than tp are replicated)");
   divisible(cfg.intermediate_size, "intermediate_size");
   if (!cfg.tie_word_embeddings) divisible(cfg.vocab_size, "vocab_size");
 }

@@ -13,8 +13,9 @@
 
 namespace colossal::models {
 
-// InputError naming the size when cfg cannot be split over tp ranks (attention heads, kv heads,
-// intermediate size or vocabulary not divisible by tp).
+// InputError naming the size when cfg cannot be split over tp ranks (attention heads,
+// intermediate size or vocabulary not divisible by tp; kv heads neither divisible by tp nor
+// dividing it: fewer kv heads than tp are replicated, tp / kv ranks per head).
 void check_tensor_parallel(const ModelConfig& cfg, int64_t tp);
 
 // The plan for this config. A tied embedding stays whole (the tied head reads all of it).
