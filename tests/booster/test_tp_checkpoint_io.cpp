@@ -20,7 +20,9 @@
 #include <string>
 #include <vector>
 
+#include "colossal/booster/booster.h"
 #include "colossal/booster/checkpoint_io.h"
+#include "colossal/booster/plugins/factory.h"
 #include "colossal/booster/tensor_parallel_checkpoint_io.h"
 #include "colossal/booster/wrappers.h"
 #include "colossal/checkpoint/atomic.h"
@@ -295,7 +297,7 @@ TEST(TensorParallelCheckpointIO, TensorParallelSavesLoadIntoOtherLayouts) {
 }
 
 // AdamW wrapped as the none/ddp plugins wrap it (fp32).
-std::shared_ptr<booster::OptimizerWrapper> make_optimizer(torch::nn::Module& m) {
+std::shared_ptr<optim::AdamW> make_adamw(torch::nn::Module& m) {
   auto opt = std::make_shared<optim::AdamW>();
   std::vector<optim::NamedParam> ps;
   for (auto& item : m.named_parameters(true)) ps.push_back({item.key(), item.value()});
@@ -303,7 +305,10 @@ std::shared_ptr<booster::OptimizerWrapper> make_optimizer(torch::nn::Module& m) 
   g.lr = 1e-2;
   g.weight_decay = 0.1;
   opt->add_param_group(ps, g);
-  return std::make_shared<booster::OptimizerWrapper>(opt, booster::Precision::FP32,
+  return opt;
+}
+std::shared_ptr<booster::OptimizerWrapper> make_optimizer(torch::nn::Module& m) {
+  return std::make_shared<booster::OptimizerWrapper>(make_adamw(m), booster::Precision::FP32,
                                                      booster::LossScaleOptions{});
 }
 
@@ -402,6 +407,42 @@ TEST(TensorParallelCheckpointIO, OptimizerStatesRoundTripThroughOneFullShapeFile
   Layout l = make_layout(dist::world_size());
   booster::TensorParallelCheckpointIO lonely(l.tp, l.dp);
   EXPECT_THROW(lonely.load_optimizer(*whole_opt, (d / "ref").string()), Error);
+  drop_dir(d);
+}
+
+// ZeRO-2 over every rank (the whole model, states sharded over dp) reads the tensor-parallel
+// file, and its own save (DataParallelCheckpointIO's format) loads back into tensor-parallel
+// shards: tp <-> zero2 through the one full-shape format.
+TEST(TensorParallelCheckpointIO, OptimizerStatesMoveBetweenTensorParallelAndZero2) {
+  const fs::path d = shared_dir("zero");
+  auto whole = build({}, 5);
+  auto whole_opt = make_optimizer(*whole);
+  train(*whole, *whole, *whole_opt);
+  const optim::StateDict ref = whole_opt->full_state_dict();
+
+  Layout l = make_layout(dist::world_size());
+  booster::TensorParallelCheckpointIO io(l.tp, l.dp);
+  auto part = build(l.tp, 5);
+  auto part_opt = make_optimizer(*part);
+  train(*part, *whole, *part_opt);
+  io.set_model(part);
+  io.save_optimizer(*part_opt, (d / "tp").string());
+
+  booster::PluginOptions o;
+  o.name = "zero2";
+  o.zero.precision = "fp32";
+  booster::Booster b(booster::make_plugin(o, "cpu"));
+  auto zm = build({}, 5);
+  auto boosted = b.boost(zm, make_adamw(*zm));
+  b.load_optimizer(*boosted.optimizer, (d / "tp").string());
+  expect_states_are_slices(*zm, boosted.optimizer->full_state_dict(), ref);
+  b.save_optimizer(*boosted.optimizer, (d / "zero").string());
+
+  auto fresh = build(l.tp, 5);
+  auto fresh_opt = make_optimizer(*fresh);
+  io.set_model(fresh);
+  io.load_optimizer(*fresh_opt, (d / "zero").string());
+  expect_states_are_slices(*fresh, fresh_opt->full_state_dict(), ref);
   drop_dir(d);
 }
 
