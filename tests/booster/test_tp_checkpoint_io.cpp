@@ -9,6 +9,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <torch/nn/modules/linear.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -32,7 +33,9 @@
 #include "colossal/dist/runtime.h"
 #include "colossal/models/llama/model.h"
 #include "colossal/models/llama/plan.h"
+#include "colossal/nn/embedding.h"
 #include "colossal/nn/init.h"
+#include "colossal/nn/linear.h"
 #include "colossal/nn/module.h"
 #include "colossal/nn/plan.h"
 #include "colossal/optim/adamw.h"
@@ -444,6 +447,97 @@ TEST(TensorParallelCheckpointIO, OptimizerStatesMoveBetweenTensorParallelAndZero
   io.load_optimizer(*fresh_opt, (d / "zero").string());
   expect_states_are_slices(*fresh, fresh_opt->full_state_dict(), ref);
   drop_dir(d);
+}
+
+// A user's own model built from the project's layers (no plan, sharded by hand), with a LibTorch
+// layer and a buffer that stay replicated: the lookup walks any module tree.
+struct UserNet : torch::nn::Module {
+  UserNet(const dist::Communicator& tp) {
+    emb = register_module("emb", std::make_shared<nn::Embedding>(nn::EmbeddingOptions(64, 16)));
+    up = register_module("up", std::make_shared<nn::Linear>(nn::LinearOptions(16, 32)));
+    down = register_module("down", std::make_shared<nn::Linear>(nn::LinearOptions(32, 16)));
+    plain = register_module("plain", torch::nn::Linear(16, 8));
+    scale = register_buffer("scale", at::arange(4).to(at::kFloat));
+    if (tp.valid() && tp.size() > 1) {
+      emb->shard(nn::ShardSpec::over(nn::ShardSpec::Kind::Vocab, tp));
+      up->shard(nn::ShardSpec::over(nn::ShardSpec::Kind::Column, tp));
+      down->shard(nn::ShardSpec::over(nn::ShardSpec::Kind::Row, tp));
+    }
+  }
+  std::shared_ptr<nn::Embedding> emb;
+  std::shared_ptr<nn::Linear> up, down;
+  torch::nn::Linear plain{nullptr};
+  at::Tensor scale;
+};
+
+// `m` takes its slices of `whole`'s values.
+void copy_slices(torch::nn::Module& m, torch::nn::Module& whole) {
+  at::NoGradGuard ng;
+  auto w = whole.named_parameters();
+  for (auto& p : m.named_parameters()) p.value().copy_(slice_of(m, p.key(), w[p.key()]));
+}
+
+TEST(TensorParallelCheckpointIO, AUsersModelFromTheLayersSavesAndLoads) {
+  Layout l = make_layout(dist::world_size());
+  const fs::path d = shared_dir("user");
+  at::manual_seed(11);
+  auto whole = std::make_shared<UserNet>(dist::Communicator());
+  {
+    at::NoGradGuard ng;
+    for (auto& p : whole->named_parameters()) p.value().normal_();
+  }
+  auto part = std::make_shared<UserNet>(l.tp);
+  copy_slices(*part, *whole);
+  auto sharded = booster::find_sharded_parameters(*part, l.tp);
+  std::vector<std::string> names;
+  for (const auto& [n, sp] : sharded) names.push_back(n + "@" + std::to_string(sp.dim));
+  // down.bias (row-parallel) is kept whole; plain.* is a LibTorch layer.
+  EXPECT_EQ(names, (std::vector<std::string>{"down.weight@1", "emb.weight@0", "up.bias@0",
+                                             "up.weight@0"}));
+
+  booster::ModelWrapper whole_w(whole), part_w(part);
+  booster::DataParallelCheckpointIO().save_model(whole_w, (d / "ref").string(), false, 1024);
+  booster::TensorParallelCheckpointIO io(l.tp, l.dp);
+  io.save_model(part_w, (d / "tp").string(), false, 1024);
+  if (dist::rank() == 0) {
+    EXPECT_EQ(listing(d / "tp"), (std::vector<std::string>{"model.safetensors"}));
+    EXPECT_TRUE(file_bytes(d / "ref" / "model.safetensors") ==
+                file_bytes(d / "tp" / "model.safetensors"));
+  }
+  auto other = std::make_shared<UserNet>(l.tp);
+  booster::ModelWrapper other_w(other);
+  io.load_model(other_w, (d / "ref").string(), true, nullptr);
+  auto w = whole->named_parameters();
+  for (const auto& p : other->named_parameters())
+    EXPECT_TRUE(at::equal(p.value(), slice_of(*other, p.key(), w[p.key()]))) << p.key();
+  drop_dir(d);
+}
+
+// The streaming writer checks what it is fed and leaves nothing behind when not finished.
+TEST(SafetensorsStreamWriter, RefusesWrongTensorsAndCommitsOnlyWhenComplete) {
+  const fs::path d =
+      fs::temp_directory_path() / ("colossal_stream_writer_" + std::to_string(::getpid()));
+  checkpoint::remove_tree(d.string());
+  fs::create_directories(d);
+  const std::string path = (d / "x.safetensors").string();
+  std::vector<checkpoint::TensorDecl> decls{{"a", at::kFloat, {2, 3}}, {"b", at::kLong, {4}}};
+  {
+    checkpoint::SafetensorsStreamWriter w(path, decls);
+    EXPECT_EQ(w.next().name, "b");  // 8-byte elements first, as save_safetensors orders them
+    EXPECT_THROW(w.write_next(at::zeros({4}, at::kInt)), Error);  // wrong dtype
+    EXPECT_THROW(w.finish(), Error);                              // nothing written yet
+  }
+  EXPECT_EQ(listing(d).size(), 0u) << "an unfinished writer left a file";
+  checkpoint::SafetensorsStreamWriter w(path, decls);
+  const at::Tensor a = at::arange(6).to(at::kFloat).view({2, 3}), b = at::arange(4);
+  w.write_next(b);
+  EXPECT_THROW(w.write_next(a.t()), Error);  // wrong shape
+  w.write_next(a.t().t());
+  w.finish();
+  const fs::path ref = d / "ref.safetensors";
+  checkpoint::save_safetensors(ref.string(), {{"a", a}, {"b", b}});
+  EXPECT_TRUE(file_bytes(path) == file_bytes(ref));
+  checkpoint::remove_tree(d.string());
 }
 
 }  // namespace
