@@ -542,4 +542,37 @@ TEST(SafetensorsStreamWriter, RefusesWrongTensorsAndCommitsOnlyWhenComplete) {
   checkpoint::remove_tree(d.string());
 }
 
+// bf16 weights with fp32 norms: a file holds its 4-byte tensors first, so the gathers follow the
+// files' order, not the model's.
+TEST(TensorParallelCheckpointIO, MixedDtypesAreGatheredInFileOrder) {
+  Layout l = make_layout(dist::world_size());
+  const fs::path d = shared_dir("mixed");
+  auto to_mixed = [](torch::nn::Module& m) {
+    at::NoGradGuard ng;
+    for (auto& p : m.named_parameters())
+      if (p.key().find("norm") == std::string::npos)
+        p.value().set_data(p.value().to(at::kBFloat16));
+  };
+  auto whole = build({}, 5);
+  auto part = build(l.tp, 5);
+  to_mixed(*whole);
+  to_mixed(*part);
+  booster::ModelWrapper whole_w(whole), part_w(part);
+  booster::DataParallelCheckpointIO().save_model(whole_w, (d / "ref").string(), true, 1);
+  booster::TensorParallelCheckpointIO(l.tp, l.dp).save_model(part_w, (d / "tp").string(), true, 1);
+  if (dist::rank() == 0) {
+    const auto names = listing(d / "ref");
+    EXPECT_EQ(listing(d / "tp"), names);
+    for (const auto& n : names)
+      EXPECT_TRUE(file_bytes(d / "ref" / n) == file_bytes(d / "tp" / n)) << n << " differs";
+    // The order really is mixed: some file holds a 4-byte tensor before a 2-byte one that
+    // precedes it in the model.
+    ASSERT_TRUE(std::count(names.begin(), names.end(), "model-00001-of-00002.safetensors"));
+    checkpoint::SafetensorsReader r((d / "ref" / "model-00001-of-00002.safetensors").string());
+    ASSERT_GE(r.tensors().size(), 2u);
+    EXPECT_EQ(r.tensors().front().dtype, at::kFloat);
+  }
+  drop_dir(d);
+}
+
 }  // namespace
