@@ -45,8 +45,9 @@ at::Tensor Embedding::forward(const at::Tensor& ids) {
   at::Tensor y = local_lookup(ids);
   if (!shard_spec_ || !shard_spec_->communicates()) return y;
   const ShardSpec& s = *shard_spec_;
-  return s.sequence_split() ? reduce_scatter_sequence(y, s.group, 1)
-                            : reduce_from_region(y, s.group);
+  // Under ring as under split_gather: a lookup has no GEMM to overlap with.
+  return sequence_sharded(s) ? reduce_scatter_sequence(y, s.group, 1)
+                             : reduce_from_region(y, s.group);
 }
 
 int64_t Embedding::valid_rows() const {
@@ -81,8 +82,7 @@ void Embedding::shard(const ShardSpec& spec) {
   COLOSSAL_CHECK(!shard_spec_, "Embedding ", name(), " is already sharded");
   COLOSSAL_CHECK(spec.kind == ShardSpec::Kind::Vocab, "Embedding supports vocab sharding, not ",
                  to_string(spec.kind));
-  // The embedding's part of split_gather and of ring is the same reduce-scatter.
-  if (spec.sequence_parallel != SequenceParallelMode::Ring) check_sequence_mode(spec, "Embedding");
+  check_sequence_mode(spec, "Embedding");
   COLOSSAL_CHECK_INPUT(!spec.gather_output || spec.communicates(), "Embedding ", name(),
                        ": gather_output needs a group to gather over");
   const int64_t padded = padded_size(spec, full_num_, "Embedding vocabulary");

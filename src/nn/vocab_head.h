@@ -10,13 +10,14 @@
 #include "colossal/nn/fused_ce.h"
 #include "colossal/nn/module.h"
 #include "colossal/nn/parallel_ops.h"
+#include "nn/shard_util.h"
 
 namespace colossal::nn {
 
 // A column-style layer's input enters the region: identity forward with the gradient summed
 // over the group, or under split_gather / ring the sequence (dim 1) gathered.
 inline at::Tensor enter_column_region(const at::Tensor& x, const ShardSpec& s) {
-  return s.sequence_split() ? gather_from_sequence(x, s.group, 1) : copy_to_region(x, s.group);
+  return sequence_sharded(s) ? gather_from_sequence(x, s.group, 1) : copy_to_region(x, s.group);
 }
 
 // Vocab-sharded logits [.., P/w] -> the whole vocabulary [.., vocab] (the padding cut).
@@ -37,7 +38,7 @@ inline at::Tensor vocab_head_loss(const at::Tensor& hidden, const at::Tensor& we
                  "vocab_parallel_loss: targets must have hidden's leading shape, got ",
                  targets.sizes(), " for hidden ", hidden.sizes());
   at::Tensor t = targets.to(hidden.device());
-  if (s.sequence_split() && hidden.dim() >= 3) {
+  if (sequence_sharded(s) && hidden.dim() >= 3) {
     COLOSSAL_CHECK(t.size(1) == hidden.size(1) || t.size(1) == hidden.size(1) * s.world,
                    "vocab_parallel_loss: targets of ", t.size(1),
                    " tokens for a sequence shard of ", hidden.size(1), " over ", s.world, " ranks");
