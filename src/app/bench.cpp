@@ -93,6 +93,13 @@ void BenchConfig::resolve(const OptionSet& set) {
   COLOSSAL_CHECK_INPUT(!set.was_set("profile_dir") || profile, "--profile_dir needs --profile");
   if (device.empty()) device = Accelerator::cuda().available() ? "cuda" : "cpu";
   if (!set.was_set("precision")) plugin.ddp.precision = device == "cuda" ? "bf16" : "fp32";
+  // ColossalAI's benchmark: --sp_mode all_to_all by default, on when --sp > 1.
+  if (is_hybrid_plugin(plugin.name) && plugin.hybrid.sp_size > 1 &&
+      !set.was_set("sequence_parallelism_mode")) {
+    plugin.hybrid.sequence_parallelism_mode = "all_to_all";
+    log_info("colossal bench: --sp ", plugin.hybrid.sp_size,
+             " without --sp_mode: all_to_all (ColossalAI's benchmark default)");
+  }
   // ColossalAI's default model (-c 7b) is a GPU benchmark; on a CPU it would need ~100 GB.
   // Without an explicit -c, a CPU run benchmarks the tiny preset and says so.
   if (!set.was_set("model") && device == "cpu") {
@@ -372,8 +379,20 @@ BenchLoop::BenchLoop(const BenchConfig& c, std::shared_ptr<Plugin> plugin,
 }
 
 at::Tensor BenchLoop::forward_backward(const at::Tensor& ids, const at::Tensor& targets) {
-  at::Tensor loss = c_.fused_ce ? model_->forward_loss(ids, targets, c_.ce_chunk_tokens)
-                                : models::causal_lm_loss(model_->forward(ids), ids);
+  // This rank's part of the batch (a sequence shard under sequence parallelism).
+  LocalBatch lb = booster_.plugin().local_batch(ids, targets);
+  models::ForwardOptions fo;
+  fo.seq_offset = lb.seq_offset;
+  fo.global_seq_len = lb.global_seq_len;
+  at::Tensor loss;
+  if (c_.fused_ce) {
+    loss = model_->forward_loss(lb.inputs, lb.targets, c_.ce_chunk_tokens, fo);
+  } else {
+    at::Tensor logits = model_->forward(lb.inputs, fo);
+    loss = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
+                                  lb.targets.reshape({-1}).to(logits.device()), std::nullopt,
+                                  at::Reduction::Mean, -100);
+  }
   booster_.backward(loss, *boosted_.optimizer);
   return loss;
 }
