@@ -213,6 +213,14 @@ json::Value BenchReport::to_json() const {
     c.set("prefetch_num", g.max_prefetch);  // ColossalAI's benchmark name
     c.set("overlap_cpu_adam", g.overlap_cpu_adam);
   }
+  if (booster::is_hybrid_plugin(config.plugin.name)) {  // ColossalAI's benchmark names
+    const booster::HybridOptions& h = config.plugin.hybrid;
+    c.set("tp", h.tp_size);
+    c.set("pp", h.pp_size);
+    c.set("sp", h.sp_size);
+    c.set("sp_mode", h.sequence_parallelism_mode.empty() ? "off" : h.sequence_parallelism_mode);
+    c.set("zero", h.zero_stage);
+  }
   c.set("flash_attention", config.flash_attention);
   c.set("fused_ce", config.fused_ce);
   c.set("batch_per_dp_rank", config.batch);

@@ -178,7 +178,7 @@ def test_two_ranks_per_gpu_figures(tmp_path, hf_config):
     (["--pp", "2"], "apply to --plugin hybrid (3d) only"),
     (["--zero", "1"], "apply to --plugin hybrid (3d) only"),
     (["-p", "3d", "--pp", "2"], "pipeline parallelism is not available yet"),
-    (["-p", "3d", "--sp_mode", "bogus"], "sequence_parallelism_mode"),
+    (["-p", "3d", "--sp_mode", "bogus"], "unknown sequence parallelism mode"),
     (["--pp_style", "zbv"], "pipeline schedules"),
     (["--shard_param_frac", "0.5"], "shard_param_frac"),
     (["--use_fp8"], "use_fp8"),

@@ -337,6 +337,33 @@ TEST(Hybrid, NoSyncAccumulationIsExact) {
   }
 }
 
+// A non-finite gradient on one rank only (a tp shard of the last rank) skips the step on every
+// rank of every axis, for ZeRO 0 (the norm's reducer spans dp, tp and pp) and ZeRO 1 (the shard
+// norm's reducer likewise); the weights stay unchanged everywhere.
+TEST(Hybrid, NonFiniteGradientSkipsTheStepEverywhere) {
+  for (int64_t zero : {0, 1}) {
+    HybridOptions o;
+    o.tp_size = 2;
+    o.zero_stage = zero;
+    o.precision = "fp32";
+    auto plugin = std::make_shared<HybridParallelPlugin>(o);
+    auto model = build(tiny_config(2));
+    Booster booster(plugin);
+    Boosted b = booster.boost(model, adamw_of(*model));
+    auto [ids, targets] = global_batch(0, kRowsPerDp, 96);
+    booster.backward(model->forward_loss(ids, targets), *b.optimizer);
+    at::Tensor w = model->model->layers->layers[0]->dense_mlp().up_proj->weight();
+    const at::Tensor before = w.detach().clone();
+    // After the dp all-reduce, on the last rank only, in the last element (the part of the
+    // gradient that rank's ZeRO shard holds: the last dp rank owns the tail).
+    if (dist::rank() == dist::world_size() - 1) w.grad().view({-1})[-1].fill_(INFINITY);
+    EXPECT_FALSE(b.optimizer->step()) << "zero " << zero;
+    EXPECT_TRUE(b.optimizer->last_step_skipped());
+    EXPECT_TRUE(at::equal(w, before));
+    b.optimizer->zero_grad(true);
+  }
+}
+
 TEST(Hybrid, NamedErrors) {
   const int world = dist::world_size();
   auto message = [](const std::function<void()>& f) -> std::string {

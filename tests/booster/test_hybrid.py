@@ -3,6 +3,7 @@ split_gather and ZeRO-1, tp2 x dp2 with ZeRO-2) against `--plugin none` on the s
 every step's loss and gradient norm within 1e-5 relative (fp32; the sharded GEMMs and the
 per-rank means round differently from one process, at 2^-24 per operation), and bad input exiting
 2 with the named message. Checkpoints are left out: tensor-parallel layouts are not saved yet."""
+import json
 import os
 import pathlib
 import subprocess
@@ -73,3 +74,22 @@ def test_bad_input(work, nproc, extra, message):
     _, p = train(work, "bad", nproc, extra + ["--micro_batch", "2"], steps=2, model=model)
     assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
     assert message in p.stderr, p.stderr[-2000:]
+
+
+def bench(work, args, out, nproc=0):
+    cmd = [BIN, "bench", "--device", "cpu", "-c", str(work / "model.json"), "-l", "32", "-b", "2", "-s", "3", "-i", "1",
+           "--json", str(out)] + args
+    if nproc > 0:
+        cmd = [BIN, "run", "--nproc_per_node", str(nproc), "--master_port", "0"] + cmd
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
+def test_bench_3d_matches_one_process(work, tmp_path):
+    """`colossal bench -p 3d --tp 2 --zero 1` (ColossalAI's flags; dp 1, so the same random tokens
+    as one process) trains like `-p none`."""
+    a = bench(work, ["-p", "3d", "--tp", "2", "--zero", "1"], tmp_path / "3d.json", nproc=2)
+    b = bench(work, ["-p", "none"], tmp_path / "none.json")
+    assert a["config"]["tp"] == 2 and a["config"]["zero"] == 1 and a["config"]["dp_size"] == 1
+    assert rel(a["final_loss"], b["final_loss"]) <= 1e-5, (a["final_loss"], b["final_loss"])

@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
+#include <cmath>
+#include <limits>
 #include <map>
 #include <set>
 
@@ -210,12 +212,17 @@ class HybridOptimizer : public OptimizerWrapper {
 
  protected:
   double grad_norm_now() override {
-    std::vector<at::Tensor> grads;
+    std::vector<at::Tensor> grads, others;
     for (auto& g : optimizer_->param_groups())
       for (auto& p : g.params)
-        if (p.grad().defined() && counted_.count(p.unsafeGetTensorImpl()))
-          grads.push_back(p.grad());
-    return amp::global_grad_norm(grads, loss_scale(), reducer_);
+        if (p.grad().defined())
+          (counted_.count(p.unsafeGetTensorImpl()) ? grads : others).push_back(p.grad());
+    // A gradient this rank does not count still decides overflow: a non-finite one enters the
+    // sum as NaN, which the reduction carries to every rank.
+    std::vector<at::Tensor> flags;
+    if (!others.empty() && !std::isfinite(amp::global_grad_norm(others, 1.0, amp::GradReducer{})))
+      flags.push_back(at::full({}, std::numeric_limits<double>::quiet_NaN(), at::kDouble));
+    return amp::global_grad_norm(grads, loss_scale(), reducer_, flags);
   }
 
  private:
