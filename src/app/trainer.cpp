@@ -465,7 +465,8 @@ TrainResult Trainer::run() {
   if (rank0_) {
     log_info("training ", model_->config().model_type, " (",
              human_count(static_cast<double>(nn::count_parameters(*model_))),
-             " parameters) with plugin ", plugin_->name(), " on ", plugin_->dp_size(), " rank(s), ",
+             " parameters) with plugin ", plugin_->name(), " on ", plugin_->dp_size(),
+             " data-parallel rank(s)", dims_ ? " (" + dims_->degrees().describe() + ")" : "", ", ",
              to_string(plugin_->precision()), ", global batch ", G_, " x ", c_.seq_len, " tokens, ",
              c_.steps, " steps");
   }
