@@ -406,6 +406,16 @@ TEST(Hybrid, NamedErrors) {
     Booster booster(plugin);
     EXPECT_NE(message([&] { booster.boost(m, adamw_of(*m)); }).find("heads"), std::string::npos);
   }
+  // A sequence that split_gather cannot split evenly over tp is refused (not padded).
+  HybridOptions odd;
+  odd.tp_size = 2;
+  odd.sequence_parallelism_mode = "split_gather";
+  odd.precision = "fp32";
+  HybridParallelPlugin sp(odd);
+  const at::Tensor seq7 = at::zeros({1, 7}, at::kLong);
+  EXPECT_NE(
+      message([&] { sp.local_batch(seq7, seq7); }).find("sequence length divisible by tp_size"),
+      std::string::npos);
   // Checkpoints with tp > 1 are refused by name.
   HybridOptions o;
   o.tp_size = 2;

@@ -122,9 +122,9 @@ class HybridParallelPlugin : public Plugin {
   // (saving and loading tensor-parallel layouts is not available yet).
   bool control_checkpoint_io() const override { return true; }
   std::shared_ptr<CheckpointIO> checkpoint_io() override;
-  // split_gather: the targets of this rank's sequence shard (tp rank r of tp holds tokens
-  // [r S/tp, (r+1) S/tp)); the inputs stay whole (the embedding splits them). InputError when
-  // the sequence length is not divisible by tp. Identity otherwise.
+  // split_gather (and ring): the targets of this rank's sequence shard (tp rank r of tp holds
+  // tokens [r S/tp, (r+1) S/tp)); the inputs stay whole (the embedding splits them). InputError
+  // when the sequence length is not divisible by tp. Identity otherwise.
   LocalBatch local_batch(const at::Tensor& inputs, const at::Tensor& targets) const override;
 
   std::shared_ptr<ModelWrapper> configure_model(std::shared_ptr<torch::nn::Module> model) override;
