@@ -49,10 +49,12 @@ function(colossal_layer name)
   set(COLOSSAL_LAYER_TARGETS ${COLOSSAL_LAYER_TARGETS} colossal_${name} CACHE INTERNAL "")
 endfunction()
 
-# colossal_add_test(name SOURCES a.cpp... LIBS colossal_x... [RANKS n] [LABELS ...]): a GoogleTest
-# executable registered with CTest. RANKS n runs it as n ranks under `colossal run`.
+# colossal_add_test(name SOURCES a.cpp... LIBS colossal_x... [RANKS n] [MORE_RANKS m...]
+#                   [LABELS ...]): a GoogleTest executable registered with CTest. RANKS n runs it
+# as n ranks under `colossal run`; MORE_RANKS registers the same binary again as name_<m>ranks
+# at m ranks (one compile, several layouts).
 function(colossal_add_test name)
-  cmake_parse_arguments(T "" "RANKS;TIMEOUT" "SOURCES;LIBS;LABELS;ARGS" ${ARGN})
+  cmake_parse_arguments(T "" "RANKS;TIMEOUT" "SOURCES;LIBS;LABELS;ARGS;MORE_RANKS" ${ARGN})
   add_executable(${name} ${T_SOURCES})
   target_link_libraries(${name} PRIVATE ${T_LIBS} GTest::gtest GTest::gtest_main)
   target_include_directories(${name} PRIVATE ${CMAKE_SOURCE_DIR}/src ${CMAKE_SOURCE_DIR}/tests)
@@ -67,7 +69,14 @@ function(colossal_add_test name)
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT 600)
   endif()
-  set_tests_properties(${name} PROPERTIES TIMEOUT ${T_TIMEOUT}
+  set(_names ${name})
+  foreach(m ${T_MORE_RANKS})
+    add_test(NAME ${name}_${m}ranks COMMAND $<TARGET_FILE:colossal_cli> run --nproc_per_node ${m}
+             --master_port 0 $<TARGET_FILE:${name}> ${T_ARGS})
+    set_tests_properties(${name}_${m}ranks PROPERTIES PROCESSORS ${m})
+    list(APPEND _names ${name}_${m}ranks)
+  endforeach()
+  set_tests_properties(${_names} PROPERTIES TIMEOUT ${T_TIMEOUT}
     LABELS "${T_LABELS}"
     ENVIRONMENT "COLOSSAL_BUILD_DIR=${CMAKE_BINARY_DIR};COLOSSAL_BIN=$<TARGET_FILE:colossal_cli>;COLOSSAL_SOURCE_DIR=${CMAKE_SOURCE_DIR}")
 endfunction()

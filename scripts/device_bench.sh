@@ -204,6 +204,21 @@ for phase in "$@"; do
       done
     done
     C=$BUILD/colossal ;;
+  hybrid1)
+    # Issue 18: "the abstraction costs nothing": -p 3d at tp 1 / sp 1 against -p ddp, one binary,
+    # W1 and W2 in the order ddp 3d 3d ddp (a drift of the machine during the call cancels).
+    step "hybrid at tp 1 vs ddp: W1 and W2"
+    for w in ${H1_WORKLOADS:-w1 w2}; do
+      for p in ddp 3d 3d ddp; do
+        n=$(ls "$LOGS" | grep -c "^h1_${w}_${p}" || true)
+        extra=""; [ $p = 3d ] && extra="--tp 1 --sp 1 --zero 0"
+        if [ $w = w1 ]; then
+          ours "h1_${w}_${p}$n" -c 1b -p $p $extra -b 8 -l 2048 -s ${AB_W1_STEPS:-15} -i 3
+        else
+          ours "h1_${w}_${p}$n" -c 7b -p $p $extra -b 1 -l 4096 -s ${AB_W2_STEPS:-10} -i 2
+        fi
+      done
+    done ;;
   *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <map>
@@ -132,62 +133,96 @@ TensorList load_state_dict(const std::string& file_or_dir) {
   return load_safetensors(file_or_dir);
 }
 
-void save_state_dict(const std::string& dir, const TensorList& tensors, const SaveOptions& opts) {
+namespace {
+void check_save_options(const SaveOptions& opts) {
   COLOSSAL_CHECK_INPUT(!opts.prefix.empty() && opts.prefix.find('/') == std::string::npos,
                        "save_state_dict: prefix \"", opts.prefix,
                        "\" must be a non-empty file name without '/'");
   COLOSSAL_CHECK_INPUT(opts.size_per_shard_mb > 0,
                        "save_state_dict: size_per_shard_mb must be positive, got ",
                        opts.size_per_shard_mb);
+}
+}  // namespace
+
+StatePlan plan_state_dict(const std::vector<TensorDecl>& tensors, const SaveOptions& opts) {
+  check_save_options(opts);
+  // Cut a shard before a tensor would overflow it; a tensor larger than the limit gets a shard
+  // of its own, so shards are never empty.
+  const uint64_t limit = static_cast<uint64_t>(opts.size_per_shard_mb) * 1024 * 1024;
+  std::vector<std::vector<size_t>> shards(1);
+  uint64_t current = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    uint64_t nbytes = tensors[i].nbytes();
+    if (opts.shard && !shards.back().empty() && current + nbytes > limit) {
+      shards.emplace_back();
+      current = 0;
+    }
+    shards.back().push_back(i);
+    current += nbytes;
+  }
+  StatePlan plan;
+  for (size_t k = 0; k < shards.size(); ++k) {
+    plan.files.push_back(shards.size() == 1 ? opts.prefix + ".safetensors"
+                                            : shard_name(opts.prefix, k + 1, shards.size()));
+    std::vector<TensorDecl> decls;
+    for (size_t i : shards[k]) decls.push_back(tensors[i]);
+    std::vector<size_t> order;
+    for (size_t j : safetensors_file_order(decls)) order.push_back(shards[k][j]);
+    plan.order.push_back(std::move(order));
+  }
+  return plan;
+}
+
+void save_state_dict_streamed(const std::string& dir, const std::vector<TensorDecl>& tensors,
+                              const std::function<at::Tensor(size_t)>& produce,
+                              const SaveOptions& opts) {
+  check_save_options(opts);
   std::error_code ec;
   fs::create_directories(dir, ec);
   COLOSSAL_CHECK_INPUT(!ec && fs::is_directory(dir), "cannot create checkpoint folder ", dir, ": ",
                        ec ? ec.message() : std::string("a file of that name exists"));
   // Check names and dtypes up front, so a bad list fails before any file is replaced.
   std::set<std::string> seen;
-  for (const auto& [name, t] : tensors) {
-    COLOSSAL_CHECK_INPUT(seen.insert(name).second, "save_state_dict: tensor name \"", name,
+  uint64_t total_size = 0, total_params = 0;
+  for (const auto& t : tensors) {
+    COLOSSAL_CHECK_INPUT(seen.insert(t.name).second, "save_state_dict: tensor name \"", t.name,
                          "\" appears twice");
-    COLOSSAL_CHECK_INPUT(t.defined(), "save_state_dict: tensor \"", name, "\" is undefined");
     try {
-      dtype_to_safetensors(t.scalar_type());
+      dtype_to_safetensors(t.dtype);
     } catch (const Error& e) {
-      throw Error(str("save_state_dict into ", dir, ": tensor \"", name, "\": ", e.what()));
+      throw Error(str("save_state_dict into ", dir, ": tensor \"", t.name, "\": ", e.what()));
     }
+    total_size += t.nbytes();
+    total_params += t.nbytes() / c10::elementSize(t.dtype);
   }
-
-  // Cut a shard before a tensor would overflow it; a tensor larger than the limit gets a shard
-  // of its own, so shards are never empty.
-  const uint64_t limit = static_cast<uint64_t>(opts.size_per_shard_mb) * 1024 * 1024;
-  std::vector<TensorList> shards(1);
-  uint64_t current = 0, total_size = 0, total_params = 0;
-  for (const auto& nt : tensors) {
-    uint64_t nbytes = static_cast<uint64_t>(nt.second.numel()) * nt.second.element_size();
-    if (opts.shard && !shards.back().empty() && current + nbytes > limit) {
-      shards.emplace_back();
-      current = 0;
-    }
-    shards.back().push_back(nt);
-    current += nbytes;
-    total_size += nbytes;
-    total_params += static_cast<uint64_t>(nt.second.numel());
-  }
+  const StatePlan plan = plan_state_dict(tensors, opts);
   const Metadata md{{"format", "pt"}};  // transformers refuses files without it
   fs::path d(dir);
   std::set<std::string> written;
-  if (shards.size() == 1) {
-    std::string name = opts.prefix + ".safetensors";
-    save_safetensors((d / name).string(), shards[0], md);
-    written.insert(name);
-  } else {
+  for (size_t k = 0; k < plan.files.size(); ++k) {
+    std::vector<TensorDecl> decls;
+    std::vector<size_t> index;  // declaration index in the file -> index in `tensors`
+    // The file's declarations in shard order (the writer sorts them as plan_state_dict did).
+    std::vector<size_t> members = plan.order[k];
+    std::sort(members.begin(), members.end());
+    for (size_t i : members) {
+      decls.push_back(tensors[i]);
+      index.push_back(i);
+    }
+    SafetensorsStreamWriter w((d / plan.files[k]).string(), std::move(decls), md);
+    for (size_t pos = 0; !w.done(); ++pos) {
+      const size_t i = index[w.next_index()];
+      COLOSSAL_CHECK(i == plan.order[k][pos], "save_state_dict: write order differs from the plan");
+      w.write_next(produce(i));
+    }
+    w.finish();
+    written.insert(plan.files[k]);
+  }
+  if (plan.files.size() > 1) {
     json::Value weight_map = json::Value::object();
     std::map<std::string, std::string> sorted;  // HF writes the index with sorted keys
-    for (size_t k = 0; k < shards.size(); ++k) {
-      std::string name = shard_name(opts.prefix, k + 1, shards.size());
-      save_safetensors((d / name).string(), shards[k], md);
-      written.insert(name);
-      for (const auto& nt : shards[k]) sorted[nt.first] = name;
-    }
+    for (size_t k = 0; k < plan.files.size(); ++k)
+      for (size_t i : plan.order[k]) sorted[tensors[i].name] = plan.files[k];
     for (const auto& [n, f] : sorted) weight_map.set(n, f);
     json::Value meta = json::Value::object();
     meta.set("total_parameters", total_params);
@@ -213,6 +248,18 @@ void save_state_dict(const std::string& dir, const TensorList& tensors, const Sa
     if (ec) log_warn("could not remove stale checkpoint file ", p.string(), ": ", ec.message());
   }
   fsync_path(dir);
+}
+
+void save_state_dict(const std::string& dir, const TensorList& tensors, const SaveOptions& opts) {
+  check_save_options(opts);
+  std::vector<TensorDecl> decls;
+  decls.reserve(tensors.size());
+  for (const auto& [name, t] : tensors) {
+    COLOSSAL_CHECK_INPUT(t.defined(), "save_state_dict: tensor \"", name, "\" is undefined");
+    decls.push_back({name, t.scalar_type(), t.sizes().vec()});
+  }
+  save_state_dict_streamed(
+      dir, decls, [&](size_t i) { return tensors[i].second; }, opts);
 }
 
 TensorList module_state(const torch::nn::Module& module) {

@@ -92,30 +92,43 @@ void write_all(int fd, const void* data, size_t size, const std::string& path) {
   }
 }
 
-void write_file_atomic(const std::string& path, const std::function<void(int fd)>& write) {
-  std::string tmp = str(path, ".tmp-", ::getpid());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    throw Error(str("cannot create ", tmp, ": ", errno_text(),
+AtomicFile::AtomicFile(std::string path) : path_(std::move(path)) {
+  tmp_ = str(path_, ".tmp-", ::getpid());
+  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) {
+    throw Error(str("cannot create ", tmp_, ": ", errno_text(),
                     " (does the folder exist and is it writable?)"));
   }
-  try {
-    write(fd);
-    if (::fsync(fd) != 0) throw Error(str("fsync ", tmp, " failed: ", errno_text()));
-    if (::close(fd) != 0) {
-      fd = -1;
-      throw Error(str("cannot close ", tmp, ": ", errno_text()));
-    }
-    fd = -1;
-    if (::rename(tmp.c_str(), path.c_str()) != 0) {
-      throw Error(str("cannot rename ", tmp, " to ", path, ": ", errno_text()));
-    }
-  } catch (...) {
-    if (fd >= 0) ::close(fd);
-    ::unlink(tmp.c_str());
-    throw;
+}
+
+AtomicFile::~AtomicFile() {
+  if (committed_) return;
+  if (fd_ >= 0) ::close(fd_);
+  ::unlink(tmp_.c_str());
+}
+
+void AtomicFile::write(const void* data, size_t size) {
+  COLOSSAL_CHECK(fd_ >= 0 && !committed_, "AtomicFile ", path_, ": write after commit");
+  write_all(fd_, data, size, tmp_);
+}
+
+void AtomicFile::commit() {
+  COLOSSAL_CHECK(fd_ >= 0 && !committed_, "AtomicFile ", path_, ": committed twice");
+  if (::fsync(fd_) != 0) throw Error(str("fsync ", tmp_, " failed: ", errno_text()));
+  int rc = ::close(fd_);
+  fd_ = -1;
+  if (rc != 0) throw Error(str("cannot close ", tmp_, ": ", errno_text()));
+  if (::rename(tmp_.c_str(), path_.c_str()) != 0) {
+    throw Error(str("cannot rename ", tmp_, " to ", path_, ": ", errno_text()));
   }
-  fsync_path(parent_of(path));
+  committed_ = true;
+  fsync_path(parent_of(path_));
+}
+
+void write_file_atomic(const std::string& path, const std::function<void(int fd)>& write) {
+  AtomicFile f(path);
+  write(f.fd());
+  f.commit();
 }
 
 StagedDirectory::StagedDirectory(std::string target) : target_(std::move(target)) {

@@ -390,28 +390,53 @@ TensorList load_safetensors_copy(const std::string& path, Metadata* metadata) {
 
 // ---- writer ------------------------------------------------------------------------------------
 
-void save_safetensors(const std::string& path, const TensorList& tensors,
-                      const Metadata& metadata) {
-  // Validate everything before touching the disk.
-  std::set<std::string> names;
-  std::vector<std::string> dtype_names(tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const auto& [name, t] = tensors[i];
-    COLOSSAL_CHECK_INPUT(name != "__metadata__", path, ": a tensor may not be named __metadata__");
-    COLOSSAL_CHECK_INPUT(names.insert(name).second, path, ": tensor name \"", name,
-                         "\" appears twice");
-    COLOSSAL_CHECK_INPUT(t.defined(), path, ": tensor \"", name, "\" is undefined");
-    try {
-      dtype_names[i] = dtype_to_safetensors(t.scalar_type());
-    } catch (const Error& e) {
-      throw Error(str(path, ": tensor \"", name, "\": ", e.what()));
-    }
-  }
+uint64_t TensorDecl::nbytes() const {
+  uint64_t n = c10::elementSize(dtype);
+  for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+  return n;
+}
+
+std::vector<size_t> safetensors_file_order(const std::vector<TensorDecl>& tensors) {
   std::vector<size_t> order(tensors.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return tensors[a].second.element_size() > tensors[b].second.element_size();
+    return c10::elementSize(tensors[a].dtype) > c10::elementSize(tensors[b].dtype);
   });
+  return order;
+}
+
+struct SafetensorsStreamWriter::Impl {
+  std::string path;
+  std::vector<TensorDecl> tensors;
+  std::vector<size_t> order;
+  size_t pos = 0;  // position in `order` of the next tensor
+  std::unique_ptr<AtomicFile> file;
+};
+
+SafetensorsStreamWriter::SafetensorsStreamWriter(const std::string& path,
+                                                 std::vector<TensorDecl> tensors,
+                                                 const Metadata& metadata)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->path = path;
+  impl_->tensors = std::move(tensors);
+  const auto& decls = impl_->tensors;
+  // Validate everything before touching the disk.
+  std::set<std::string> names;
+  std::vector<std::string> dtype_names(decls.size());
+  for (size_t i = 0; i < decls.size(); ++i) {
+    const std::string& name = decls[i].name;
+    COLOSSAL_CHECK_INPUT(name != "__metadata__", path, ": a tensor may not be named __metadata__");
+    COLOSSAL_CHECK_INPUT(names.insert(name).second, path, ": tensor name \"", name,
+                         "\" appears twice");
+    try {
+      dtype_names[i] = dtype_to_safetensors(decls[i].dtype);
+    } catch (const Error& e) {
+      throw Error(str(path, ": tensor \"", name, "\": ", e.what()));
+    }
+    for (int64_t d : decls[i].shape)
+      COLOSSAL_CHECK_INPUT(d >= 0, path, ": tensor \"", name, "\" has a negative dimension ", d);
+  }
+  impl_->order = safetensors_file_order(decls);
 
   json::Value header = json::Value::object();
   if (!metadata.empty()) {
@@ -420,11 +445,11 @@ void save_safetensors(const std::string& path, const TensorList& tensors,
     header.set("__metadata__", std::move(md));
   }
   uint64_t pos = 0;
-  for (size_t i : order) {
-    const auto& [name, t] = tensors[i];
+  for (size_t i : impl_->order) {
+    const TensorDecl& t = decls[i];
     json::Value shape = json::Value::array();
-    for (int64_t d : t.sizes()) shape.push_back(d);
-    uint64_t nbytes = static_cast<uint64_t>(t.numel()) * t.element_size();
+    for (int64_t d : t.shape) shape.push_back(d);
+    uint64_t nbytes = t.nbytes();
     json::Value offsets = json::Value::array();
     offsets.push_back(pos);
     offsets.push_back(pos + nbytes);
@@ -433,7 +458,7 @@ void save_safetensors(const std::string& path, const TensorList& tensors,
     entry.set("dtype", dtype_names[i]);
     entry.set("shape", std::move(shape));
     entry.set("data_offsets", std::move(offsets));
-    header.set(name, std::move(entry));
+    header.set(t.name, std::move(entry));
   }
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
@@ -441,19 +466,63 @@ void save_safetensors(const std::string& path, const TensorList& tensors,
                        " bytes, over the format's limit of ", kMaxHeaderBytes,
                        "; save fewer tensors per file");
 
-  write_file_atomic(path, [&](int fd) {
-    unsigned char len[8];
-    uint64_t n = text.size();
-    for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));
-    write_all(fd, len, 8, path);
-    write_all(fd, text.data(), text.size(), path);
-    for (size_t i : order) {
-      const at::Tensor& t = tensors[i].second;
-      if (t.numel() == 0) continue;
-      at::Tensor c = t.device().is_cpu() ? t.contiguous() : t.to(at::kCPU).contiguous();
-      write_all(fd, c.data_ptr(), static_cast<size_t>(c.numel()) * c.element_size(), path);
-    }
-  });
+  impl_->file = std::make_unique<AtomicFile>(path);
+  unsigned char len[8];
+  uint64_t n = text.size();
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));
+  impl_->file->write(len, 8);
+  impl_->file->write(text.data(), text.size());
+}
+
+SafetensorsStreamWriter::~SafetensorsStreamWriter() = default;
+
+const std::vector<size_t>& SafetensorsStreamWriter::order() const {
+  return impl_->order;
+}
+
+bool SafetensorsStreamWriter::done() const {
+  return impl_->pos == impl_->order.size();
+}
+
+size_t SafetensorsStreamWriter::next_index() const {
+  COLOSSAL_CHECK(!done(), impl_->path, ": every tensor has been written");
+  return impl_->order[impl_->pos];
+}
+
+const TensorDecl& SafetensorsStreamWriter::next() const {
+  return impl_->tensors[next_index()];
+}
+
+void SafetensorsStreamWriter::write_next(const at::Tensor& t) {
+  const TensorDecl& d = next();
+  COLOSSAL_CHECK(t.defined(), impl_->path, ": tensor \"", d.name, "\" is undefined");
+  COLOSSAL_CHECK(t.scalar_type() == d.dtype && t.sizes().vec() == d.shape, impl_->path,
+                 ": tensor \"", d.name, "\" was declared ", c10::toString(d.dtype), " ",
+                 at::IntArrayRef(d.shape), " but is ", c10::toString(t.scalar_type()), " ",
+                 t.sizes());
+  if (t.numel() > 0) {
+    at::Tensor c = t.device().is_cpu() ? t.contiguous() : t.to(at::kCPU).contiguous();
+    impl_->file->write(c.data_ptr(), static_cast<size_t>(c.numel()) * c.element_size());
+  }
+  ++impl_->pos;
+}
+
+void SafetensorsStreamWriter::finish() {
+  COLOSSAL_CHECK(done(), impl_->path, ": finish() before tensor \"", next().name, "\" was written");
+  impl_->file->commit();
+}
+
+void save_safetensors(const std::string& path, const TensorList& tensors,
+                      const Metadata& metadata) {
+  std::vector<TensorDecl> decls;
+  decls.reserve(tensors.size());
+  for (const auto& [name, t] : tensors) {
+    COLOSSAL_CHECK_INPUT(t.defined(), path, ": tensor \"", name, "\" is undefined");
+    decls.push_back({name, t.scalar_type(), t.sizes().vec()});
+  }
+  SafetensorsStreamWriter w(path, std::move(decls), metadata);
+  while (!w.done()) w.write_next(tensors[w.next_index()].second);
+  w.finish();
 }
 
 }  // namespace colossal::checkpoint

@@ -41,9 +41,9 @@ at::Tensor Embedding::forward(const at::Tensor& ids) {
   at::Tensor y = local_lookup(ids);
   if (!shard_spec_ || !shard_spec_->communicates()) return y;
   const ShardSpec& s = *shard_spec_;
-  return s.sequence_parallel == SequenceParallelMode::SplitGather
-             ? reduce_scatter_sequence(y, s.group, 1)
-             : reduce_from_region(y, s.group);
+  // Under ring as under split_gather: a lookup has no GEMM to overlap with.
+  return sequence_sharded(s) ? reduce_scatter_sequence(y, s.group, 1)
+                             : reduce_from_region(y, s.group);
 }
 
 void Embedding::shard(const ShardSpec& spec) {

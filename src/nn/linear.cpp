@@ -4,15 +4,46 @@
 
 #include <ATen/ATen.h>
 
+#include <map>
 #include <memory>
+#include <mutex>
 #include <typeinfo>
 
 #include "colossal/core/error.h"
 #include "colossal/kernels/fused.h"
 #include "colossal/nn/parallel_ops.h"
+#include "colossal/nn/ring_ops.h"
 #include "nn/shard_util.h"
 
 namespace colossal::nn {
+
+namespace {
+
+// The ranks of `tp` that hold this rank's replicated head: its block of `replicas` consecutive
+// group ranks (the whole group when replicas == its size). One communicator per (group, block)
+// serves every layer with replicated heads (a group per layer would open an engine per k/v
+// projection); the cache holds it weakly, so it lives as long as some layer uses it.
+dist::Communicator replica_group(const dist::Communicator& tp, int64_t replicas) {
+  if (replicas == tp.size()) return tp;
+  const int64_t first = tp.rank() / replicas * replicas;
+  std::vector<int> members;
+  std::string key;
+  for (int64_t i = 0; i < replicas; ++i) {
+    members.push_back(tp.global_rank(static_cast<int>(first + i)));
+    key += str(i ? "," : "", members.back());
+  }
+  const std::string name = str(tp.name(), ".replicas", first / replicas);
+  key = name + "[" + key + "]";
+  static std::mutex mu;
+  static std::map<std::string, std::weak_ptr<dist::Communicator::Impl>> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto impl = cache[key].lock()) return dist::Communicator(impl);
+  dist::Communicator g = tp.new_group(members, name);
+  cache[key] = g.impl();
+  return g;
+}
+
+}  // namespace
 
 bool use_fused_kernels(const at::Tensor& x) {
   return x.is_cuda() && kernels::enabled() && kernels::has_fused_kernels(x);
@@ -28,6 +59,8 @@ Linear::Linear(const LinearOptions& o)
   COLOSSAL_CHECK_INPUT(in_ > 0 && out_ > 0,
                        "Linear: in_features and out_features must be > 0, got ", in_, " and ",
                        out_);
+  COLOSSAL_CHECK_INPUT(o.heads() >= 0 && (o.heads() == 0 || out_ % o.heads() == 0),
+                       "Linear: heads = ", o.heads(), " does not divide out_features = ", out_);
   register_parameter("weight", at::empty({out_, in_}, o.tensor_options()));
   if (has_bias_) register_parameter("bias", at::empty({out_}, o.tensor_options()));
 }
@@ -40,14 +73,30 @@ at::Tensor Linear::forward(const at::Tensor& x) {
   ForwardScope scope(*this);
   if (!shard_spec_ || !shard_spec_->communicates()) return local_linear(x, true);
   const ShardSpec& s = *shard_spec_;
-  const bool seq = s.sequence_parallel == SequenceParallelMode::SplitGather;
+  const auto mode = s.sequence_parallel;
+  at::Tensor w = weight(), b = has_bias_ ? param("bias") : at::Tensor();
   if (s.kind == ShardSpec::Kind::Column) {
-    return local_linear(seq ? gather_from_sequence(x, s.group, 1) : copy_to_region(x, s.group),
-                        true);
+    if (replica_group_.valid()) {  // replicated head: the gradient summed over its sharers
+      w = copy_to_region(w, replica_group_);
+      if (b.defined()) b = copy_to_region(b, replica_group_);
+    }
+    if (mode == SequenceParallelMode::Ring) {
+      at::Tensor y = ring_gather_linear(x, w, s.group, 1);
+      return b.defined() ? y + b : y;
+    }
+    at::Tensor in = mode == SequenceParallelMode::SplitGather ? gather_from_sequence(x, s.group, 1)
+                                                              : copy_to_region(x, s.group);
+    return b.defined() ? at::linear(in, w, b) : at::linear(in, w);
   }
-  at::Tensor y = local_linear(x, false);
-  y = seq ? reduce_scatter_sequence(y, s.group, 1) : reduce_from_region(y, s.group);
-  return has_bias_ ? y + param("bias") : y;
+  at::Tensor y;
+  if (mode == SequenceParallelMode::Ring) {
+    y = ring_linear_reduce_scatter(x, w, s.group, 1);
+  } else {
+    y = at::linear(x, w);
+    y = mode == SequenceParallelMode::SplitGather ? reduce_scatter_sequence(y, s.group, 1)
+                                                  : reduce_from_region(y, s.group);
+  }
+  return b.defined() ? y + b : y;
 }
 
 bool Linear::fusable() const {
@@ -57,25 +106,35 @@ bool Linear::fusable() const {
 void Linear::shard(const ShardSpec& spec) {
   COLOSSAL_CHECK(!shard_spec_, "Linear ", name(), " is already sharded");
   check_sequence_mode(spec, "Linear");
-  if (spec.kind == ShardSpec::Kind::Column) {
-    check_shard(spec, out_, "Linear out_features");
-    shard_in_place(weight(), 0, spec);
-    if (has_bias_) shard_in_place(param("bias"), 0, spec);
-    out_ /= spec.world;
-  } else if (spec.kind == ShardSpec::Kind::Row) {
-    check_shard(spec, in_, "Linear in_features");
-    shard_in_place(weight(), 1, spec);
-    in_ /= spec.world;
+  ShardSpec s = spec;
+  s.replicas = 1;
+  if (s.kind == ShardSpec::Kind::Column) {
+    const int64_t heads = options_.heads();
+    if (heads > 0) {
+      COLOSSAL_CHECK_INPUT(heads % s.world == 0 || s.world % heads == 0, "cannot shard Linear ",
+                           name(), ": its ", heads, " heads over ", s.world,
+                           " ranks (the heads must divide the ranks or the ranks the heads)");
+      if (heads < s.world) s.replicas = s.world / heads;
+    }
+    check_shard(s, out_, "Linear out_features");
+    shard_in_place(weight(), 0, s);
+    if (has_bias_) shard_in_place(param("bias"), 0, s);
+    out_ /= s.world / s.replicas;
+    if (s.replicas > 1 && s.communicates()) replica_group_ = replica_group(s.group, s.replicas);
+  } else if (s.kind == ShardSpec::Kind::Row) {
+    check_shard(s, in_, "Linear in_features");
+    shard_in_place(weight(), 1, s);
+    in_ /= s.world;
   } else {
-    throw Error(str("Linear supports column and row sharding, not ", to_string(spec.kind)));
+    throw Error(str("Linear supports column and row sharding, not ", to_string(s.kind)));
   }
-  shard_spec_ = spec;
+  shard_spec_ = s;
 }
 
 at::Tensor Linear::shard_slice(const std::string& name, const at::Tensor& full) const {
   if (!shard_spec_) return full;
   const ShardSpec& s = *shard_spec_;
-  if (s.kind == ShardSpec::Kind::Column) return full.narrow(0, s.rank * out_, out_);
+  if (s.kind == ShardSpec::Kind::Column) return full.narrow(0, s.rank / s.replicas * out_, out_);
   if (name == "weight") return full.narrow(1, s.rank * in_, in_);
   return full;  // row-parallel bias stays whole
 }
@@ -83,6 +142,12 @@ at::Tensor Linear::shard_slice(const std::string& name, const at::Tensor& full) 
 std::vector<int64_t> Linear::full_shape(const std::string& name) const {
   if (name == "weight") return {full_out_, full_in_};
   return {full_out_};
+}
+
+int64_t Linear::replication(const std::string& name) const {
+  if (!shard_spec_) return 1;
+  if (shard_spec_->kind == ShardSpec::Kind::Column) return shard_spec_->replicas;
+  return name == "weight" ? 1 : shard_spec_->world;
 }
 
 std::optional<at::Tensor> fused_projections(const at::Tensor& x,

@@ -108,4 +108,55 @@ at::Tensor split_sequence(const at::Tensor& x, const dist::Communicator& group, 
   return apply<RegionOp<own_slice, all_gather_dim>>(x, group, dim);
 }
 
+// ---- all-to-all ----------------------------------------------------------------------------
+namespace {
+
+at::Tensor all_to_all_dims(const at::Tensor& x, const dist::Communicator& g, int64_t scatter,
+                           int64_t gather) {
+  const int64_t w = g.size();
+  const int64_t n = x.size(scatter) / w;
+  // [w, ... n at scatter ...]: slice j first, as the engine sends slice j to rank j.
+  at::Tensor in = x.unflatten(scatter, {w, n}).movedim(scatter, 0).contiguous();
+  at::Tensor out = at::empty_like(in);
+  const_cast<dist::Communicator&>(g).all_to_all(out, in);
+  // out[i] came from rank i: it becomes the i-th part of the gather dim.
+  return out.movedim(0, gather).flatten(gather, gather + 1);
+}
+
+struct AllToAllSaved : torch::CustomClassHolder {
+  AllToAllSaved(dist::Communicator g, int64_t s, int64_t d)
+      : group(std::move(g)), scatter(s), gather(d) {}
+  dist::Communicator group;
+  int64_t scatter, gather;
+};
+
+struct AllToAllOp : torch::autograd::Function<AllToAllOp> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
+                            const c10::intrusive_ptr<AllToAllSaved>& saved) {
+    ctx->saved_data["a2a"] = c10::IValue::make_capsule(saved);
+    return all_to_all_dims(x, saved->group, saved->scatter, saved->gather);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto s = c10::static_intrusive_pointer_cast<AllToAllSaved>(ctx->saved_data["a2a"].toCapsule());
+    return {all_to_all_dims(grads[0], s->group, s->gather, s->scatter), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor all_to_all_region(const at::Tensor& x, const dist::Communicator& group,
+                             int64_t scatter_dim, int64_t gather_dim) {
+  if (scatter_dim < 0) scatter_dim += x.dim();
+  if (gather_dim < 0) gather_dim += x.dim();
+  COLOSSAL_CHECK_INPUT(scatter_dim >= 0 && scatter_dim < x.dim() && gather_dim >= 0 &&
+                           gather_dim < x.dim() && scatter_dim != gather_dim,
+                       "all_to_all_region: scatter_dim ", scatter_dim, " and gather_dim ",
+                       gather_dim, " must be two different dims of a ", x.dim(), "-dim tensor");
+  if (!group.valid() || group.size() == 1) return x;
+  COLOSSAL_CHECK_INPUT(x.size(scatter_dim) % group.size() == 0, "all_to_all_region over ",
+                       group.name(), ": scatter dim ", scatter_dim, " of size ",
+                       x.size(scatter_dim), " is not divisible by the group size ", group.size());
+  return AllToAllOp::apply(x, c10::make_intrusive<AllToAllSaved>(group, scatter_dim, gather_dim));
+}
+
 }  // namespace colossal::nn

@@ -191,7 +191,17 @@ TEST(ParallelPlan, LlamaPlanChecksTheSizes) {
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("num_attention_heads = 4"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(check_tensor_parallel(c, 4), InputError);  // 2 kv heads
+  check_tensor_parallel(c, 4);  // 2 kv heads, each replicated on 2 of the 4 ranks
+  c.num_attention_heads = 12;
+  c.num_key_value_heads = 3;
+  c.intermediate_size = 96;
+  try {
+    check_tensor_parallel(c, 4);  // 3 kv heads over 4 ranks: neither divides the other
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("num_key_value_heads = 3"), std::string::npos) << e.what();
+  }
+  c = small_config();
   EXPECT_THROW(check_tensor_parallel(c, 0), InputError);
   // A tied embedding stays whole: the plan has no rule for it.
   for (const auto& r : tensor_parallel_plan(small_config(true)))

@@ -17,6 +17,28 @@ void fsync_path(const std::string& path);
 // exception propagates; `path` is untouched.
 void write_file_atomic(const std::string& path, const std::function<void(int fd)>& write);
 
+// A file written atomically piece by piece (write_file_atomic without the callback, for writers
+// that produce their bytes over time): the data goes to "<path>.tmp-<pid>"; commit() fsyncs it,
+// renames it over `path` and fsyncs the parent folder. Destroyed without commit() (an exception
+// while writing), the temporary is removed and `path` is untouched.
+class AtomicFile {
+ public:
+  explicit AtomicFile(std::string path);
+  ~AtomicFile();
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  int fd() const { return fd_; }
+  void write(const void* data, size_t size);
+  void commit();
+
+ private:
+  std::string path_, tmp_;
+  int fd_ = -1;
+  bool committed_ = false;
+};
+
 // write(2) all of `size` bytes, retrying short writes and EINTR; Error naming `path` on failure.
 void write_all(int fd, const void* data, size_t size, const std::string& path);
 

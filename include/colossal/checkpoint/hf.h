@@ -4,8 +4,12 @@
 // reads. Loading accepts a file, or a folder holding either layout.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "colossal/checkpoint/safetensors.h"
 
@@ -29,6 +33,23 @@ struct SaveOptions {
 // removed only after the new files are in place.
 void save_state_dict(const std::string& dir, const TensorList& tensors,
                      const SaveOptions& opts = {});
+
+// Where save_state_dict puts tensors known by name, dtype and shape: the file names, and per
+// file the tensors (indices into the list) in the order their bytes are written. Every rank can
+// compute it, so ranks that feed a writing rank (tensor-parallel gathers) follow its order.
+struct StatePlan {
+  std::vector<std::string> files;
+  std::vector<std::vector<size_t>> order;
+};
+StatePlan plan_state_dict(const std::vector<TensorDecl>& tensors, const SaveOptions& opts = {});
+
+// save_state_dict for tensors produced one at a time: `produce(i)` returns tensor i (of its
+// declared dtype and shape); it is called once per tensor in plan_state_dict's order, and the
+// tensor is written and released before the next call. save_state_dict is this with `produce`
+// reading its list: both write identical files.
+void save_state_dict_streamed(const std::string& dir, const std::vector<TensorDecl>& tensors,
+                              const std::function<at::Tensor(size_t)>& produce,
+                              const SaveOptions& opts = {});
 
 // Copies checkpoint tensors into a module's parameters and buffers (named as
 // module.named_parameters() / named_buffers() name them), converting dtype and device.

@@ -60,6 +60,45 @@ TensorList load_safetensors_copy(const std::string& path, Metadata* metadata = n
 // The largest header accepted (the reference implementation's limit).
 inline constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 
+// A tensor to be written, as the header needs it before any data.
+struct TensorDecl {
+  std::string name;
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  uint64_t nbytes() const;
+};
+
+// The order in which a file holds `tensors` (indices into it): grouped by element size, largest
+// first, stable (see save_safetensors).
+std::vector<size_t> safetensors_file_order(const std::vector<TensorDecl>& tensors);
+
+// A safetensors file written one tensor at a time, for tensors that are produced one by one
+// (gathered from other ranks) and must not be alive together. The constructor checks every
+// declaration as save_safetensors does, then writes the header; write_next() appends the data of
+// the next tensor in file order (next(): its declaration; an Error if the tensor's dtype or shape
+// differs); finish() checks that every tensor was written and commits the file atomically.
+// Without finish() (an exception while producing) the temporary is removed, `path` untouched.
+// save_safetensors is this writer fed from a list: both write identical bytes.
+class SafetensorsStreamWriter {
+ public:
+  SafetensorsStreamWriter(const std::string& path, std::vector<TensorDecl> tensors,
+                          const Metadata& metadata = {});
+  ~SafetensorsStreamWriter();
+  SafetensorsStreamWriter(const SafetensorsStreamWriter&) = delete;
+  SafetensorsStreamWriter& operator=(const SafetensorsStreamWriter&) = delete;
+
+  const std::vector<size_t>& order() const;  // indices into the declarations, file order
+  bool done() const;                         // every tensor written
+  const TensorDecl& next() const;
+  size_t next_index() const;  // index of next() among the declarations
+  void write_next(const at::Tensor& tensor);
+  void finish();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 // Writes a file atomically: to "<path>.tmp-<pid>", fsync, then rename over `path`. Tensors may
 // live on any device and be non-contiguous; names must be unique. Every dtype and name is checked
 // before anything is written. In the file, tensors are grouped by element size, largest first

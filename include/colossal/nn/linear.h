@@ -30,11 +30,29 @@ struct LinearOptions {
   TORCH_ARG(int64_t, in_features);
   TORCH_ARG(int64_t, out_features);
   TORCH_ARG(bool, bias) = true;
+  // The output features are `heads` equal heads (0: not said). Column sharding then never
+  // splits a head: over a world that heads divide, each rank holds heads / world of them; over
+  // more ranks than heads (world % heads == 0: GQA key/value projections with fewer kv heads
+  // than tp) rank r holds head r * heads / world, replicated on the world / heads consecutive
+  // ranks whose query heads read it (ShardSpec::replicas). Anything else is an InputError.
+  TORCH_ARG(int64_t, heads) = 0;
   TORCH_ARG(at::TensorOptions, tensor_options) = {};
 };
 
 // y = x W^T + b. weight [out, in], optional bias [out]. Sharded with a group (ShardSpec), the
-// layer does its own region operations (module.h).
+// layer does its own region operations (module.h); under sequence parallelism `ring` the
+// column's gather and the row's reduce-scatter run chunk by chunk, overlapped with the GEMM
+// (ring_ops.h).
+//
+// Replicated heads (LinearOptions::heads < world): each of the `replicas` ranks sharing a head
+// back-propagates only its own query heads' share of the head's gradient, so the layer reads
+// its weight and bias through copy_to_region over the sharing ranks (identity forward,
+// all-reduce of the gradient): the parameter's gradient is the whole sum, the same on every
+// sharing rank, and their optimizer steps keep the copies equal. The sharing ranks get a group
+// of their own (one per tensor-parallel group and replica block, shared by all such layers):
+// summing over the whole tp group with zeros from the other heads' ranks would move heads
+// times more data for the same result. The input gradient needs nothing: each rank's dx =
+// dk_r W_head holds its own query heads' share once, and the column region sums the shares.
 class Linear : public Module {
  public:
   explicit Linear(const LinearOptions& options);
@@ -54,6 +72,8 @@ class Linear : public Module {
   void shard(const ShardSpec& spec) override;
   at::Tensor shard_slice(const std::string& name, const at::Tensor& full) const override;
   std::vector<int64_t> full_shape(const std::string& name) const override;
+  // Row: the bias is whole on every rank (world); Column: ShardSpec::replicas; else 1.
+  int64_t replication(const std::string& name) const override;
   int64_t in_features() const { return in_; }  // current (local) sizes
   int64_t out_features() const { return out_; }
   const LinearOptions& options() const { return options_; }
@@ -66,6 +86,7 @@ class Linear : public Module {
   LinearOptions options_;
   int64_t in_, out_, full_in_, full_out_;
   bool has_bias_;
+  dist::Communicator replica_group_;  // replicated heads: the ranks sharing this rank's head
 };
 
 // The projections of one input x, concatenated along the last dim ([.., sum of out_features]),

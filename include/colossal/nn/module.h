@@ -60,6 +60,13 @@ using SequenceParallelMode = dist::SequenceParallel;
 //           embeddings are all-reduced (reduce-scattered over the sequence under split_gather).
 // Without a group (group.valid() == false) a spec only cuts storage: rank and world say which
 // slice, and the caller owns any communication (name-keyed init tests, checkpoint reshaping).
+//
+// Replicated slices: a Column linear made of `heads` heads (LinearOptions::heads) sharded over
+// more ranks than it has heads (world % heads == 0, e.g. GQA key/value projections with fewer
+// kv heads than tp) never splits a head: rank r holds head r / replicas, replicated on the
+// `replicas` = world / heads consecutive ranks that read it; the layer sets `replicas` in the
+// spec it records and sums the weight's gradient over those ranks itself (linear.h). Module::
+// replication(name) tells the grad-norm and checkpoint code how many ranks hold the same values.
 struct ShardSpec {
   enum class Kind {
     Column,  // Linear: output features split (weight dim 0, bias dim 0)
@@ -75,6 +82,9 @@ struct ShardSpec {
   int64_t world = 1;
   dist::Communicator group;  // the tensor-parallel group; invalid: storage only
   SequenceParallelMode sequence_parallel = SequenceParallelMode::Off;
+  // Ranks holding the same slice (set by the layer at shard(), 1 unless heads are replicated):
+  // rank r holds slice r / replicas of world / replicas.
+  int64_t replicas = 1;
 
   // A spec over `group` (rank and world taken from it).
   static ShardSpec over(Kind kind, const dist::Communicator& group,
@@ -104,6 +114,18 @@ class Module : public torch::nn::Module {
   }
   // The unsharded shape of parameter `name`.
   virtual std::vector<int64_t> full_shape(const std::string& name) const;
+  // How many ranks of shard_spec()->group hold the same values of parameter `name` (their
+  // consecutive block of the group, each with the same gradient): 1 for a proper slice,
+  // ShardSpec::replicas for replicated heads, world for what a sharded layer keeps whole (a
+  // row-parallel bias); 1 for a module that is not sharded. A gradient norm over the group
+  // counts such a parameter once: sum over ranks of |g|^2 / replication(name). (Parameters of
+  // modules without a spec are whole on every tensor-parallel rank; under split_gather / ring
+  // those that read sequence-sharded activations, i.e. norms, a replicated head and a row
+  // bias, get per-shard partial gradients that the plugin sums over the group.)
+  virtual int64_t replication(const std::string& name) const {
+    (void)name;
+    return 1;
+  }
 
   // The parameter registered under `name` (this module's own, not a child's). Layers read their
   // parameters through this at every forward and never keep a copy of the handle, so both

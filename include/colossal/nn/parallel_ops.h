@@ -27,4 +27,11 @@ at::Tensor reduce_scatter_sequence(const at::Tensor& x, const dist::Communicator
                                    int64_t dim = 1);
 at::Tensor split_sequence(const at::Tensor& x, const dist::Communicator& group, int64_t dim = 1);
 
+// All-to-all (DeepSpeed-Ulysses' exchange): x.size(scatter_dim) is cut into group-size slices,
+// slice j goes to rank j, and the slices received from ranks 0..n-1 are concatenated along
+// gather_dim (rank order). Backward: the all-to-all with the two dims swapped. InputError when
+// x.size(scatter_dim) is not divisible by the group size or the dims are equal.
+at::Tensor all_to_all_region(const at::Tensor& x, const dist::Communicator& group,
+                             int64_t scatter_dim, int64_t gather_dim);
+
 }  // namespace colossal::nn

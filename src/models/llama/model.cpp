@@ -20,12 +20,15 @@ using nn::use_fused_kernels;
 Attention::Attention(const ModelConfig& cfg, int64_t layer_idx, const at::TensorOptions& opts)
     : head_dim_(cfg.head_dim), layer_idx_(layer_idx) {
   const int64_t h = cfg.hidden_size, q = cfg.num_attention_heads * cfg.head_dim;
-  auto linear = [&](int64_t in, int64_t out, bool bias) {
-    return std::make_shared<nn::Linear>(LinearOptions(in, out).bias(bias).tensor_options(opts));
+  auto linear = [&](int64_t in, int64_t out, bool bias, int64_t heads = 0) {
+    return std::make_shared<nn::Linear>(
+        LinearOptions(in, out).bias(bias).heads(heads).tensor_options(opts));
   };
+  // k/v say their heads: column sharding over more ranks than kv heads replicates each head on
+  // the ranks whose query heads read it (rank r: kv head r * kv / tp), never splits one.
   register_slot("q_proj", q_proj, linear(h, q, cfg.qkv_bias));
-  register_slot("k_proj", k_proj, linear(h, cfg.kv_dim(), cfg.qkv_bias));
-  register_slot("v_proj", v_proj, linear(h, cfg.kv_dim(), cfg.qkv_bias));
+  register_slot("k_proj", k_proj, linear(h, cfg.kv_dim(), cfg.qkv_bias, cfg.num_key_value_heads));
+  register_slot("v_proj", v_proj, linear(h, cfg.kv_dim(), cfg.qkv_bias, cfg.num_key_value_heads));
   register_slot("o_proj", o_proj, linear(q, h, cfg.o_bias));
   register_slot<nn::CoreAttention>("core_attn", core_attn, std::make_shared<nn::SdpaAttention>());
 }
@@ -50,12 +53,18 @@ at::Tensor Attention::forward(const at::Tensor& x, const LayerContext& ctx) {
     v = v_proj->forward(x);
   }
   const int64_t s = q.size(1);
+  // Local heads: q holds heads / tp, k and v kv / tp or (kv < tp) the one head this rank's
+  // query heads share; SDPA's GQA maps query head i to kv head i / (q heads / kv heads).
+  COLOSSAL_CHECK(k.size(-1) > 0 && q.size(-1) % k.size(-1) == 0, "attention ", name(), ": ",
+                 q.size(-1) / head_dim_, " local query heads cannot share ", k.size(-1) / head_dim_,
+                 " local key/value heads");
   q = q.view({b, s, -1, head_dim_}).transpose(1, 2);
   k = k.view({b, s, -1, head_dim_}).transpose(1, 2);
   v = v.view({b, s, -1, head_dim_}).transpose(1, 2);
-  // The tables cover the whole step; a layer holding only this rank's tokens takes their part.
+  // The tables cover the whole step (unless built from ForwardOptions::positions: then they are
+  // this rank's already); a layer holding only this rank's tokens takes their part.
   at::Tensor cos = ctx.cos, sin = ctx.sin;
-  if (ctx.seq.sharded() && s == ctx.seq.local_len) {
+  if (ctx.seq.sharded() && s == ctx.seq.local_len && cos.size(1) == ctx.seq.global_len) {
     cos = cos.narrow(1, ctx.seq.offset, s);
     sin = sin.narrow(1, ctx.seq.offset, s);
   }
@@ -341,6 +350,16 @@ at::Tensor CausalLM::forward_blocks(const at::Tensor& input, const ForwardOption
                                           !opts.attention_mask.defined()),
                        "CausalLM::forward: a sequence shard takes no KV cache, position_ids or "
                        "attention_mask");
+  if (opts.positions.defined()) {
+    COLOSSAL_CHECK_INPUT(opts.positions.dim() == 1 && opts.positions.size(0) == s &&
+                             opts.positions.scalar_type() == at::kLong,
+                         "CausalLM::forward: positions must be int64 [", s, "], got ",
+                         opts.positions.scalar_type(), " ", opts.positions.sizes());
+    COLOSSAL_CHECK_INPUT(
+        !opts.cache && !opts.position_ids.defined() && !opts.attention_mask.defined(),
+        "CausalLM::forward: positions take no KV cache, position_ids or "
+        "attention_mask");
+  }
   if (opts.cache) {
     const int64_t first_layer = std::max<int64_t>(first_ - 1, 0);
     if (first_layer < L) seq.past = opts.cache->length(first_layer);
@@ -363,7 +382,10 @@ at::Tensor CausalLM::forward_blocks(const at::Tensor& input, const ForwardOption
       if (!context_ready) {
         // Tables and masks of the whole step (every sequence shard's positions).
         std::tie(full.cos, full.sin) =
-            opts.position_ids.defined()
+            opts.positions.defined()
+                ? model->rotary_emb->forward(opts.positions.to(x.device()).unsqueeze(0),
+                                             x.scalar_type())
+            : opts.position_ids.defined()
                 ? model->rotary_emb->forward(opts.position_ids.to(x.device()), x.scalar_type())
                 : model->rotary_emb->forward_range(past, kv, x.device(), x.scalar_type());
         full.cache = opts.cache;

@@ -2,6 +2,7 @@
 #include "colossal/models/llama/plan.h"
 
 #include "colossal/core/error.h"
+#include "colossal/nn/sequence_parallel.h"
 
 namespace colossal::models {
 
@@ -12,7 +13,12 @@ void check_tensor_parallel(const ModelConfig& cfg, int64_t tp) {
                          n);
   };
   divisible(cfg.num_attention_heads, "num_attention_heads");
-  divisible(cfg.num_key_value_heads, "num_key_value_heads");
+  // Fewer key/value heads than tp: each head is replicated on the tp / kv ranks whose query
+  // heads read it (Linear's heads option); tp must then be a multiple of the kv heads.
+  COLOSSAL_CHECK_INPUT(cfg.num_key_value_heads % tp == 0 || tp % cfg.num_key_value_heads == 0,
+                       "tensor parallel size ", tp,
+                       " and num_key_value_heads = ", cfg.num_key_value_heads,
+                       ": one must divide the other (kv heads fewer than tp are replicated)");
   divisible(cfg.intermediate_size, "intermediate_size");
   if (!cfg.tie_word_embeddings) divisible(cfg.vocab_size, "vocab_size");
 }
@@ -28,6 +34,36 @@ nn::ParallelPlan tensor_parallel_plan(const ModelConfig& cfg) {
     plan.push_back({std::string("model.layers.*.mlp.") + p, {}, K::Column});
   plan.push_back({"model.layers.*.mlp.down_proj", {}, K::Row});
   return plan;
+}
+
+// ---- Sequence-parallel attention ------------------------------------------------------------
+nn::ParallelPlan sequence_parallel_plan(const ModelConfig& cfg, dist::SequenceParallel mode,
+                                        const dist::Communicator& sp, int64_t inner_ring_size) {
+  using M = dist::SequenceParallel;
+  const bool attn = mode == M::AllToAll || mode == M::RingAttn;
+  COLOSSAL_CHECK_INPUT(mode == M::RingAttn || inner_ring_size == 0, "inner_ring_size ",
+                       inner_ring_size, " applies to ring_attn only, not to sequence parallelism ",
+                       dist::to_string(mode));
+  if (!attn) return {};
+  COLOSSAL_CHECK_INPUT(sp.valid(), "sequence parallelism ", dist::to_string(mode),
+                       " needs a sequence parallel group");
+  const int64_t n = sp.size();
+  nn::LayerFactory make;
+  if (mode == M::AllToAll) {
+    COLOSSAL_CHECK_INPUT(
+        cfg.num_attention_heads % n == 0,
+        "sequence parallelism all_to_all: num_attention_heads = ", cfg.num_attention_heads,
+        " is not divisible by the sequence parallel size sp = ", n);
+    make = [sp](const std::string&, const std::shared_ptr<torch::nn::Module>&) {
+      return std::make_shared<nn::AllToAllAttention>(sp);
+    };
+  } else {
+    nn::check_inner_ring_size(inner_ring_size, n);
+    make = [sp, inner_ring_size](const std::string&, const std::shared_ptr<torch::nn::Module>&) {
+      return std::make_shared<nn::RingAttention>(sp, inner_ring_size);
+    };
+  }
+  return {{"model.layers.*.self_attn.core_attn", make, std::nullopt}};
 }
 
 }  // namespace colossal::models

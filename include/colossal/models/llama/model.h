@@ -114,6 +114,11 @@ struct ForwardOptions {
   // for the whole step; each layer takes the part its tokens need.
   int64_t seq_offset = 0;
   int64_t global_seq_len = 0;
+  // Optional int64 [S]: the global position of each input token (nn::shard_sequence's
+  // `positions`, e.g. a zigzag shard of ring attention); the rotary tables are built for these
+  // positions only. Undefined: the tokens are contiguous from seq_offset. Takes no KV cache,
+  // position_ids or attention_mask.
+  at::Tensor positions;
 };
 
 // One pipeline unit: its HF name prefix and module.

@@ -1,0 +1,99 @@
+// Sequence parallelism of attention (ColossalAI's sequence_parallelism_mode `all_to_all` and
+// `ring_attn`): each rank of an sp group holds a shard of the sequence of every layer's
+// activations, and only the core attention — the one step that mixes tokens — communicates.
+// Both are CoreAttention layers that a plan puts into the model's `core_attn` slots
+// (models::sequence_parallel_plan), so the model's code stays free of collectives; the inputs
+// are sharded with shard_sequence() and the rotary tables follow its `positions`.
+//
+//   all_to_all (DeepSpeed-Ulysses)  rank r holds the contiguous tokens [r*S/sp, (r+1)*S/sp).
+//       An all-to-all trades the sequence shard of every head for the whole sequence of heads/sp
+//       heads, the inner core attention (SDPA) runs causally over the whole sequence, and an
+//       all-to-all trades back. Needs heads (per tensor-parallel rank) divisible by sp.
+//   ring_attn (ring attention, zigzag)  the sequence is cut into 2*sp chunks and rank r holds
+//       chunks r and 2*sp-1-r, so every rank does the same causal work. Keys/values travel
+//       around the sp ring block by block (point-to-point); each block's attention and its
+//       log-sum-exp are merged into the running result, and the backward passes keys/values
+//       around the ring again with their gradient accumulators, so no rank ever holds more than
+//       its own shard plus the block in flight. inner_ring_size (ColossalAI's double ring) makes
+//       the ring two-level: inner rings of inner_ring_size consecutive ranks, an outer ring
+//       across them; the result is the same.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "colossal/dist/communicator.h"
+#include "colossal/dist/parallel_dims.h"
+#include "colossal/nn/attention.h"
+
+namespace colossal::nn {
+
+// One rank's part of a batch: input and targets [B, S_local] and the global position of each
+// local token (int64 [S_local]; pass it as models::ForwardOptions::positions).
+struct SequenceShard {
+  at::Tensor input, targets, positions;
+};
+
+// all_to_all: the contiguous slice r of S/sp tokens; ring_attn: chunks r and 2*sp-1-r of S/(2*sp)
+// tokens, in that order (zigzag). The other modes (off, split_gather, ring) take the whole
+// sequence on every rank: input and targets come back unchanged with positions 0..S-1, as they
+// do for an sp group of one rank. InputError when S is not divisible by sp (all_to_all) or 2*sp
+// (ring_attn), naming both, or when input and targets differ in shape. `targets` may be
+// undefined (inference): it stays undefined.
+SequenceShard shard_sequence(const at::Tensor& input, const at::Tensor& targets,
+                             const dist::Communicator& sp, dist::SequenceParallel mode);
+
+// The global positions of rank `rank`'s tokens under `mode` for a sequence of seq_len tokens
+// (what shard_sequence returns as positions; same errors).
+at::Tensor sequence_positions(int64_t seq_len, int64_t rank, int64_t world,
+                              dist::SequenceParallel mode);
+
+// DeepSpeed-Ulysses. q [B, H, S/sp, D], k/v [B, Hkv, S/sp, D] (this rank's contiguous tokens) ->
+// [B, H, S/sp, D]. InputError when H is not divisible by sp. Grouped-query key/value heads are
+// exchanged as they are when Hkv is divisible by sp (rank j gets kv heads of its query heads);
+// otherwise each kv head is first repeated over its query group (H heads are exchanged).
+// Takes no explicit mask and no KV cache (InputError).
+class AllToAllAttention : public CoreAttention {
+ public:
+  explicit AllToAllAttention(dist::Communicator sp,
+                             std::shared_ptr<CoreAttention> inner = nullptr);  // null: SDPA
+  at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const AttentionMask& mask, const SequenceInfo& seq) override;
+  const dist::Communicator& group() const { return sp_; }
+  std::shared_ptr<CoreAttention> inner;  // runs on the whole sequence of H/sp heads
+
+ private:
+  dist::Communicator sp_;
+};
+
+// Zigzag ring attention. q [B, H, 2c, D], k/v [B, Hkv, 2c, D] with Hkv dividing H: this rank's
+// chunks r and 2*sp-1-r of c tokens each -> [B, H, 2c, D]. Blocks are computed in fp32 (the
+// log-sum-exp merge needs it) and the result cast back to q's dtype; the gradient accumulators
+// of keys/values travel in fp32. inner_ring_size 0: one ring. InputError when inner_ring_size
+// is not 0 and not a divisor of sp with 1 < inner_ring_size < sp, when the local length is odd, or
+// for an explicit mask or KV cache. mask.causal = false attends to every key.
+class RingAttention : public CoreAttention {
+ public:
+  explicit RingAttention(dist::Communicator sp, int64_t inner_ring_size = 0);
+  at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const AttentionMask& mask, const SequenceInfo& seq) override;
+  const dist::Communicator& group() const { return sp_; }
+  int64_t inner_ring_size() const { return inner_; }
+
+ private:
+  dist::Communicator sp_;
+  int64_t inner_;
+};
+
+// The function RingAttention runs (an autograd function; scale 1/sqrt(D) as SDPA's).
+at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const dist::Communicator& sp, bool causal = true,
+                          int64_t inner_ring_size = 0);
+
+// InputError unless inner_ring_size is 0 (one ring) or a divisor of sp_size with
+// 1 < inner_ring_size < sp_size.
+void check_inner_ring_size(int64_t inner_ring_size, int64_t sp_size);
+
+}  // namespace colossal::nn
