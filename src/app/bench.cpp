@@ -401,7 +401,7 @@ at::Tensor BenchLoop::forward_backward(const at::Tensor& ids, const at::Tensor& 
                                   lb.targets.reshape({-1}).to(logits.device()), std::nullopt,
                                   at::Reduction::Mean, -100);
   }
-  booster_.backward(loss, *boosted_.optimizer);
+  booster_.backward(lb.loss_weight == 1.0 ? loss : loss * lb.loss_weight, *boosted_.optimizer);
   return loss;
 }
 

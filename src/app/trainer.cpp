@@ -360,8 +360,8 @@ Trainer::StepStats Trainer::train_step() {
     targets = targets.to(device_);
     std::unique_ptr<NoSyncGuard> guard;
     if (a + 1 < A) guard = booster_->no_sync(mw, &opt);
-    // This rank's part (a sequence shard under sequence parallelism); its loss is the mean over
-    // its own targets.
+    // This rank's part (a sequence shard under sequence parallelism); the loss below is the
+    // mean over its own targets (what is reported; averaged over the ranks).
     LocalBatch lb = plugin_->local_batch(inputs, targets);
     models::ForwardOptions fo;
     fo.seq_offset = lb.seq_offset;
@@ -376,7 +376,8 @@ Trainer::StepStats Trainer::train_step() {
                                     lb.targets.reshape({-1})) /
              static_cast<double>(A);
     }
-    booster_->backward(loss, opt);
+    // This rank's share of the loss of the ranks holding parts of the same sequences.
+    booster_->backward(lb.loss_weight == 1.0 ? loss : loss * lb.loss_weight, opt);
     local_loss += loss.detach().item<double>();
   }
   if (c_.max_grad_norm > 0) opt.clip_grad_by_norm(c_.max_grad_norm);

@@ -15,12 +15,14 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
 #include "colossal/booster/booster.h"
 #include "colossal/booster/plugins/factory.h"
 #include "colossal/booster/plugins/hybrid_plugin.h"
+#include "colossal/booster/tensor_parallel_checkpoint_io.h"
 #include "colossal/core/error.h"
 #include "colossal/dist/parallel_dims.h"
 #include "colossal/dist/runtime.h"
@@ -94,6 +96,15 @@ bool split_by_plan(const std::string& name) {
   for (const char* p : {"o_proj.weight", "down_proj.weight"})
     if (name.find(p) != std::string::npos) return true;
   return false;
+}
+
+// This rank's element count of a parameter of `full` elements under the plan at tp (key/value
+// projections split over min(tp, kv heads): fewer heads than tp are replicated).
+int64_t local_numel(const std::string& name, int64_t full, int64_t tp, int64_t kv_heads) {
+  if (tp == 1 || !split_by_plan(name)) return full;
+  const bool kv =
+      name.find("k_proj.") != std::string::npos || name.find("v_proj.") != std::string::npos;
+  return full / (kv ? std::min(tp, kv_heads) : tp);
 }
 
 nn::Module& layer_of(torch::nn::Module& root, const std::string& name) {
@@ -177,8 +188,7 @@ void run_case(const Case& k) {
     const std::string& n = item.key();
     at::Tensor expect = slice_of(*model, n, ref_params[n]);
     EXPECT_TRUE(at::equal(item.value(), expect)) << n;
-    const int64_t full = ref_params[n].numel();
-    EXPECT_EQ(item.value().numel(), split_by_plan(n) && k.tp > 1 ? full / k.tp : full) << n;
+    EXPECT_EQ(item.value().numel(), local_numel(n, ref_params[n].numel(), k.tp, k.kv_heads)) << n;
   }
 
   for (int step = 0; step < kSteps; ++step) {
@@ -194,7 +204,7 @@ void run_case(const Case& k) {
                                     : at::cross_entropy_loss(
                                           model->forward(lb.inputs).reshape({-1, cfg.vocab_size}),
                                           lb.targets.reshape({-1}));
-    booster.backward(loss, opt);
+    booster.backward(loss * lb.loss_weight, opt);
     at::Tensor mean = loss.detach().reshape({1}).to(at::kDouble).clone();
     dist::world().all_reduce(mean, dist::ReduceOp::Avg);
     EXPECT_LE(std::abs(mean.item<double>() - ref_loss.item<double>()),
@@ -208,8 +218,7 @@ void run_case(const Case& k) {
       HybridMemoryReport r = plugin->memory_report(*b.model, &opt);
       int64_t param_bytes = 0, shard_bytes = 0;
       for (auto& item : ref->named_parameters(true)) {
-        const int64_t n =
-            split_by_plan(item.key()) ? item.value().numel() / k.tp : item.value().numel();
+        const int64_t n = local_numel(item.key(), item.value().numel(), k.tp, k.kv_heads);
         param_bytes += 4 * n;
         shard_bytes += 4 * ((n + dp - 1) / dp);
       }
@@ -236,8 +245,7 @@ void run_case(const Case& k) {
       HybridMemoryReport r = plugin->memory_report(*b.model, &opt);
       int64_t expect = 0;
       for (auto& item : ref->named_parameters(true)) {
-        const int64_t n =
-            split_by_plan(item.key()) ? item.value().numel() / k.tp : item.value().numel();
+        const int64_t n = local_numel(item.key(), item.value().numel(), k.tp, k.kv_heads);
         expect += k.zero == 0 ? 8 * n : 12 * ((n + dp - 1) / dp);
       }
       EXPECT_EQ(r.optimizer_bytes, expect);
@@ -278,6 +286,23 @@ TEST(Hybrid, Tp2Zero2) {
 TEST(Hybrid, Tp2SplitGather) {
   NEED_WORLD(2);
   run_case({2, 0, 2, "split_gather", 1.0});
+}
+TEST(Hybrid, Tp2Ring) {
+  NEED_WORLD(2);
+  run_case({2, 1, 2, "ring", 1.0});
+}
+// One key/value head over tp 2: replicated on both ranks (counted once in the norm).
+TEST(Hybrid, Tp2OneKvHeadSplitGather) {
+  NEED_WORLD(2);
+  run_case({2, 0, 1, "split_gather", 1.0});
+}
+TEST(Hybrid, Tp4TwoKvHeadsZero1) {
+  NEED_WORLD(4);
+  run_case({4, 1, 2, "", 1.0});
+}
+TEST(Hybrid, Tp2Dp2RingZero1) {
+  NEED_WORLD(4);
+  run_case({2, 1, 2, "ring", 1.0});
 }
 TEST(Hybrid, Tp4) {
   NEED_WORLD(4);
@@ -327,7 +352,8 @@ TEST(Hybrid, NoSyncAccumulationIsExact) {
                                           targets.narrow(0, first, kRowsPerDp));
       std::unique_ptr<NoSyncGuard> guard;
       if (micro == 0) guard = booster.no_sync(*b.model, b.optimizer.get());
-      booster.backward(model->forward_loss(lb.inputs, lb.targets) / 2.0, *b.optimizer);
+      booster.backward(model->forward_loss(lb.inputs, lb.targets) * (lb.loss_weight / 2.0),
+                       *b.optimizer);
     }
     // The accumulated gradients (gathered where sharded) and the global norm.
     check_grads(*plugin, *model, *ref, *b.optimizer, zero);
@@ -416,18 +442,12 @@ TEST(Hybrid, NamedErrors) {
   EXPECT_NE(
       message([&] { sp.local_batch(seq7, seq7); }).find("sequence length divisible by tp_size"),
       std::string::npos);
-  // Checkpoints with tp > 1 are refused by name.
+  // tp > 1 saves and loads through the tensor-parallel checkpoint IO.
   HybridOptions o;
   o.tp_size = 2;
   o.precision = "fp32";
   auto plugin = std::make_shared<HybridParallelPlugin>(o);
-  auto m = build(tiny_config(2));
-  Booster booster(plugin);
-  Boosted b = booster.boost(m, adamw_of(*m));
-  EXPECT_NE(message([&] {
-              booster.save_model(*b.model, "/nonexistent/x");
-            }).find("checkpoints with tp_size > 1 are not available yet"),
-            std::string::npos);
+  EXPECT_TRUE(std::dynamic_pointer_cast<TensorParallelCheckpointIO>(plugin->checkpoint_io()));
 }
 
 // The data-parallel plugins refuse a layout with other degrees, naming them.

@@ -48,6 +48,10 @@ struct LocalBatch {
   at::Tensor targets;
   int64_t seq_offset = 0;
   int64_t global_seq_len = 0;  // 0: `inputs` hold the whole sequence
+  // What the mean loss over `targets` is multiplied by before backward: this rank's share of the
+  // loss of all the ranks holding parts of the same sequences (1 / tp under split_gather / ring;
+  // 1 when the rank holds whole sequences). Report the unweighted mean.
+  double loss_weight = 1.0;
 };
 class OptimizerWrapper;
 
@@ -74,10 +78,10 @@ class Plugin {
 
   // This rank's part of a data-parallel micro-batch (inputs and next-token targets [B, S], the
   // same on every rank of a tensor / sequence group). Identity for data-parallel plugins; the
-  // sequence-parallel modes of the hybrid plugin split the sequence here. The loss a rank
-  // computes is the mean over its own targets.
+  // sequence-parallel modes of the hybrid plugin split the sequence here. A rank backpropagates
+  // the mean over its own targets times loss_weight.
   virtual LocalBatch local_batch(const at::Tensor& inputs, const at::Tensor& targets) const {
-    return {inputs, targets, 0, 0};
+    return {inputs, targets, 0, 0, 1.0};
   }
 
   // Moves/casts the model in place (the module object stays the same), registers what the

@@ -14,6 +14,7 @@
 #include "colossal/amp/grad_scaler.h"
 #include "colossal/booster/grad_sync.h"
 #include "colossal/booster/plugins/low_level_zero_plugin.h"
+#include "colossal/booster/tensor_parallel_checkpoint_io.h"
 #include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
@@ -146,14 +147,13 @@ dist::ModelFacts facts_of(const models::ModelConfig& c) {
   return f;
 }
 
-// The all_to_all, ring and ring_attn modes are built by other work (their attention cores, the
-// chunked linear and the sequence split in local_batch); until they are wired in here, they are
-// refused by name. (ring needs nothing more from this plugin than split_gather does: local_batch
-// and the gradient hooks treat both alike; drop it from here once its linears are merged.)
+// The all_to_all and ring_attn modes are built by other work (their attention cores and the
+// sequence split in local_batch); until they are wired in here, they are refused by name.
 void refuse_unbuilt_sequence_modes(SequenceParallel m) {
-  COLOSSAL_CHECK_INPUT(m == SequenceParallel::Off || m == SequenceParallel::SplitGather,
+  COLOSSAL_CHECK_INPUT(m == SequenceParallel::Off || m == SequenceParallel::SplitGather ||
+                           m == SequenceParallel::Ring,
                        "hybrid: sequence_parallelism_mode '", dist::to_string(m),
-                       "' is not built yet (off and split_gather are)");
+                       "' is not built yet (off, split_gather and ring are)");
 }
 
 // Megatron sequence parallelism inside the TP group (split_gather; ring, its chunked overlap):
@@ -162,23 +162,36 @@ bool sequence_in_tp_group(SequenceParallel m) {
   return m == SequenceParallel::SplitGather || m == SequenceParallel::Ring;
 }
 
-// Per trainable parameter: whether it is split over tp (its layer's shard holds part of it).
-// H4: with key/value heads fewer than tp (replicated heads, gradients summed by the layer), use
-// Module::replication(name) / ShardSpec::replicas: a head replicated over r ranks is counted in
-// the norm on tp ranks with tp_rank % r == 0, and its gradient (complete after the layer's sum)
-// takes the 1/tp scale of the sharded ones under split_gather / ring, not the tp average.
-std::map<std::string, bool> tp_sharded_params(torch::nn::Module& root) {
-  std::map<std::string, bool> out;
+// How a parameter lies over the tensor-parallel group.
+struct ParamRole {
+  // Its gradient after backward is this rank's full share of the gradient (a tp shard, or a
+  // replicated key/value head whose layer sums the gradient over the ranks sharing it); false:
+  // the parameter is whole on every tp rank (norms, a row-parallel bias, an unsharded head) and
+  // under split_gather / ring its gradient is a per-sequence-shard partial.
+  bool complete = false;
+  // Whether this tp rank adds it to the gradient norm: ranks holding the same values (replicated
+  // over r ranks, r = Module::replication or tp for a whole parameter) count it on the first.
+  bool counted_on_tp = true;
+};
+
+std::map<std::string, ParamRole> param_roles(torch::nn::Module& root, int tp_rank, int tp) {
+  std::map<std::string, ParamRole> out;
   for (auto& item : root.named_parameters(true)) {
     const std::string& name = item.key();
     const size_t dot = name.rfind('.');
-    bool sharded = false;
-    if (dot != std::string::npos) {
-      auto* layer = dynamic_cast<nn::Module*>(nn::find_module(root, name.substr(0, dot)).get());
-      if (layer && layer->shard_spec() && layer->shard_spec()->communicates())
-        sharded = layer->full_shape(name.substr(dot + 1)) != item.value().sizes().vec();
+    nn::Module* layer = nullptr;
+    if (dot != std::string::npos)
+      layer = dynamic_cast<nn::Module*>(nn::find_module(root, name.substr(0, dot)).get());
+    ParamRole role;
+    int64_t replicated = tp;
+    if (layer && layer->shard_spec() && layer->shard_spec()->communicates()) {
+      const std::string key = name.substr(dot + 1);
+      const bool split = layer->full_shape(key) != item.value().sizes().vec();
+      role.complete = split || layer->shard_spec()->replicas > 1;
+      replicated = layer->replication(key);
     }
-    out[name] = sharded;
+    role.counted_on_tp = tp_rank % replicated == 0;
+    out[name] = role;
   }
   return out;
 }
@@ -202,7 +215,7 @@ class HybridModel : public ModelWrapper {
   }
 
   int stage = 0;
-  std::map<std::string, bool> sharded;  // name -> split over tp
+  std::map<std::string, ParamRole> roles;
   std::unique_ptr<GradSync> sync;
   std::vector<std::pair<std::string, at::Tensor>> masters;  // handed to the optimizer once
   std::vector<std::pair<at::Tensor, unsigned>> grad_hooks;
@@ -238,28 +251,6 @@ class HybridOptimizer : public OptimizerWrapper {
 
  private:
   std::set<const void*> counted_;
-};
-
-// Every call refuses: tensor-parallel layouts have no checkpoint format yet.
-class RefusingCheckpointIO : public CheckpointIO {
- public:
-  explicit RefusingCheckpointIO(int64_t tp) : tp_(tp) {}
-  void save_model(ModelWrapper&, const std::string&, bool, int64_t) override { refuse("save"); }
-  void load_model(ModelWrapper&, const std::string&, bool, OptimizerWrapper*) override {
-    refuse("load");
-  }
-  void save_optimizer(OptimizerWrapper&, const std::string&) override { refuse("save"); }
-  void load_optimizer(OptimizerWrapper&, const std::string&) override { refuse("load"); }
-  void save_lr_scheduler(optim::LRScheduler&, const std::string&) override { refuse("save"); }
-  void load_lr_scheduler(optim::LRScheduler&, const std::string&) override { refuse("load"); }
-
- private:
-  [[noreturn]] void refuse(const char* what) const {
-    throw InputError(str("hybrid: checkpoints with tp_size > 1 are not available yet (tp_size ",
-                         tp_, "): cannot ", what,
-                         " a tensor-parallel layout (train without --save_dir / --resume)"));
-  }
-  int64_t tp_;
 };
 
 }  // namespace
@@ -314,10 +305,11 @@ int HybridParallelPlugin::dp_size() const {
 }
 
 std::shared_ptr<CheckpointIO> HybridParallelPlugin::checkpoint_io() {
-  // H5: the tensor-parallel CheckpointIO (gathered HF safetensors, full-shape optimizer states)
-  // replaces the refusing one.
-  if (options_.tp_size > 1) return std::make_shared<RefusingCheckpointIO>(options_.tp_size);
-  return std::make_shared<DataParallelCheckpointIO>();
+  if (options_.tp_size == 1) return std::make_shared<DataParallelCheckpointIO>();
+  if (!tp_io_)
+    tp_io_ = std::make_shared<TensorParallelCheckpointIO>(
+        dims_->tp(), dims_->degrees().sp > 1 ? dims_->dp_sp() : dims_->dp());
+  return tp_io_;
 }
 
 LocalBatch HybridParallelPlugin::local_batch(const at::Tensor& inputs,
@@ -329,7 +321,9 @@ LocalBatch HybridParallelPlugin::local_batch(const at::Tensor& inputs,
                        "(it is not padded): seq_len ",
                        s, ", tp_size ", tp);
   const int64_t n = s / tp;
-  return {inputs, targets.narrow(1, dims_->tp().rank() * n, n).contiguous(), 0, 0};
+  LocalBatch lb{inputs, targets.narrow(1, dims_->tp().rank() * n, n).contiguous(), 0, 0};
+  lb.loss_weight = 1.0 / static_cast<double>(tp);
+  return lb;
 }
 
 std::shared_ptr<ModelWrapper> HybridParallelPlugin::configure_model(
@@ -363,28 +357,26 @@ std::shared_ptr<ModelWrapper> HybridParallelPlugin::configure_model(
           "sequence, and a tied embedding (tie_word_embeddings) stays whole");
     }
   }
-  auto sharded = tp_sharded_params(*model);
+  auto roles = param_roles(*model, dims_->tp().rank(), dims_->tp().size());
   auto masters = plugins::cast_module_in_place(*model, working_dtype(precision_), options_.device);
+  if (tp_io_) tp_io_->set_model(model);
   auto hm = std::make_shared<HybridModel>(std::move(model), std::move(masters));
   hm->stage = static_cast<int>(options_.zero_stage);
-  hm->sharded = std::move(sharded);
+  hm->roles = std::move(roles);
   if (sequence_in_tp_group(mode_) && tp > 1) {
-    // Each rank's loss is the mean over its sequence shard: backward gives tp x the gradient of
-    // the global mean on sharded tensors and a partial gradient on tp-replicated ones.
+    // Each rank's loss is its tokens' share of the global mean (local_batch().loss_weight), so
+    // backward gives the whole gradient where it is complete (a shard, a replicated head summed
+    // by its layer) and a per-sequence-shard part of it on tp-whole parameters: those are summed
+    // over tp here, before any accumulation or data-parallel reduction sees them.
     dist::Communicator group = dims_->tp();
-    const double inv = 1.0 / static_cast<double>(tp);
     for (auto& [name, p] : plugins::trainable(hm->module())) {
-      unsigned h;
-      if (hm->sharded.at(name)) {
-        h = p.register_hook([inv](const at::Tensor& g) { return g * inv; });
-      } else {
-        h = p.register_hook([group, inv](const at::Tensor& g) {
-          at::Tensor out = g.contiguous().clone();
-          dist::Communicator c = group;
-          c.all_reduce(out, dist::ReduceOp::Sum);
-          return out.mul_(inv);
-        });
-      }
+      if (hm->roles.at(name).complete) continue;
+      const unsigned h = p.register_hook([group](const at::Tensor& g) {
+        at::Tensor out = g.contiguous().clone();
+        dist::Communicator c = group;
+        c.all_reduce(out, dist::ReduceOp::Sum);
+        return out;
+      });
       hm->grad_hooks.emplace_back(p, h);
     }
   }
@@ -408,16 +400,14 @@ std::shared_ptr<OptimizerWrapper> HybridParallelPlugin::configure_optimizer(
   plugins::check_optimizer_params(*optimizer, model.module());
   const at::Device dev = device_of(options_.device);
   amp::GradReducer reducer = amp::over_parallel_dims(*dims_, dev);
-  const auto& sharded = hm->sharded;
+  const auto& roles = hm->roles;
   if (options_.zero_stage == 0) {
     if (precision_ != Precision::FP32) optimizer->adopt_masters(hm->masters);
     hm->masters.clear();
     std::set<const void*> counted;
-    for (auto& item : model.module().named_parameters(true)) {
-      std::vector<std::string> replicated{"dp"};
-      if (!sharded.at(item.key())) replicated.push_back("tp");
-      if (reducer.counts(replicated)) counted.insert(item.value().unsafeGetTensorImpl());
-    }
+    for (auto& item : model.module().named_parameters(true))
+      if (reducer.counts({"dp"}) && roles.at(item.key()).counted_on_tp)
+        counted.insert(item.value().unsafeGetTensorImpl());
     return std::make_shared<HybridOptimizer>(std::move(optimizer), precision_, options_.loss_scale,
                                              std::move(reducer), std::move(counted),
                                              options_.max_norm);
@@ -428,10 +418,11 @@ std::shared_ptr<OptimizerWrapper> HybridParallelPlugin::configure_optimizer(
   zo.allgather_bucket_numel = static_cast<int64_t>(options_.zero_bucket_size_in_m * 1024 * 1024);
   auto zopt = std::make_shared<zero::LowLevelZeroOptimizer>(optimizer, dpg, hm->masters, zo);
   hm->masters.clear();
-  zopt->set_norm_reducer(std::move(reducer), [sharded](const std::string& name) {
-    auto it = sharded.find(name);
-    return it != sharded.end() && !it->second ? std::vector<std::string>{"tp"}
-                                              : std::vector<std::string>{};
+  // A rank that does not count a parameter names the tp axis, along which it is not rank 0.
+  zopt->set_norm_reducer(std::move(reducer), [roles](const std::string& name) {
+    auto it = roles.find(name);
+    return it != roles.end() && !it->second.counted_on_tp ? std::vector<std::string>{"tp"}
+                                                          : std::vector<std::string>{};
   });
   GradSync::Options gs;
   const int64_t elem = at::elementSize(working_dtype(precision_));

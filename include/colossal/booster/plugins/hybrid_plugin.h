@@ -25,16 +25,21 @@
 //
 // split_gather (Megatron SP, tp > 1, sp_size 1): the vocab-parallel embedding reduce-scatters the
 // sequence, norms and residuals run on sequence shards, column linears gather it and row linears
-// reduce-scatter it. The loss of a rank is its tokens' mean (local_batch() gives the targets of
-// the rank's sequence shard). Backward then yields tp times the gradient of the global mean on
-// sharded tensors and a partial gradient on replicated ones; gradient hooks installed here divide
-// the first by tp and average the second over tp (ColossalAI's sp_partial_derived all-reduce), so
-// .grad holds the gradient of the mean loss over the whole sequence.
+// reduce-scatter it. local_batch() gives a rank the targets of its sequence shard and the weight
+// 1/tp: it backpropagates its tokens' share of the global mean. Backward then yields the whole
+// gradient on tp shards (and on key/value heads replicated over tp, which their layer sums) and a
+// per-shard part on tp-whole parameters (norm weights, a row-parallel bias, an unsharded
+// lm_head); gradient hooks installed here sum those over tp (ColossalAI's sp_partial_derived
+// all-reduce), so .grad holds the gradient of the mean loss over the whole sequence.
+//
+// ring (the sequence gather / reduce-scatter overlapped with the GEMMs in chunks) is handled
+// exactly as split_gather here. Key/value heads fewer than tp are replicated by the layers (their
+// gradients summed over the sharing ranks there); the norm counts them once per replica group.
 //
 // Not yet (each refused with a named InputError): pp_size > 1 (pipelines come with their own
-// issue); the all_to_all, ring and ring_attn modes (their attention cores and linears are built
-// by other work; local_batch() is their seam); split_gather with a tied embedding (the embedding
-// stays whole, so nothing splits the sequence); checkpoints with tp_size > 1; overlap_allgather.
+// issue); the all_to_all and ring_attn modes (their attention cores are built by other work;
+// local_batch() is their seam); split_gather / ring with a tied embedding (the embedding stays
+// whole, so nothing splits the sequence); overlap_allgather.
 #pragma once
 
 #include <cstdint>
@@ -101,6 +106,8 @@ struct HybridMemoryReport {
   int64_t optimizer_bytes = 0;  // fp32 masters and AdamW moments (ZeRO: this rank's shards)
 };
 
+class TensorParallelCheckpointIO;
+
 class HybridParallelPlugin : public Plugin {
  public:
   // The mesh `dims` (its degrees must be options.degrees(world)); built over dist::world() by the
@@ -118,13 +125,13 @@ class HybridParallelPlugin : public Plugin {
   // The dp axis: tp and sp peers read the same samples.
   int dp_rank() const override;
   int dp_size() const override;
-  // tp_size 1: DataParallelCheckpointIO. tp_size > 1: an IO whose every call is an InputError
-  // (saving and loading tensor-parallel layouts is not available yet).
+  // tp_size 1: DataParallelCheckpointIO. tp_size > 1: TensorParallelCheckpointIO over the tp and
+  // data-parallel groups (the same files from any layout, so runs resume across layouts).
   bool control_checkpoint_io() const override { return true; }
   std::shared_ptr<CheckpointIO> checkpoint_io() override;
   // split_gather (and ring): the targets of this rank's sequence shard (tp rank r of tp holds
-  // tokens [r S/tp, (r+1) S/tp)); the inputs stay whole (the embedding splits them). InputError
-  // when the sequence length is not divisible by tp. Identity otherwise.
+  // tokens [r S/tp, (r+1) S/tp)) and loss_weight 1/tp; the inputs stay whole (the embedding
+  // splits them). InputError when the sequence length is not divisible by tp. Identity otherwise.
   LocalBatch local_batch(const at::Tensor& inputs, const at::Tensor& targets) const override;
 
   std::shared_ptr<ModelWrapper> configure_model(std::shared_ptr<torch::nn::Module> model) override;
@@ -143,6 +150,7 @@ class HybridParallelPlugin : public Plugin {
   dist::SequenceParallel mode_;
   std::shared_ptr<dist::ParallelDims> dims_;
   dist::Communicator world_;
+  std::shared_ptr<TensorParallelCheckpointIO> tp_io_;  // tp_size > 1, made by checkpoint_io()
 };
 
 }  // namespace colossal::booster
