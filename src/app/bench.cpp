@@ -93,6 +93,13 @@ void BenchConfig::resolve(const OptionSet& set) {
   COLOSSAL_CHECK_INPUT(!set.was_set("profile_dir") || profile, "--profile_dir needs --profile");
   if (device.empty()) device = Accelerator::cuda().available() ? "cuda" : "cpu";
   if (!set.was_set("precision")) plugin.ddp.precision = device == "cuda" ? "bf16" : "fp32";
+  // ColossalAI's benchmark: --sp_mode all_to_all by default, on when --sp > 1.
+  if (is_hybrid_plugin(plugin.name) && plugin.hybrid.sp_size > 1 &&
+      !set.was_set("sequence_parallelism_mode")) {
+    plugin.hybrid.sequence_parallelism_mode = "all_to_all";
+    log_info("colossal bench: --sp ", plugin.hybrid.sp_size,
+             " without --sp_mode: all_to_all (ColossalAI's benchmark default)");
+  }
   // ColossalAI's default model (-c 7b) is a GPU benchmark; on a CPU it would need ~100 GB.
   // Without an explicit -c, a CPU run benchmarks the tiny preset and says so.
   if (!set.was_set("model") && device == "cpu") {
@@ -205,6 +212,14 @@ json::Value BenchReport::to_json() const {
     c.set("offload_param_frac", g.offload_param_frac);
     c.set("prefetch_num", g.max_prefetch);  // ColossalAI's benchmark name
     c.set("overlap_cpu_adam", g.overlap_cpu_adam);
+  }
+  if (booster::is_hybrid_plugin(config.plugin.name)) {  // ColossalAI's benchmark names
+    const booster::HybridOptions& h = config.plugin.hybrid;
+    c.set("tp", h.tp_size);
+    c.set("pp", h.pp_size);
+    c.set("sp", h.sp_size);
+    c.set("sp_mode", h.sequence_parallelism_mode.empty() ? "off" : h.sequence_parallelism_mode);
+    c.set("zero", h.zero_stage);
   }
   c.set("flash_attention", config.flash_attention);
   c.set("fused_ce", config.fused_ce);
@@ -372,9 +387,21 @@ BenchLoop::BenchLoop(const BenchConfig& c, std::shared_ptr<Plugin> plugin,
 }
 
 at::Tensor BenchLoop::forward_backward(const at::Tensor& ids, const at::Tensor& targets) {
-  at::Tensor loss = c_.fused_ce ? model_->forward_loss(ids, targets, c_.ce_chunk_tokens)
-                                : models::causal_lm_loss(model_->forward(ids), ids);
-  booster_.backward(loss, *boosted_.optimizer);
+  // This rank's part of the batch (a sequence shard under sequence parallelism).
+  LocalBatch lb = booster_.plugin().local_batch(ids, targets);
+  models::ForwardOptions fo;
+  fo.seq_offset = lb.seq_offset;
+  fo.global_seq_len = lb.global_seq_len;
+  at::Tensor loss;
+  if (c_.fused_ce) {
+    loss = model_->forward_loss(lb.inputs, lb.targets, c_.ce_chunk_tokens, fo);
+  } else {
+    at::Tensor logits = model_->forward(lb.inputs, fo);
+    loss = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
+                                  lb.targets.reshape({-1}).to(logits.device()), std::nullopt,
+                                  at::Reduction::Mean, -100);
+  }
+  booster_.backward(lb.loss_weight == 1.0 ? loss : loss * lb.loss_weight, *boosted_.optimizer);
   return loss;
 }
 

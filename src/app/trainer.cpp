@@ -219,17 +219,27 @@ Trainer::Trainer(const TrainConfig& c, const json::Value& config_json)
       config_json_(config_json),
       distributed_(dist::is_initialized()),
       rank0_(!distributed_ || dist::rank() == 0) {
-  // The run's layout: every rank data parallel (the other degrees come with the hybrid plugin);
-  // the plugin takes its dp axis from it. make_plugin checks that the device is there.
+  build_model();
+  // The run's layout: the hybrid plugin's degrees (tp, pp, sp from its options, dp the rest,
+  // checked against the model's heads and layers), every rank data parallel for the other
+  // plugins, which take their dp axis from it. make_plugin checks that the device is there.
   if (distributed_) {
     dist::ParallelDegrees degrees;
     degrees.dp = dist::world_size();
-    dims_ = std::make_shared<dist::ParallelDims>(degrees);
-    plugin_ = make_plugin(c.plugin, c.device, *dims_);
+    dist::ModelFacts facts;
+    if (is_hybrid_plugin(c.plugin.name)) {
+      degrees = c.plugin.hybrid.degrees(dist::world_size());
+      const models::ModelConfig& mc = model_->config();
+      facts.num_attention_heads = mc.num_attention_heads;
+      facts.num_key_value_heads = mc.num_key_value_heads;
+      facts.num_layers = mc.num_hidden_layers;
+      facts.vocab_size = mc.vocab_size;
+    }
+    dims_ = std::make_shared<dist::ParallelDims>(degrees, facts);
+    plugin_ = make_plugin(c.plugin, c.device, dims_);
   } else {
     plugin_ = make_plugin(c.plugin, c.device);
   }
-  build_model();
   build_data();
   auto adamw = build_optimizer();
   optim::LRScheduleOptions so;
@@ -350,16 +360,24 @@ Trainer::StepStats Trainer::train_step() {
     targets = targets.to(device_);
     std::unique_ptr<NoSyncGuard> guard;
     if (a + 1 < A) guard = booster_->no_sync(mw, &opt);
+    // This rank's part (a sequence shard under sequence parallelism); the loss below is the
+    // mean over its own targets (what is reported; averaged over the ranks).
+    LocalBatch lb = plugin_->local_batch(inputs, targets);
+    models::ForwardOptions fo;
+    fo.seq_offset = lb.seq_offset;
+    fo.global_seq_len = lb.global_seq_len;
     at::Tensor loss;
     if (c_.fused_ce) {
-      loss = model_->forward_loss(inputs, targets, c_.ce_chunk_tokens) / static_cast<double>(A);
+      loss = model_->forward_loss(lb.inputs, lb.targets, c_.ce_chunk_tokens, fo) /
+             static_cast<double>(A);
     } else {
-      at::Tensor logits = model_->forward(inputs);
+      at::Tensor logits = model_->forward(lb.inputs, fo);
       loss = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
-                                    targets.reshape({-1})) /
+                                    lb.targets.reshape({-1})) /
              static_cast<double>(A);
     }
-    booster_->backward(loss, opt);
+    // This rank's share of the loss of the ranks holding parts of the same sequences.
+    booster_->backward(lb.loss_weight == 1.0 ? loss : loss * lb.loss_weight, opt);
     local_loss += loss.detach().item<double>();
   }
   if (c_.max_grad_norm > 0) opt.clip_grad_by_norm(c_.max_grad_norm);
@@ -448,7 +466,8 @@ TrainResult Trainer::run() {
   if (rank0_) {
     log_info("training ", model_->config().model_type, " (",
              human_count(static_cast<double>(nn::count_parameters(*model_))),
-             " parameters) with plugin ", plugin_->name(), " on ", plugin_->dp_size(), " rank(s), ",
+             " parameters) with plugin ", plugin_->name(), " on ", plugin_->dp_size(),
+             " data-parallel rank(s)", dims_ ? " (" + dims_->degrees().describe() + ")" : "", ", ",
              to_string(plugin_->precision()), ", global batch ", G_, " x ", c_.seq_len, " tokens, ",
              c_.steps, " steps");
   }

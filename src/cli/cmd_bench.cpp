@@ -3,7 +3,8 @@
 // bench/hf_llama_baseline.py does); --json FILE writes the same JSON. Under `colossal run`
 // every rank trains and rank 0 reports. The flags come from the typed structs
 // (app::BenchConfig, booster::PluginOptions) through one OptionSet, ColossalAI's names as
-// aliases; the 3d plugin's flags are accepted at their trivial values only.
+// aliases; --tp/--sp/--sp_mode/--pp/--zero are the hybrid (3d) plugin's own options, the other
+// 3d flags are accepted at their trivial values only.
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -20,23 +21,18 @@ namespace {
 
 using colossal::InputError;
 
-// Flags of ColossalAI's benchmark that need plugins we do not have yet (the 3d / hybrid plugin):
+// Flags of ColossalAI's benchmark that need what we do not have yet (pipelines, extra dp, fp8):
 // only their trivial values are accepted; the Gemini/3d tuning switches are accepted and warned
 // about.
 struct HybridFlags {
-  int64_t tp = 1, sp = 1, extra_dp = 1, pp = 1, mbs = 1, zero = 0, n_chunks = 1;
-  std::string sp_mode = "all_to_all", pp_style = "1f1b", memory_limit;
+  int64_t extra_dp = 1, mbs = 1, n_chunks = 1;
+  std::string pp_style = "1f1b", memory_limit;
   bool custom_ckpt = false, nsys = false, use_fp8_comm = false, use_fp8 = false;
   bool disable_async_reduce = false, no_cache = false, overlap_p2p = false;
 
   void register_options(colossal::OptionSet& s) {
-    s.add("3d", "tp", &tp, "tensor parallel size (only 1)")
-        .add("3d", "sp", &sp, "sequence parallel size (only 1)")
-        .add("3d", "sp_mode", &sp_mode, "sequence parallel mode")
-        .add("3d", "extra_dp", &extra_dp, "extra data parallel size (only 1)")
-        .add("3d", "pp", &pp, "pipeline stages (only 1)")
+    s.add("3d", "extra_dp", &extra_dp, "extra data parallel size (only 1)")
         .add("3d", "mbs", &mbs, "pipeline micro-batch size (only 1)")
-        .add("3d", "zero", &zero, "ZeRO stage inside 3d (only 0)")
         .add("3d", "pp_style", &pp_style, "pipeline schedule (only 1f1b)")
         .add("3d", "n_chunks", &n_chunks, "interleaved chunks (only 1)")
         .add("3d", "custom_ckpt", &custom_ckpt, "3d's custom layer split (not available)")
@@ -58,12 +54,8 @@ struct HybridFlags {
                                        " is not available in colossal.cpp yet (only --", name, " ",
                                        ok, ")"));
     };
-    need("tp", tp, 1, "tensor parallelism (the 3d plugin)");
-    need("pp", pp, 1, "pipeline parallelism (the 3d plugin)");
-    need("sp", sp, 1, "sequence parallelism (the 3d plugin)");
     need("extra_dp", extra_dp, 1, "extra data parallelism (gemini/3d)");
     need("mbs", mbs, 1, "pipeline micro-batches (the 3d plugin)");
-    need("zero", zero, 0, "ZeRO inside the 3d plugin (use -p zero1/zero2)");
     need("n_chunks", n_chunks, 1, "interleaved pipeline chunks (the 3d plugin)");
     if (pp_style != "1f1b") {
       if (pp_style == "interleaved" || pp_style == "zbv")
@@ -71,10 +63,6 @@ struct HybridFlags {
                          ": pipeline schedules are not available in colossal.cpp yet");
       throw InputError("--pp_style must be 1f1b, interleaved or zbv, got '" + pp_style + "'");
     }
-    if (sp_mode != "all_to_all" && sp_mode != "split_gather" && sp_mode != "ring" &&
-        sp_mode != "ring_attn")
-      throw InputError("--sp_mode must be split_gather, ring, all_to_all or ring_attn, got '" +
-                       sp_mode + "'");
     for (auto [name, on] : {std::pair{"custom_ckpt", custom_ckpt}, std::pair{"nsys", nsys},
                             std::pair{"use_fp8_comm", use_fp8_comm}, std::pair{"use_fp8", use_fp8}})
       if (on) throw InputError(colossal::str("--", name, " is not available in colossal.cpp yet"));
@@ -110,11 +98,11 @@ int run_bench(int argc, char** argv) {
   }
   options.apply_flags(args);
 
-  for (const char* p : {"fsdp", "fsdp_cpu", "3d", "3d_cpu"})
+  for (const char* p : {"fsdp", "fsdp_cpu", "3d_cpu"})
     if (c.plugin.name == p)
       throw InputError("-p " + c.plugin.name +
                        ": this ColossalAI plugin is not available in colossal.cpp yet (use none, "
-                       "ddp, low_level_zero, zero1 or zero2)");
+                       "ddp, low_level_zero, zero1, zero2, gemini, gemini_auto or 3d)");
   hybrid.check();
   c.resolve(options);
   // The benchmark's own messages first (they name ColossalAI's flags), then every remaining

@@ -430,6 +430,12 @@ int64_t LowLevelZeroOptimizer::state_bytes() const {
   return b;
 }
 
+at::Tensor LowLevelZeroOptimizer::grad_shard(size_t i) const {
+  COLOSSAL_CHECK(i < params_.size(), "grad_shard: parameter ", i, " of ", params_.size());
+  const Param& p = params_[i];
+  return p.has_grad ? grad_of(p).narrow(0, 0, shard_numel(i)) : at::Tensor();
+}
+
 int64_t LowLevelZeroOptimizer::grad_shard_bytes() const {
   int64_t b = 0;
   for (const auto& p : params_)

@@ -172,14 +172,14 @@ TEST(CheckpointIO, ExecutePipelineReadsSupportPipeline) {
 
 TEST(PluginFactory, UnknownNameListsTheValidOnes) {
   booster::PluginOptions o;
-  o.name = "hybrid";
+  o.name = "fsdp";
   try {
     booster::make_plugin(o, "cpu");
-    ADD_FAILURE() << "plugin 'hybrid' was built";
+    ADD_FAILURE() << "plugin 'fsdp' was built";
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find(
-                  "'hybrid' is not a plugin of colossal.cpp: use none, ddp, low_level_zero, "
-                  "zero1, zero2, gemini or gemini_auto"),
+                  "'fsdp' is not a plugin of colossal.cpp: use none, ddp, low_level_zero, "
+                  "zero1, zero2, gemini, gemini_auto, hybrid or 3d"),
               std::string::npos)
         << e.what();
   }

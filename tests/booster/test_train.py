@@ -182,7 +182,7 @@ def test_bad_input(work, tmp_path):
     bad(work, base + ["--steps", "0"], "steps")
     bad(work, base + ["--lr", "-1"], "lr")
     bad(work, base + ["--precision", "fp8"], "fp8")
-    bad(work, base + ["--plugin", "hybrid"], "hybrid")  # not a plugin (yet)
+    bad(work, base + ["--plugin", "fsdp"], "fsdp")  # not a plugin (yet)
     bad(work, ["--model", str(work / "model.json")], "data")
     bad(work, base + ["--seq_len", "1000"], "max_position_embeddings")
     bad(work, base + ["--resume", str(tmp_path)], "not a training checkpoint")

@@ -5,6 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -38,6 +39,20 @@ using LossScaleOptions = amp::DynamicGradScalerOptions;
 
 class CheckpointIO;
 class ModelWrapper;
+
+// What one rank feeds the model out of a global micro-batch (Plugin::local_batch): the token ids,
+// the targets of the positions whose logits this rank computes, and where `inputs` sit in the
+// step's sequence (for sequence shards: the model's ForwardOptions::seq_offset / global_seq_len).
+struct LocalBatch {
+  at::Tensor inputs;
+  at::Tensor targets;
+  int64_t seq_offset = 0;
+  int64_t global_seq_len = 0;  // 0: `inputs` hold the whole sequence
+  // What the mean loss over `targets` is multiplied by before backward: this rank's share of the
+  // loss of all the ranks holding parts of the same sequences (1 / tp under split_gather / ring;
+  // 1 when the rank holds whole sequences). Report the unweighted mean.
+  double loss_weight = 1.0;
+};
 class OptimizerWrapper;
 
 class Plugin {
@@ -60,6 +75,14 @@ class Plugin {
   // Data-parallel coordinates for the dataloader and sample order.
   virtual int dp_rank() const = 0;
   virtual int dp_size() const = 0;
+
+  // This rank's part of a data-parallel micro-batch (inputs and next-token targets [B, S], the
+  // same on every rank of a tensor / sequence group). Identity for data-parallel plugins; the
+  // sequence-parallel modes of the hybrid plugin split the sequence here. A rank backpropagates
+  // the mean over its own targets times loss_weight.
+  virtual LocalBatch local_batch(const at::Tensor& inputs, const at::Tensor& targets) const {
+    return {inputs, targets, 0, 0, 1.0};
+  }
 
   // Moves/casts the model in place (the module object stays the same), registers what the
   // strategy needs and returns the wrappers. `optimizer` may be null (inference).

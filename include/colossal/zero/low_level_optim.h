@@ -76,6 +76,10 @@ class LowLevelZeroOptimizer {
   // gradient shard and drops the .grad. Idempotent until the next zero_grad()/step().
   void take_full_grads();
 
+  // Parameter i's gradient shard as it is held now (shard_numel(i) elements, fp32 or, on one
+  // rank, the working dtype), undefined when it has no gradient this step (for tests and
+  // inspection; the values are averaged over the group).
+  at::Tensor grad_shard(size_t i) const;
   // Global L2 norm of the gradients / scale: fp64 sum of squares of the shards, SUM all-reduced
   // by the norm reducer (inf/nan on any rank makes it non-finite on every rank).
   double grad_norm(double scale);

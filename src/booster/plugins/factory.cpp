@@ -18,19 +18,30 @@ void PluginOptions::register_options(OptionSet& set, const std::string& alias) {
   ddp.register_options(set);
   zero.register_options(set);
   gemini.register_options(set);
+  hybrid.register_options(set);
 }
 
 void PluginOptions::validate() const {
   COLOSSAL_CHECK_INPUT(is_plugin_name(name), "'", name, "' is not a plugin of colossal.cpp: use ",
                        plugin_names_text());
   precision_from_string(ddp.precision);
+  COLOSSAL_CHECK_INPUT(is_hybrid_plugin(name) || !hybrid.non_default_layout(),
+                       "--tp_size/--pp_size/--sp_size/--sequence_parallelism_mode/"
+                       "--enable_sequence_parallelism/--zero_stage apply to --plugin hybrid (3d) "
+                       "only, not '",
+                       name, "'");
+  if (is_hybrid_plugin(name)) {
+    hybrid.validate();
+    COLOSSAL_CHECK_INPUT(!zero.overlap_allgather,
+                         "--overlap_allgather is not available with --plugin ", name);
+  }
   COLOSSAL_CHECK_INPUT(!(name == "zero1" && zero.stage != 1), "--plugin zero1 contradicts --stage ",
                        zero.stage);
 }
 
 const std::vector<std::string>& plugin_names() {
-  static const std::vector<std::string> names{"none",  "ddp",    "low_level_zero", "zero1",
-                                              "zero2", "gemini", "gemini_auto"};
+  static const std::vector<std::string> names{
+      "none", "ddp", "low_level_zero", "zero1", "zero2", "gemini", "gemini_auto", "hybrid", "3d"};
   return names;
 }
 
@@ -47,10 +58,32 @@ std::string plugin_names_text() {
   return out;
 }
 
+bool is_hybrid_plugin(const std::string& name) {
+  return name == "hybrid" || name == "3d";
+}
+
+HybridOptions hybrid_options(const PluginOptions& o, const std::string& device) {
+  HybridOptions h = o.hybrid;
+  h.precision = o.ddp.precision;
+  h.device = device;
+  h.loss_scale = o.ddp.loss_scale;
+  h.ddp_bucket_cap_mb = o.ddp.bucket_cap_mb;
+  h.communication_dtype = o.zero.communication_dtype;
+  h.overlap_communication = o.zero.overlap_communication;
+  h.cpu_offload = o.zero.cpu_offload;
+  return h;
+}
+
 std::shared_ptr<Plugin> make_plugin(const PluginOptions& o, const std::string& device,
                                     dist::Communicator comm) {
   o.validate();
   const std::string& name = o.name;
+  if (is_hybrid_plugin(name)) {
+    COLOSSAL_CHECK_INPUT(!comm.valid(), "plugin '", name,
+                         "' lays its mesh over the whole world: give it a "
+                         "ParallelDims (make_plugin(options, device, dims)), not a communicator");
+    return std::make_shared<HybridParallelPlugin>(hybrid_options(o, device));
+  }
   if (name == "none")
     return std::make_shared<NonePlugin>(o.ddp.precision, device, o.ddp.loss_scale);
   if (name == "ddp") {
@@ -79,11 +112,21 @@ std::shared_ptr<Plugin> make_plugin(const PluginOptions& o, const std::string& d
 
 std::shared_ptr<Plugin> make_plugin(const PluginOptions& o, const std::string& device,
                                     dist::ParallelDims& dims) {
+  if (is_hybrid_plugin(o.name))  // not owned: the caller keeps `dims` alive
+    return make_plugin(o, device, std::shared_ptr<dist::ParallelDims>(&dims, [](auto*) {}));
   const dist::ParallelDegrees& d = dims.degrees();
   COLOSSAL_CHECK_INPUT(d.pp == 1 && d.tp == 1 && d.sp == 1 && d.ep == 1, "plugin '", o.name,
                        "' is data parallel only; the layout ", d.describe(),
                        " needs the hybrid plugin");
   return make_plugin(o, device, dims.dp());
+}
+
+std::shared_ptr<Plugin> make_plugin(const PluginOptions& o, const std::string& device,
+                                    std::shared_ptr<dist::ParallelDims> dims) {
+  COLOSSAL_CHECK(dims, "make_plugin: no ParallelDims");
+  if (!is_hybrid_plugin(o.name)) return make_plugin(o, device, *dims);
+  o.validate();
+  return std::make_shared<HybridParallelPlugin>(hybrid_options(o, device), std::move(dims));
 }
 
 }  // namespace colossal::booster

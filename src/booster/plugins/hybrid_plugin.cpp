@@ -1,0 +1,481 @@
+// The hybrid plugin (see hybrid_plugin.h).
+#include "colossal/booster/plugins/hybrid_plugin.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <cmath>
+#include <limits>
+#include <map>
+#include <set>
+
+#include "booster/plugins/plugin_common.h"
+#include "colossal/amp/grad_reducer.h"
+#include "colossal/amp/grad_scaler.h"
+#include "colossal/booster/grad_sync.h"
+#include "colossal/booster/plugins/low_level_zero_plugin.h"
+#include "colossal/booster/tensor_parallel_checkpoint_io.h"
+#include "colossal/core/accelerator.h"
+#include "colossal/core/error.h"
+#include "colossal/core/logging.h"
+#include "colossal/core/options.h"
+#include "colossal/dist/runtime.h"
+#include "colossal/models/llama/model.h"
+#include "colossal/models/llama/plan.h"
+#include "colossal/nn/module.h"
+#include "colossal/nn/plan.h"
+#include "colossal/optim/optimizer.h"
+#include "colossal/zero/low_level_optim.h"
+
+namespace colossal::booster {
+
+using dist::SequenceParallel;
+
+void HybridOptions::register_options(OptionSet& set) {
+  set.add("plugin", "tp_size", &tp_size, "hybrid: tensor parallel size")
+      .alias("tp_size", "tp")
+      .add("plugin", "pp_size", &pp_size, "hybrid: pipeline stages (only 1 for now)")
+      .alias("pp_size", "pp")
+      .add("plugin", "sp_size", &sp_size,
+           "hybrid: sequence parallel axis size (all_to_all / ring_attn; 1 for split_gather)")
+      .alias("sp_size", "sp")
+      .add("plugin", "sequence_parallelism_mode", &sequence_parallelism_mode,
+           "hybrid: sequence parallelism mode (naming one turns SP on; '' = off)",
+           {"", "off", "split_gather", "ring", "all_to_all", "ring_attn"})
+      .alias("sequence_parallelism_mode", "sp_mode")
+      .add("plugin", "enable_sequence_parallelism", &enable_sequence_parallelism,
+           "hybrid: sequence parallelism on (needs --sequence_parallelism_mode)")
+      .add("plugin", "zero_stage", &zero_stage,
+           "hybrid: ZeRO stage over the data-parallel group (0, 1 or 2)")
+      .alias("zero_stage", "zero")
+      .add("plugin", "parallel_output", &parallel_output,
+           "hybrid: keep the vocab-parallel logits split (false: gather them)")
+      .add("plugin", "make_vocab_size_divisible_by", &make_vocab_size_divisible_by,
+           "hybrid: pad the vocabulary to a multiple of this times tp")
+      .add("plugin", "inner_ring_size", &inner_ring_size,
+           "hybrid: ring_attn inner ring size (0: one ring)")
+      .add("plugin", "max_norm", &max_norm,
+           "hybrid: clip the global gradient norm at every step (0: off)")
+      .add("plugin", "zero_bucket_size_in_m", &zero_bucket_size_in_m,
+           "hybrid: ZeRO gradient bucket size in millions of elements");
+  set.min("tp_size", 1).min("pp_size", 1).min("sp_size", 1).min("zero_stage", 0);
+  set.max("zero_stage", 2)
+      .min("make_vocab_size_divisible_by", 1)
+      .min("inner_ring_size", 0)
+      .min("max_norm", 0)
+      .min("zero_bucket_size_in_m", 1e-6);
+}
+
+dist::SequenceParallel HybridOptions::sequence_parallel() const {
+  if (sequence_parallelism_mode.empty()) {
+    COLOSSAL_CHECK_INPUT(!enable_sequence_parallelism,
+                         "hybrid: enable_sequence_parallelism needs sequence_parallelism_mode "
+                         "(split_gather, ring, all_to_all or ring_attn): ColossalAI defaults to "
+                         "all_to_all in its plugin but to split_gather in its ShardConfig, so "
+                         "colossal.cpp asks which");
+    return SequenceParallel::Off;
+  }
+  SequenceParallel m = dist::parse_sequence_parallel(sequence_parallelism_mode);
+  COLOSSAL_CHECK_INPUT(!(enable_sequence_parallelism && m == SequenceParallel::Off),
+                       "hybrid: enable_sequence_parallelism contradicts sequence_parallelism_mode "
+                       "'",
+                       sequence_parallelism_mode, "'");
+  return m;
+}
+
+void HybridOptions::validate() const {
+  COLOSSAL_CHECK_INPUT(tp_size >= 1 && pp_size >= 1 && sp_size >= 1,
+                       "hybrid: tp_size, pp_size and sp_size must be >= 1, got ", tp_size, ", ",
+                       pp_size, ", ", sp_size);
+  COLOSSAL_CHECK_INPUT(pp_size == 1, "hybrid: pp_size=", pp_size,
+                       ": pipeline parallelism is not available yet (pp_size must be 1)");
+  COLOSSAL_CHECK_INPUT(zero_stage >= 0 && zero_stage <= 2,
+                       "hybrid: zero_stage must be 0, 1 or 2, got ", zero_stage);
+  COLOSSAL_CHECK_INPUT(make_vocab_size_divisible_by >= 1,
+                       "hybrid: make_vocab_size_divisible_by must be >= 1, got ",
+                       make_vocab_size_divisible_by);
+  COLOSSAL_CHECK_INPUT(max_norm >= 0, "hybrid: max_norm must be >= 0, got ", max_norm);
+  COLOSSAL_CHECK_INPUT(zero_bucket_size_in_m > 0 && ddp_bucket_cap_mb > 0,
+                       "hybrid: bucket sizes must be > 0, got zero_bucket_size_in_m ",
+                       zero_bucket_size_in_m, " and bucket_cap_mb ", ddp_bucket_cap_mb);
+  const SequenceParallel m = sequence_parallel();
+  COLOSSAL_CHECK_INPUT(inner_ring_size == 0 || m == SequenceParallel::RingAttn,
+                       "hybrid: inner_ring_size=", inner_ring_size,
+                       " applies to sequence_parallelism_mode ring_attn only, not '",
+                       dist::to_string(m), "'");
+  COLOSSAL_CHECK_INPUT(inner_ring_size == 0 || sp_size % inner_ring_size == 0,
+                       "hybrid: inner_ring_size=", inner_ring_size,
+                       " does not divide sp_size=", sp_size);
+  COLOSSAL_CHECK_INPUT(!cpu_offload || zero_stage > 0,
+                       "hybrid: cpu_offload needs zero_stage 1 or 2 (got 0)");
+  precision_from_string(precision);
+}
+
+bool HybridOptions::non_default_layout() const {
+  return tp_size != 1 || pp_size != 1 || sp_size != 1 || !sequence_parallelism_mode.empty() ||
+         enable_sequence_parallelism || zero_stage != 0;
+}
+
+dist::ParallelDegrees HybridOptions::degrees(int world_size) const {
+  validate();
+  const int64_t model_ranks = tp_size * pp_size * sp_size;
+  COLOSSAL_CHECK_INPUT(world_size % model_ranks == 0, "hybrid: the world size ", world_size,
+                       " is not divisible by tp_size * pp_size * sp_size = ", model_ranks,
+                       " (tp_size ", tp_size, ", pp_size ", pp_size, ", sp_size ", sp_size, ")");
+  dist::ParallelDegrees d;
+  d.tp = static_cast<int>(tp_size);
+  d.pp = static_cast<int>(pp_size);
+  d.sp = static_cast<int>(sp_size);
+  d.dp = static_cast<int>(world_size / model_ranks);
+  d.sequence_parallel = sequence_parallel();
+  dist::ParallelDims::validate(d, world_size);
+  return d;
+}
+
+namespace {
+
+at::Device device_of(const std::string& device) {
+  return device == "cuda" ? Accelerator::cuda().device() : at::Device(at::kCPU);
+}
+
+dist::ModelFacts facts_of(const models::ModelConfig& c) {
+  dist::ModelFacts f;
+  f.num_attention_heads = c.num_attention_heads;
+  f.num_key_value_heads = c.num_key_value_heads;
+  f.num_layers = c.num_hidden_layers;
+  f.vocab_size = c.vocab_size;
+  return f;
+}
+
+// The all_to_all and ring_attn modes are built by other work (their attention cores and the
+// sequence split in local_batch); until they are wired in here, they are refused by name.
+void refuse_unbuilt_sequence_modes(SequenceParallel m) {
+  COLOSSAL_CHECK_INPUT(m == SequenceParallel::Off || m == SequenceParallel::SplitGather ||
+                           m == SequenceParallel::Ring,
+                       "hybrid: sequence_parallelism_mode '", dist::to_string(m),
+                       "' is not built yet (off, split_gather and ring are)");
+}
+
+// Megatron sequence parallelism inside the TP group (split_gather; ring, its chunked overlap):
+// activations between the linears are sequence shards of the tp group.
+bool sequence_in_tp_group(SequenceParallel m) {
+  return m == SequenceParallel::SplitGather || m == SequenceParallel::Ring;
+}
+
+// How a parameter lies over the tensor-parallel group.
+struct ParamRole {
+  // Its gradient after backward is this rank's full share of the gradient (a tp shard, or a
+  // replicated key/value head whose layer sums the gradient over the ranks sharing it); false:
+  // the parameter is whole on every tp rank (norms, a row-parallel bias, an unsharded head) and
+  // under split_gather / ring its gradient is a per-sequence-shard partial.
+  bool complete = false;
+  // Whether this tp rank adds it to the gradient norm: ranks holding the same values (replicated
+  // over r ranks, r = Module::replication or tp for a whole parameter) count it on the first.
+  bool counted_on_tp = true;
+};
+
+std::map<std::string, ParamRole> param_roles(torch::nn::Module& root, int tp_rank, int tp) {
+  std::map<std::string, ParamRole> out;
+  for (auto& item : root.named_parameters(true)) {
+    const std::string& name = item.key();
+    const size_t dot = name.rfind('.');
+    nn::Module* layer = nullptr;
+    if (dot != std::string::npos)
+      layer = dynamic_cast<nn::Module*>(nn::find_module(root, name.substr(0, dot)).get());
+    ParamRole role;
+    int64_t replicated = tp;
+    if (layer && layer->shard_spec() && layer->shard_spec()->communicates()) {
+      const std::string key = name.substr(dot + 1);
+      const bool split = layer->full_shape(key) != item.value().sizes().vec();
+      role.complete = split || layer->shard_spec()->replicas > 1;
+      replicated = layer->replication(key);
+    }
+    role.counted_on_tp = tp_rank % replicated == 0;
+    out[name] = role;
+  }
+  return out;
+}
+
+class HybridModel : public ModelWrapper {
+ public:
+  HybridModel(std::shared_ptr<torch::nn::Module> module,
+              std::vector<std::pair<std::string, at::Tensor>> masters)
+      : ModelWrapper(std::move(module)), masters(std::move(masters)) {}
+  ~HybridModel() override {
+    for (auto& [p, h] : grad_hooks) p.remove_hook(h);
+  }
+  void set_require_grad_sync(bool s) override {
+    // ZeRO-2 reduce-scatters every micro-step and accumulates slices: its sync stays on.
+    if (sync && stage != 2) sync->set_enabled(s);
+    require_sync_ = s;
+  }
+  bool require_grad_sync() const override { return require_sync_; }
+  void finish_backward() override {
+    if (sync) sync->finish();
+  }
+
+  int stage = 0;
+  std::map<std::string, ParamRole> roles;
+  std::unique_ptr<GradSync> sync;
+  std::vector<std::pair<std::string, at::Tensor>> masters;  // handed to the optimizer once
+  std::vector<std::pair<at::Tensor, unsigned>> grad_hooks;
+  bool require_sync_ = true;
+};
+
+// zero_stage 0: full gradients on every rank after the dp all-reduce; the norm counts each
+// gradient on dp rank 0 only, and a tp-replicated one on tp rank 0 only.
+class HybridOptimizer : public OptimizerWrapper {
+ public:
+  HybridOptimizer(std::shared_ptr<optim::Optimizer> optimizer, Precision precision,
+                  const LossScaleOptions& ls, amp::GradReducer reducer,
+                  std::set<const void*> counted, double max_norm)
+      : OptimizerWrapper(std::move(optimizer), precision, ls, std::move(reducer)),
+        counted_(std::move(counted)) {
+    default_max_norm_ = max_norm;
+  }
+
+ protected:
+  double grad_norm_now() override {
+    std::vector<at::Tensor> grads, others;
+    for (auto& g : optimizer_->param_groups())
+      for (auto& p : g.params)
+        if (p.grad().defined())
+          (counted_.count(p.unsafeGetTensorImpl()) ? grads : others).push_back(p.grad());
+    // A gradient this rank does not count still decides overflow: a non-finite one enters the
+    // sum as NaN, which the reduction carries to every rank.
+    std::vector<at::Tensor> flags;
+    if (!others.empty() && !std::isfinite(amp::global_grad_norm(others, 1.0, amp::GradReducer{})))
+      flags.push_back(at::full({}, std::numeric_limits<double>::quiet_NaN(), at::kDouble));
+    return amp::global_grad_norm(grads, loss_scale(), reducer_, flags);
+  }
+
+ private:
+  std::set<const void*> counted_;
+};
+
+}  // namespace
+
+HybridParallelPlugin::HybridParallelPlugin(HybridOptions options,
+                                           std::shared_ptr<dist::ParallelDims> dims)
+    : options_(std::move(options)),
+      precision_(precision_from_string(options_.precision)),
+      mode_(options_.sequence_parallel()),
+      dims_(std::move(dims)),
+      world_(plugins::default_dp_comm({}, "hybrid")) {
+  COLOSSAL_CHECK(dims_, "hybrid plugin: no ParallelDims");
+  options_.validate();
+  refuse_unbuilt_sequence_modes(mode_);
+  const dist::ParallelDegrees want = options_.degrees(world_.size());
+  const dist::ParallelDegrees& got = dims_->degrees();
+  COLOSSAL_CHECK_INPUT(got.dp == want.dp && got.tp == want.tp && got.pp == want.pp &&
+                           got.sp == want.sp && got.ep == 1 &&
+                           got.sequence_parallel == want.sequence_parallel,
+                       "hybrid: the layout ", got.describe(), " (",
+                       dist::to_string(got.sequence_parallel), ") is not the options' ",
+                       want.describe(), " (", dist::to_string(want.sequence_parallel), ")");
+  COLOSSAL_CHECK_INPUT(dims_->world_size() == world_.size(), "hybrid: the mesh spans ",
+                       dims_->world_size(), " ranks, the world ", world_.size());
+  // Every rank creates the axis groups in the same order.
+  dims_->dp();
+  dims_->tp();
+  dims_->pp();
+  dims_->sp();
+  dims_->dp_sp();
+  validate();
+  log_info("hybrid: ", dims_->degrees().describe(), ", sequence parallelism ",
+           dist::to_string(mode_), ", zero_stage ", options_.zero_stage, ", ",
+           to_string(precision_));
+}
+
+HybridParallelPlugin::HybridParallelPlugin(HybridOptions options)
+    : HybridParallelPlugin(options, std::make_shared<dist::ParallelDims>(options.degrees(
+                                        plugins::default_dp_comm({}, "hybrid").size()))) {}
+
+HybridParallelPlugin::~HybridParallelPlugin() = default;
+
+std::vector<Precision> HybridParallelPlugin::supported_precisions() const {
+  return {Precision::FP32, Precision::BF16, Precision::FP16};
+}
+
+int HybridParallelPlugin::dp_rank() const {
+  return dims_->dp().rank();
+}
+int HybridParallelPlugin::dp_size() const {
+  return dims_->dp().size();
+}
+
+std::shared_ptr<CheckpointIO> HybridParallelPlugin::checkpoint_io() {
+  if (options_.tp_size == 1) return std::make_shared<DataParallelCheckpointIO>();
+  if (!tp_io_)
+    tp_io_ = std::make_shared<TensorParallelCheckpointIO>(
+        dims_->tp(), dims_->degrees().sp > 1 ? dims_->dp_sp() : dims_->dp());
+  return tp_io_;
+}
+
+LocalBatch HybridParallelPlugin::local_batch(const at::Tensor& inputs,
+                                             const at::Tensor& targets) const {
+  if (!sequence_in_tp_group(mode_)) return {inputs, targets, 0, 0};
+  const int64_t tp = dims_->tp().size(), s = targets.size(1);
+  COLOSSAL_CHECK_INPUT(s % tp == 0, "hybrid: ", dist::to_string(mode_),
+                       " sequence parallelism needs the sequence length divisible by tp_size "
+                       "(it is not padded): seq_len ",
+                       s, ", tp_size ", tp);
+  const int64_t n = s / tp;
+  LocalBatch lb{inputs, targets.narrow(1, dims_->tp().rank() * n, n).contiguous(), 0, 0};
+  // The plan's vocab-parallel head gathers the sequence and takes the loss of the whole step
+  // (the same on every tp rank; the local targets are gathered back): nothing to weight.
+  lb.loss_weight = 1.0;
+  return lb;
+}
+
+std::shared_ptr<ModelWrapper> HybridParallelPlugin::configure_model(
+    std::shared_ptr<torch::nn::Module> model) {
+  COLOSSAL_CHECK(model, "boost(): model is null");
+  const int64_t tp = dims_->tp().size();
+  auto lm = std::dynamic_pointer_cast<models::CausalLM>(model);
+  COLOSSAL_CHECK_INPUT(lm || tp == 1, "hybrid: tp_size ", tp,
+                       " needs a model with a tensor-parallel plan (models::CausalLM: the Llama, "
+                       "Mistral and Qwen2 families)");
+  if (lm) {
+    const models::ModelConfig& cfg = lm->config();
+    dist::ParallelDims::validate(dims_->degrees(), dims_->world_size(), facts_of(cfg));
+    if (tp > 1) models::check_tensor_parallel(cfg, tp);
+  }
+  // Every shard is cut from rank 0's whole model: the values are the unsharded model's.
+  std::vector<std::pair<std::string, at::Tensor>> none;
+  plugins::broadcast_from_rank0(world_, *model, none, /*buffers=*/true);
+  if (tp > 1) {
+    nn::PlanOptions po;
+    po.tp = dims_->tp();
+    po.sequence_parallel = mode_;
+    models::TensorParallelOptions tpo;
+    tpo.make_vocab_size_divisible_by = options_.make_vocab_size_divisible_by;
+    tpo.parallel_output = options_.parallel_output;
+    nn::apply_plan(*model, models::tensor_parallel_plan(lm->config(), tpo), po);
+    if (sequence_in_tp_group(mode_)) {
+      auto* embed = lm->model->embed_tokens.get();
+      COLOSSAL_CHECK_INPUT(
+          embed && embed->shard_spec() && embed->shard_spec()->communicates(),
+          "hybrid: split_gather / ring need the vocab-parallel embedding to split the "
+          "sequence");
+    }
+  }
+  auto roles = param_roles(*model, dims_->tp().rank(), dims_->tp().size());
+  auto masters = plugins::cast_module_in_place(*model, working_dtype(precision_), options_.device);
+  if (tp_io_) tp_io_->set_model(model);
+  auto hm = std::make_shared<HybridModel>(std::move(model), std::move(masters));
+  hm->stage = static_cast<int>(options_.zero_stage);
+  hm->roles = std::move(roles);
+  if (sequence_in_tp_group(mode_) && tp > 1) {
+    // Each rank's loss is the whole step's (the vocab-parallel head gathers the sequence), so
+    // backward gives the whole gradient where it is complete (a shard, a replicated head summed
+    // by its layer) and a per-sequence-shard part of it on tp-whole parameters: those are summed
+    // over tp here, before any accumulation or data-parallel reduction sees them.
+    dist::Communicator group = dims_->tp();
+    for (auto& [name, p] : plugins::trainable(hm->module())) {
+      if (hm->roles.at(name).complete) continue;
+      const unsigned h = p.register_hook([group](const at::Tensor& g) {
+        at::Tensor out = g.contiguous().clone();
+        dist::Communicator c = group;
+        c.all_reduce(out, dist::ReduceOp::Sum);
+        return out;
+      });
+      hm->grad_hooks.emplace_back(p, h);
+    }
+  }
+  dist::Communicator& dpg = dims_->degrees().sp > 1 ? dims_->dp_sp() : dims_->dp();
+  if (options_.zero_stage == 0 && dpg.size() > 1) {
+    GradSync::Options gs;
+    gs.bucket_cap_mb = options_.ddp_bucket_cap_mb;
+    gs.overlap = options_.overlap_communication;
+    if (!options_.communication_dtype.empty())
+      gs.communication_dtype = working_dtype(precision_from_string(options_.communication_dtype));
+    hm->sync = std::make_unique<GradSync>(plugins::trainable(hm->module()), dpg, gs);
+  }
+  return hm;
+}
+
+std::shared_ptr<OptimizerWrapper> HybridParallelPlugin::configure_optimizer(
+    std::shared_ptr<optim::Optimizer> optimizer, ModelWrapper& model) {
+  auto* hm = dynamic_cast<HybridModel*>(&model);
+  COLOSSAL_CHECK(hm, "hybrid plugin: the model was not configured by this plugin");
+  if (!optimizer) return nullptr;
+  plugins::check_optimizer_params(*optimizer, model.module());
+  const at::Device dev = device_of(options_.device);
+  amp::GradReducer reducer = amp::over_parallel_dims(*dims_, dev);
+  const auto& roles = hm->roles;
+  if (options_.zero_stage == 0) {
+    if (precision_ != Precision::FP32) optimizer->adopt_masters(hm->masters);
+    hm->masters.clear();
+    std::set<const void*> counted;
+    for (auto& item : model.module().named_parameters(true))
+      if (reducer.counts({"dp"}) && roles.at(item.key()).counted_on_tp)
+        counted.insert(item.value().unsafeGetTensorImpl());
+    return std::make_shared<HybridOptimizer>(std::move(optimizer), precision_, options_.loss_scale,
+                                             std::move(reducer), std::move(counted),
+                                             options_.max_norm);
+  }
+  dist::Communicator& dpg = dims_->degrees().sp > 1 ? dims_->dp_sp() : dims_->dp();
+  zero::ZeroOptimizerOptions zo;
+  zo.cpu_offload = options_.cpu_offload;
+  zo.allgather_bucket_numel = static_cast<int64_t>(options_.zero_bucket_size_in_m * 1024 * 1024);
+  auto zopt = std::make_shared<zero::LowLevelZeroOptimizer>(optimizer, dpg, hm->masters, zo);
+  hm->masters.clear();
+  // A rank that does not count a parameter names the tp axis, along which it is not rank 0.
+  zopt->set_norm_reducer(std::move(reducer), [roles](const std::string& name) {
+    auto it = roles.find(name);
+    return it != roles.end() && !it->second.counted_on_tp ? std::vector<std::string>{"tp"}
+                                                          : std::vector<std::string>{};
+  });
+  GradSync::Options gs;
+  const int64_t elem = at::elementSize(working_dtype(precision_));
+  gs.bucket_cap_mb = options_.zero_bucket_size_in_m * static_cast<double>(elem);
+  gs.overlap = options_.overlap_communication;
+  if (!options_.communication_dtype.empty())
+    gs.communication_dtype = working_dtype(precision_from_string(options_.communication_dtype));
+  auto params = plugins::trainable(model.module());
+  if (options_.zero_stage == 2) {
+    std::vector<int64_t> index;
+    for (auto& [n, p] : params) index.push_back(zopt->index_of(p));
+    zero::LowLevelZeroOptimizer* raw = zopt.get();
+    gs.on_shard = [raw, index](size_t k, const at::Tensor& slice) {
+      if (index[k] >= 0) raw->add_grad_shard(static_cast<size_t>(index[k]), slice);
+    };
+    if (!params.empty()) hm->sync = std::make_unique<GradSync>(params, dpg, gs);
+  } else if (dpg.size() > 1 && !params.empty()) {
+    hm->sync = std::make_unique<GradSync>(params, dpg, gs);
+  }
+  hm->set_require_grad_sync(hm->require_grad_sync());
+  log_info("hybrid: ZeRO stage ", options_.zero_stage, " over ", dpg.size(),
+           " data-parallel rank(s); optimizer state on this rank ", zopt->state_bytes(), " bytes");
+  return std::make_shared<ZeroOptimizerWrapper>(std::move(optimizer), std::move(zopt), precision_,
+                                                options_.loss_scale, options_.max_norm);
+}
+
+HybridMemoryReport HybridParallelPlugin::memory_report(ModelWrapper& model,
+                                                       OptimizerWrapper* optimizer) const {
+  auto bytes = [](const at::Tensor& t) {
+    return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : int64_t{0};
+  };
+  HybridMemoryReport r;
+  for (auto& item : model.module().named_parameters(true)) {
+    r.parameter_bytes += bytes(item.value());
+    r.gradient_bytes += bytes(item.value().grad());
+  }
+  if (!optimizer) return r;
+  if (auto* z = dynamic_cast<ZeroOptimizerWrapper*>(optimizer)) {
+    r.gradient_bytes += z->zero().grad_shard_bytes();
+    r.optimizer_bytes = z->zero().state_bytes();
+    return r;
+  }
+  optim::Optimizer& opt = optimizer->optimizer();
+  for (const auto& g : opt.param_groups())
+    for (const auto& name : g.names) {
+      if (const optim::ParamState* st = opt.state(name))
+        for (const auto& [key, t] : st->tensors) r.optimizer_bytes += bytes(t);
+      r.optimizer_bytes += bytes(opt.master(name));
+    }
+  return r;
+}
+
+}  // namespace colossal::booster
