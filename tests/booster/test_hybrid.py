@@ -45,6 +45,8 @@ def single(work):
     (2, ["--tp", "2", "--micro_batch", "4"]),
     (2, ["--tp", "2", "--sp_mode", "split_gather", "--zero_stage", "1", "--micro_batch", "4"]),
     (4, ["--tp", "2", "--zero", "2", "--micro_batch", "2"]),
+    # The vocab-parallel head takes its own loss without the fused CE too.
+    (2, ["--tp", "2", "--sp_mode", "split_gather", "--fused_ce", "false", "--micro_batch", "4"]),
 ])
 def test_hybrid_matches_single_process(work, single, nproc, extra):
     name = "hybrid" + "_".join(extra).replace("-", "")
