@@ -366,6 +366,7 @@ Trainer::StepStats Trainer::train_step() {
     models::ForwardOptions fo;
     fo.seq_offset = lb.seq_offset;
     fo.global_seq_len = lb.global_seq_len;
+    if (lb.positions.defined()) fo.positions = lb.positions.to(lb.inputs.device());
     at::Tensor loss;
     if (c_.fused_ce) {
       loss = model_->forward_loss(lb.inputs, lb.targets, c_.ce_chunk_tokens, fo) /
