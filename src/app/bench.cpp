@@ -399,6 +399,7 @@ at::Tensor BenchLoop::forward_backward(const at::Tensor& ids, const at::Tensor& 
   models::ForwardOptions fo;
   fo.seq_offset = lb.seq_offset;
   fo.global_seq_len = lb.global_seq_len;
+  if (lb.positions.defined()) fo.positions = lb.positions.to(lb.inputs.device());
   at::Tensor loss;
   // A head sharded over the vocabulary returns sharded logits: its loss is always the
   // vocab-parallel one (one chunk of every token without fused_ce).

@@ -373,6 +373,7 @@ Trainer::StepStats Trainer::train_step() {
     models::ForwardOptions fo;
     fo.seq_offset = lb.seq_offset;
     fo.global_seq_len = lb.global_seq_len;
+    if (lb.positions.defined()) fo.positions = lb.positions.to(lb.inputs.device());
     at::Tensor loss;
     // A head sharded over the vocabulary (the tensor-parallel plan's) returns sharded logits:
     // its loss is always the vocab-parallel one (one chunk of every token without fused_ce).

@@ -138,7 +138,8 @@ void check_grads(HybridParallelPlugin& plugin, models::CausalLM& model, models::
       at::Tensor shard = z.grad_shard(static_cast<size_t>(i));
       ASSERT_TRUE(shard.defined()) << n;
       shard = shard.to(at::kFloat).contiguous();
-      dist::Communicator& g = plugin.dims().dp();
+      dist::Communicator& g =
+          plugin.dims().degrees().sp > 1 ? plugin.dims().dp_sp() : plugin.dims().dp();
       at::Tensor all = at::empty({shard.numel() * g.size()}, shard.options());
       g.all_gather(all, shard);
       got = all.narrow(0, 0, item.value().numel()).view(item.value().sizes());
@@ -156,6 +157,8 @@ struct Case {
   int64_t tp = 2, zero = 0, kv_heads = 2;
   std::string mode;  // sequence_parallelism_mode
   double max_norm = 1.0;
+  int64_t sp = 1;  // the sequence axis (all_to_all, ring_attn)
+  int64_t inner_ring_size = 0;
 };
 
 void run_case(const Case& k) {
@@ -164,6 +167,8 @@ void run_case(const Case& k) {
   o.tp_size = k.tp;
   o.zero_stage = k.zero;
   o.sequence_parallelism_mode = k.mode;
+  o.sp_size = k.sp;
+  o.inner_ring_size = k.inner_ring_size;
   o.precision = "fp32";
   o.max_norm = k.max_norm;
   o.zero_bucket_size_in_m = 0.001;  // several buckets
@@ -174,7 +179,8 @@ void run_case(const Case& k) {
   o.parallel_output = false;
   auto plugin = std::make_shared<HybridParallelPlugin>(o);
   const int dp = plugin->dp_size(), dp_rank = plugin->dp_rank();
-  ASSERT_EQ(dp * k.tp, world);
+  ASSERT_EQ(dp * k.tp * k.sp, world);
+  const int64_t zdp = dp * k.sp;  // ZeRO and the gradient average run over dp x sp
   const models::ModelConfig cfg = tiny_config(k.kv_heads);
 
   // The reference: the whole model, one process, the whole global batch.
@@ -205,12 +211,14 @@ void run_case(const Case& k) {
     at::Tensor my_ids = ids.narrow(0, dp_rank * kRowsPerDp, kRowsPerDp);
     at::Tensor my_targets = targets.narrow(0, dp_rank * kRowsPerDp, kRowsPerDp);
     LocalBatch lb = plugin->local_batch(my_ids, my_targets);
+    models::ForwardOptions fo;
+    fo.positions = lb.positions;
     at::Tensor loss;
     if (step % 2 == 0) {
-      loss = model->forward_loss(lb.inputs, lb.targets);
+      loss = model->forward_loss(lb.inputs, lb.targets, 4096, fo);
     } else {
-      // The vocab-parallel head gathers the sequence: its logits are of the whole rows.
-      at::Tensor logits = model->forward(lb.inputs);
+      // The vocab-parallel head gathers a split_gather sequence: its logits are of whole rows.
+      at::Tensor logits = model->forward(lb.inputs, fo);
       at::Tensor t = logits.size(1) == lb.targets.size(1) ? lb.targets : my_targets;
       loss = at::cross_entropy_loss(logits.reshape({-1, cfg.vocab_size}), t.reshape({-1}));
     }
@@ -230,11 +238,11 @@ void run_case(const Case& k) {
       for (auto& item : ref->named_parameters(true)) {
         const int64_t n = local_numel(item.key(), item.value().numel(), k.tp, k.kv_heads);
         param_bytes += 4 * n;
-        shard_bytes += 4 * ((n + dp - 1) / dp);
+        shard_bytes += 4 * ((n + zdp - 1) / zdp);
       }
       EXPECT_EQ(r.parameter_bytes, param_bytes);
       const int64_t grad_bytes = k.zero == 0   ? param_bytes
-                                 : k.zero == 1 ? param_bytes + (dp > 1 ? shard_bytes : 0)
+                                 : k.zero == 1 ? param_bytes + (zdp > 1 ? shard_bytes : 0)
                                                : shard_bytes;
       EXPECT_EQ(r.gradient_bytes, grad_bytes);
       // Before the first step: no AdamW state; ZeRO holds its fp32 master shards from boost.
@@ -256,7 +264,7 @@ void run_case(const Case& k) {
       int64_t expect = 0;
       for (auto& item : ref->named_parameters(true)) {
         const int64_t n = local_numel(item.key(), item.value().numel(), k.tp, k.kv_heads);
-        expect += k.zero == 0 ? 8 * n : 12 * ((n + dp - 1) / dp);
+        expect += k.zero == 0 ? 8 * n : 12 * ((n + zdp - 1) / zdp);
       }
       EXPECT_EQ(r.optimizer_bytes, expect);
     }
@@ -333,6 +341,37 @@ TEST(Hybrid, Tp2Dp2Zero2) {
 TEST(Hybrid, Tp2Dp2SplitGatherZero2) {
   NEED_WORLD(4);
   run_case({2, 2, 2, "split_gather", 1.0});
+}
+
+// The sequence axis: all_to_all (Ulysses) and ring_attn (zigzag ring attention, and its double
+// ring), alone, with tensor parallelism and with ZeRO over dp x sp.
+TEST(Hybrid, Sp2AllToAll) {
+  NEED_WORLD(2);
+  run_case({1, 0, 2, "all_to_all", 1.0, 2});
+}
+TEST(Hybrid, Sp2RingAttnZero2) {
+  NEED_WORLD(2);
+  run_case({1, 2, 2, "ring_attn", 1.0, 2});
+}
+TEST(Hybrid, Sp4AllToAllZero1) {
+  NEED_WORLD(4);
+  run_case({1, 1, 4, "all_to_all", 1.0, 4});
+}
+TEST(Hybrid, Sp4RingAttnDoubleRing) {
+  NEED_WORLD(4);
+  run_case({1, 0, 2, "ring_attn", 1.0, 4, 2});
+}
+TEST(Hybrid, Tp2Sp2AllToAllZero1) {
+  NEED_WORLD(4);
+  run_case({2, 1, 2, "all_to_all", 1.0, 2});
+}
+TEST(Hybrid, Tp2Sp2RingAttn) {
+  NEED_WORLD(4);
+  run_case({2, 0, 2, "ring_attn", 1.0, 2});
+}
+TEST(Hybrid, Dp2Sp2RingAttnZero2) {
+  NEED_WORLD(4);
+  run_case({1, 2, 2, "ring_attn", 1.0, 2});
 }
 
 // no_sync: two micro-batches accumulated then one step equal the reference on both at once.
@@ -429,7 +468,8 @@ TEST(Hybrid, NamedErrors) {
   a2a.sequence_parallelism_mode = "all_to_all";
   a2a.sp_size = 2;
   a2a.precision = "fp32";
-  EXPECT_NE(message([&] { HybridParallelPlugin p(a2a); }).find("not built yet"), std::string::npos);
+  a2a.sp_size = 3;  // 3 does not divide the world (2 or 4)
+  EXPECT_NE(message([&] { HybridParallelPlugin p(a2a); }).find("sp_size"), std::string::npos);
   // Heads not divisible: 6 attention heads over tp 4 are refused at boost.
   if (world == 4) {
     HybridOptions o;

@@ -1,5 +1,6 @@
 """`colossal train --plugin hybrid` end to end on CPU: tensor parallel (tp 2, tp 2 with
-split_gather and ZeRO-1, tp2 x dp2 with ZeRO-2) against `--plugin none` on the same global batch,
+split_gather and ZeRO-1, tp2 x dp2 with ZeRO-2), sequence parallel (sp 2 all_to_all, tp2 x sp2
+ring_attn with ZeRO-1 over the sp axis) against `--plugin none` on the same global batch,
 every step's loss and gradient norm within 1e-5 relative (fp32; the sharded GEMMs and the
 per-rank means round differently from one process, at 2^-24 per operation), a run saved at tp 2
 resuming under ddp (and the reverse) on the same loss curve, `colossal bench -p 3d`, and bad input
@@ -47,6 +48,8 @@ def single(work):
     (4, ["--tp", "2", "--zero", "2", "--micro_batch", "2"]),
     # The vocab-parallel head takes its own loss without the fused CE too.
     (2, ["--tp", "2", "--sp_mode", "split_gather", "--fused_ce", "false", "--micro_batch", "4"]),
+    (2, ["--sp", "2", "--sp_mode", "all_to_all", "--micro_batch", "4"]),
+    (4, ["--tp", "2", "--sp", "2", "--sp_mode", "ring_attn", "--zero_stage", "1", "--micro_batch", "4"]),
 ])
 def test_hybrid_matches_single_process(work, single, nproc, extra):
     name = "hybrid" + "_".join(extra).replace("-", "")

@@ -52,6 +52,9 @@ struct LocalBatch {
   // loss of all the ranks holding parts of the same sequences (1 / tp under split_gather / ring;
   // 1 when the rank holds whole sequences). Report the unweighted mean.
   double loss_weight = 1.0;
+  // The global position of each local token (int64 [S_local]; ForwardOptions::positions) when
+  // they are not one contiguous run (ring_attn's zigzag shards); undefined otherwise.
+  at::Tensor positions = {};
 };
 class OptimizerWrapper;
 

@@ -24,6 +24,7 @@
 #include "colossal/models/llama/plan.h"
 #include "colossal/nn/module.h"
 #include "colossal/nn/plan.h"
+#include "colossal/nn/sequence_parallel.h"
 #include "colossal/optim/optimizer.h"
 #include "colossal/zero/low_level_optim.h"
 
@@ -147,15 +148,6 @@ dist::ModelFacts facts_of(const models::ModelConfig& c) {
   return f;
 }
 
-// The all_to_all and ring_attn modes are built by other work (their attention cores and the
-// sequence split in local_batch); until they are wired in here, they are refused by name.
-void refuse_unbuilt_sequence_modes(SequenceParallel m) {
-  COLOSSAL_CHECK_INPUT(m == SequenceParallel::Off || m == SequenceParallel::SplitGather ||
-                           m == SequenceParallel::Ring,
-                       "hybrid: sequence_parallelism_mode '", dist::to_string(m),
-                       "' is not built yet (off, split_gather and ring are)");
-}
-
 // Megatron sequence parallelism inside the TP group (split_gather; ring, its chunked overlap):
 // activations between the linears are sequence shards of the tp group.
 bool sequence_in_tp_group(SequenceParallel m) {
@@ -264,7 +256,6 @@ HybridParallelPlugin::HybridParallelPlugin(HybridOptions options,
       world_(plugins::default_dp_comm({}, "hybrid")) {
   COLOSSAL_CHECK(dims_, "hybrid plugin: no ParallelDims");
   options_.validate();
-  refuse_unbuilt_sequence_modes(mode_);
   const dist::ParallelDegrees want = options_.degrees(world_.size());
   const dist::ParallelDegrees& got = dims_->degrees();
   COLOSSAL_CHECK_INPUT(got.dp == want.dp && got.tp == want.tp && got.pp == want.pp &&
@@ -314,6 +305,15 @@ std::shared_ptr<CheckpointIO> HybridParallelPlugin::checkpoint_io() {
 
 LocalBatch HybridParallelPlugin::local_batch(const at::Tensor& inputs,
                                              const at::Tensor& targets) const {
+  if (mode_ == SequenceParallel::AllToAll || mode_ == SequenceParallel::RingAttn) {
+    // The sequence axis: each sp rank holds its shard of the tokens (contiguous for all_to_all,
+    // zigzag for ring_attn) at their global positions, and its loss is the mean over its own
+    // targets; with equal shards the data-parallel average over dp x sp is the global mean.
+    nn::SequenceShard sh = nn::shard_sequence(inputs, targets, dims_->sp(), mode_);
+    LocalBatch lb{sh.input, sh.targets, 0, 0};
+    lb.positions = sh.positions;
+    return lb;
+  }
   if (!sequence_in_tp_group(mode_)) return {inputs, targets, 0, 0};
   const int64_t tp = dims_->tp().size(), s = targets.size(1);
   COLOSSAL_CHECK_INPUT(s % tp == 0, "hybrid: ", dist::to_string(mode_),
@@ -347,7 +347,9 @@ std::shared_ptr<ModelWrapper> HybridParallelPlugin::configure_model(
   if (tp > 1) {
     nn::PlanOptions po;
     po.tp = dims_->tp();
-    po.sequence_parallel = mode_;
+    // all_to_all / ring_attn shard the sequence on their own axis: the tp layers see whole
+    // sequences there.
+    po.sequence_parallel = sequence_in_tp_group(mode_) ? mode_ : SequenceParallel::Off;
     models::TensorParallelOptions tpo;
     tpo.make_vocab_size_divisible_by = options_.make_vocab_size_divisible_by;
     tpo.parallel_output = options_.parallel_output;
@@ -359,6 +361,18 @@ std::shared_ptr<ModelWrapper> HybridParallelPlugin::configure_model(
           "hybrid: split_gather / ring need the vocab-parallel embedding to split the "
           "sequence");
     }
+  }
+  COLOSSAL_CHECK_INPUT(
+      lm || (mode_ != SequenceParallel::AllToAll && mode_ != SequenceParallel::RingAttn),
+      "hybrid: sequence_parallelism_mode ", dist::to_string(mode_),
+      " needs a model with a sequence-parallel plan (models::CausalLM)");
+  if (mode_ == SequenceParallel::AllToAll || mode_ == SequenceParallel::RingAttn) {
+    // The attention cores of the sequence axis replace each layer's core attention.
+    nn::PlanOptions so;
+    nn::apply_plan(
+        *model,
+        models::sequence_parallel_plan(lm->config(), mode_, dims_->sp(), options_.inner_ring_size),
+        so);
   }
   auto roles = param_roles(*model, dims_->tp().rank(), dims_->tp().size());
   auto masters = plugins::cast_module_in_place(*model, working_dtype(precision_), options_.device);
