@@ -64,7 +64,7 @@ for phase in "$@"; do
     ;&
   build)
     step build
-    if ! TARGETS="colossal_cli test_kernels test_kernels_cuda test_model_cuda test_gemini_1rank test_zero_1rank bench_kernels" BUILD=$BUILD \
+    if ! TARGETS="colossal_cli test_kernels test_kernels_cuda test_model_cuda test_vocab_ce_cuda test_gemini_1rank test_zero_1rank bench_kernels" BUILD=$BUILD \
          scripts/device_build.sh -DCOLOSSAL_WERROR=OFF > "$LOGS/build.log" 2>&1; then
       tail -40 "$LOGS/build.log"; exit 1
     fi
@@ -72,7 +72,7 @@ for phase in "$@"; do
     $C check 2>&1 | tail -5 ;;
   kernels|ktests)
     step kernel tests
-    for t in test_kernels test_kernels_cuda test_model_cuda; do
+    for t in test_kernels test_kernels_cuda test_model_cuda test_vocab_ce_cuda; do
       if timeout 300 "$BUILD/tests/kernels/$t" > "$LOGS/$t.log" 2>&1; then note "PASS $t: $(grep -E 'PASSED|SKIPPED' "$LOGS/$t.log" | tr '\n' ' ')"
       else note "FAIL $t"; grep -E -A6 "Failure" "$LOGS/$t.log" | head -60; fi
     done

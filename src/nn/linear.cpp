@@ -185,12 +185,31 @@ int64_t Linear::replication(const std::string& name) const {
   return name == "weight" ? 1 : shard_spec_->world;
 }
 
+bool Linear::fusable_column_shard() const {
+  if (typeid(*this) != typeid(Linear) || !shard_spec_ || !shard_spec_->communicates()) return false;
+  const ShardSpec& s = *shard_spec_;
+  return s.kind == ShardSpec::Kind::Column && !s.gather_output && s.pad_multiple == 1 &&
+         s.replicas == 1 && !replica_group_.valid() &&
+         (s.sequence_parallel == SequenceParallelMode::Off ||
+          s.sequence_parallel == SequenceParallelMode::SplitGather);
+}
+
 std::optional<at::Tensor> fused_projections(const at::Tensor& x,
-                                            const std::vector<Linear*>& projections) {
-  if (projections.empty() || !use_fused_kernels(x)) return std::nullopt;
+                                            const std::vector<Linear*>& projections,
+                                            bool any_device) {
+  if (projections.empty()) return std::nullopt;
+  if (any_device ? !(kernels::enabled() && kernels::has_fused_kernels(x)) : !use_fused_kernels(x))
+    return std::nullopt;
   const Linear& first = *projections.front();
+  // Plain projections, or column shards of one group and mode (their region entered once).
+  const bool column = first.fusable_column_shard();
   for (const Linear* p : projections) {
-    if (!p->fusable() || p->has_bias() != first.has_bias() ||
+    const bool kind_ok =
+        column ? p->fusable_column_shard() &&
+                     p->shard_spec()->group.impl() == first.shard_spec()->group.impl() &&
+                     p->shard_spec()->sequence_parallel == first.shard_spec()->sequence_parallel
+               : p->fusable();
+    if (!kind_ok || p->has_bias() != first.has_bias() ||
         p->weight().scalar_type() != first.weight().scalar_type() ||
         p->weight().device() != first.weight().device())
       return std::nullopt;
@@ -205,7 +224,14 @@ std::optional<at::Tensor> fused_projections(const at::Tensor& x,
     w.push_back(p->weight());
     if (p->has_bias()) bias.push_back(p->param("bias"));
   }
-  at::Tensor y = kernels::linear_concat(x, w, bias);
+  at::Tensor in = x;
+  if (column) {
+    const ShardSpec& s = *first.shard_spec();
+    in = s.sequence_parallel == SequenceParallelMode::SplitGather
+             ? gather_from_sequence(x, s.group, 1)
+             : copy_to_region(x, s.group);
+  }
+  at::Tensor y = kernels::linear_concat(in, w, bias);
   while (!scopes.empty()) scopes.pop_back();
   return y;
 }

@@ -28,7 +28,9 @@
 #include "colossal/dist/runtime.h"
 #include "colossal/models/llama/model.h"
 #include "colossal/nn/init.h"
+#include "colossal/nn/linear.h"
 #include "colossal/nn/module.h"
+#include "colossal/nn/plan.h"
 #include "colossal/optim/adamw.h"
 #include "colossal/zero/low_level_optim.h"
 #include "dist/dist_test_env.h"
@@ -372,6 +374,101 @@ TEST(Hybrid, Tp2Sp2RingAttn) {
 TEST(Hybrid, Dp2Sp2RingAttnZero2) {
   NEED_WORLD(4);
   run_case({1, 2, 2, "ring_attn", 1.0, 2});
+}
+
+// A user's own model built from our layers, not a CausalLM: ColossalAI's custom_policy is a plan
+// by module-path pattern (custom_plan). tp over the whole world, ZeRO 0 and 1, against the same
+// model in one process: losses and every gradient (the shard against its slice) to 1e-5.
+struct UserMlp : torch::nn::Module {
+  UserMlp() {
+    up = register_module("up", std::make_shared<nn::Linear>(nn::LinearOptions(6, 16)));
+    down = register_module("down", std::make_shared<nn::Linear>(nn::LinearOptions(16, 6)));
+    out = register_module("out", std::make_shared<nn::Linear>(nn::LinearOptions(6, 3)));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    return out->forward(x + down->forward(at::gelu(up->forward(x))));
+  }
+  std::shared_ptr<nn::Linear> up, down, out;
+};
+
+TEST(Hybrid, CustomPlanShardsAUsersModel) {
+  const int world = dist::world_size();
+  for (int64_t zero : {0, 1}) {
+    HybridOptions o;
+    o.tp_size = world;
+    o.zero_stage = zero;
+    o.precision = "fp32";
+    o.max_norm = 1.0;
+    o.custom_plan = {{"up", {}, nn::ShardSpec::Kind::Column},
+                     {"down", {}, nn::ShardSpec::Kind::Row}};
+    auto plugin = std::make_shared<HybridParallelPlugin>(o);
+    auto make = [] {
+      auto m = std::make_shared<UserMlp>();
+      nn::InitOptions io;
+      io.seed = 5;
+      io.std = 0.3;
+      nn::init_parameters(*m, io);
+      return m;
+    };
+    auto ref = make(), model = make();
+    auto opt_of = [](torch::nn::Module& m) {
+      auto a = std::make_shared<optim::AdamW>();
+      std::vector<optim::NamedParam> ps;
+      for (auto& item : m.named_parameters(true)) ps.push_back({item.key(), item.value()});
+      optim::GroupOptions g;
+      g.lr = 1e-2;
+      a->add_param_group(ps, g);
+      return a;
+    };
+    auto ref_w =
+        std::make_shared<OptimizerWrapper>(opt_of(*ref), Precision::FP32, LossScaleOptions{});
+    Booster booster(plugin);
+    Boosted b = booster.boost(model, opt_of(*model));
+    EXPECT_EQ(model->up->out_features(), 16 / world);
+    EXPECT_EQ(model->down->in_features(), 16 / world);
+    EXPECT_EQ(model->out->out_features(), 3);  // no rule: whole on every rank
+    auto ref_params = ref->named_parameters(true);
+    for (int step = 0; step < 5; ++step) {
+      at::manual_seed(70 + step);
+      const at::Tensor x = at::randn({4, 5, 6}), y = at::randn({4, 5, 3});
+      at::Tensor ref_loss = at::mse_loss(ref->forward(x), y);
+      ref_loss.backward();
+      at::Tensor loss = at::mse_loss(model->forward(x), y);
+      booster.backward(loss, *b.optimizer);
+      EXPECT_LE(std::abs(loss.item<double>() - ref_loss.item<double>()),
+                1e-5 * std::abs(ref_loss.item<double>()))
+          << "zero " << zero << " step " << step;
+      if (step == 0 && zero == 0) {
+        for (auto& item : model->named_parameters(true)) {
+          EXPECT_LT(max_rel(item.value().grad(),
+                            slice_of(*model, item.key(), ref_params[item.key()].grad())),
+                    1e-5)
+              << item.key();
+        }
+      }
+      const double rn = ref_w->clip_grad_by_norm(1.0), n = b.optimizer->clip_grad_by_norm(1.0);
+      EXPECT_LE(std::abs(n - rn), 1e-5 * rn) << "zero " << zero << " step " << step;
+      ASSERT_TRUE(ref_w->step());
+      ASSERT_TRUE(b.optimizer->step());
+      ref_w->zero_grad(true);
+      b.optimizer->zero_grad(true);
+    }
+  }
+  // Sequence parallelism needs the built-in plans.
+  HybridOptions sp;
+  sp.tp_size = world;
+  sp.sequence_parallelism_mode = "split_gather";
+  sp.precision = "fp32";
+  sp.custom_plan = {{"up", {}, nn::ShardSpec::Kind::Column}};
+  auto p = std::make_shared<HybridParallelPlugin>(sp);
+  Booster booster(p);
+  std::string what;
+  try {
+    booster.boost(std::make_shared<UserMlp>(), nullptr);
+  } catch (const InputError& e) {
+    what = e.what();
+  }
+  EXPECT_NE(what.find("custom_plan takes no sequence parallelism"), std::string::npos) << what;
 }
 
 // no_sync: two micro-batches accumulated then one step equal the reference on both at once.

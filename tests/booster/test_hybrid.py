@@ -117,8 +117,8 @@ def test_bench_3d_matches_one_process(work, tmp_path):
 
 
 def test_resume_across_layouts(work, single):
-    """Saved at tp 2 x ZeRO-1 (2 ranks), resumed at step 5 under ddp over 2 ranks and under
-    tp2 x dp2 ZeRO-2 (4 ranks): steps 6-10 follow the uninterrupted curve (one process) within
+    """Saved at tp 2 x ZeRO-1 (2 ranks), resumed at step 5 under ddp over 2 ranks, under
+    tp2 x dp2 ZeRO-2 (4 ranks), under Gemini (2 ranks) and under tp2 x sp2 all_to_all (4 ranks): steps 6-10 follow the uninterrupted curve (one process) within
     1e-5 relative (the same global batch; the layouts round differently, at 2^-24 per operation)."""
     ckpt = work / "tp_ckpt"
     out, p = train(work, "tp_saved", 2, ["--plugin", "hybrid", "--tp", "2", "--zero_stage", "1", "--micro_batch", "4",
@@ -127,7 +127,11 @@ def test_resume_across_layouts(work, single):
     want = metrics(single)
     for name, nproc, extra in [("ddp_resumed", 2, ["--plugin", "ddp", "--micro_batch", "2"]),
                                ("tp_dp_resumed", 4, ["--plugin", "hybrid", "--tp", "2", "--zero_stage", "2",
-                                                     "--micro_batch", "2"])]:
+                                                     "--micro_batch", "2"]),
+                               ("gemini_resumed", 2, ["--plugin", "gemini", "--precision", "fp32",
+                                                      "--micro_batch", "2"]),
+                               ("tp_sp_resumed", 4, ["--plugin", "hybrid", "--tp", "2", "--sp", "2",
+                                                     "--sp_mode", "all_to_all", "--micro_batch", "4"])]:
         out, p = train(work, name, nproc, extra + ["--resume", str(ckpt / "step-00000005")])
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         got = metrics(out)

@@ -65,6 +65,12 @@ class Linear : public Module {
   // communication; the check is on the dynamic type, so a derived layer is never fused unless
   // it overrides this to opt in.
   virtual bool fusable() const;
+  // Whether this is a plain nn::Linear column shard whose forward is exactly: the input enters
+  // the tensor-parallel region (copy_to_region, or gather_from_sequence under split_gather),
+  // then x W_local^T + b_local, with nothing after it (no gathered output, no padding, no
+  // replicated head, not the ring mode). Sibling projections of this kind over one group may
+  // share the region entry and one GEMM (fused_projections). Dynamic type checked as fusable().
+  bool fusable_column_shard() const;
 
   const at::Tensor& weight() const { return param("weight"); }
   bool has_bias() const { return has_bias_; }
@@ -109,9 +115,13 @@ class Linear : public Module {
 // as one GEMM (kernels::linear_concat: one dx GEMM in backward instead of one per projection
 // plus their adds), with each projection's forward hooks fired around it. Returns nullopt —
 // and the caller must call each projection's forward — unless the fused kernels run for x and
-// every projection is fusable() and alike (weights of one dtype and device, all with a bias
-// or none).
+// the projections are alike (weights of one dtype and device, all with a bias or none) and
+// either every one is fusable(), or every one is a fusable_column_shard() over the same group
+// and sequence mode: then x enters the region once (one gather under split_gather instead of
+// one per projection) and the GEMM runs over this rank's column shards. `any_device`: also where
+// the fused kernels are not what the model runs (the CPU), so tests reach this path there.
 std::optional<at::Tensor> fused_projections(const at::Tensor& x,
-                                            const std::vector<Linear*>& projections);
+                                            const std::vector<Linear*>& projections,
+                                            bool any_device = false);
 
 }  // namespace colossal::nn

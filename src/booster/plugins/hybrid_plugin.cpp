@@ -333,13 +333,17 @@ std::shared_ptr<ModelWrapper> HybridParallelPlugin::configure_model(
   COLOSSAL_CHECK(model, "boost(): model is null");
   const int64_t tp = dims_->tp().size();
   auto lm = std::dynamic_pointer_cast<models::CausalLM>(model);
-  COLOSSAL_CHECK_INPUT(lm || tp == 1, "hybrid: tp_size ", tp,
+  const bool custom = !options_.custom_plan.empty();
+  COLOSSAL_CHECK_INPUT(lm || tp == 1 || custom, "hybrid: tp_size ", tp,
                        " needs a model with a tensor-parallel plan (models::CausalLM: the Llama, "
-                       "Mistral and Qwen2 families)");
+                       "Mistral and Qwen2 families) or a custom_plan for this model");
+  COLOSSAL_CHECK_INPUT(!custom || mode_ == SequenceParallel::Off,
+                       "hybrid: custom_plan takes no sequence parallelism (mode ",
+                       dist::to_string(mode_), "): the built-in plans place the sequence splits");
   if (lm) {
     const models::ModelConfig& cfg = lm->config();
     dist::ParallelDims::validate(dims_->degrees(), dims_->world_size(), facts_of(cfg));
-    if (tp > 1) models::check_tensor_parallel(cfg, tp);
+    if (tp > 1 && !custom) models::check_tensor_parallel(cfg, tp);
   }
   // Every shard is cut from rank 0's whole model: the values are the unsharded model's.
   std::vector<std::pair<std::string, at::Tensor>> none;
@@ -353,7 +357,9 @@ std::shared_ptr<ModelWrapper> HybridParallelPlugin::configure_model(
     models::TensorParallelOptions tpo;
     tpo.make_vocab_size_divisible_by = options_.make_vocab_size_divisible_by;
     tpo.parallel_output = options_.parallel_output;
-    nn::apply_plan(*model, models::tensor_parallel_plan(lm->config(), tpo), po);
+    nn::apply_plan(*model,
+                   custom ? options_.custom_plan : models::tensor_parallel_plan(lm->config(), tpo),
+                   po);
     if (sequence_in_tp_group(mode_)) {
       auto* embed = lm->model->embed_tokens.get();
       COLOSSAL_CHECK_INPUT(

@@ -51,6 +51,7 @@
 #include "colossal/booster/plugin.h"
 #include "colossal/booster/wrappers.h"
 #include "colossal/dist/parallel_dims.h"
+#include "colossal/nn/plan.h"
 
 namespace colossal {
 class OptionSet;
@@ -69,10 +70,15 @@ struct HybridOptions {
   int64_t zero_stage = 0;                    // 0, 1 or 2 over the data-parallel group
   std::string precision = "fp16";            // ColossalAI's default; `colossal train`: fp32
   std::string device = "cpu";
-  // H1: the vocab-parallel lm_head and the vocabulary padding read these two.
+  // The vocab-parallel lm_head and the vocabulary padding read these two.
   bool parallel_output = true;
   int64_t make_vocab_size_divisible_by = 64;
-  int64_t inner_ring_size = 0;        // ring_attn's double ring (0: ColossalAI's None)
+  int64_t inner_ring_size = 0;  // ring_attn's double ring (0: ColossalAI's None)
+  // ColossalAI's custom_policy: the tensor-parallel plan of a user's own model built from our
+  // layers (nn::Linear, nn::Embedding, ...), rules by module-path pattern, applied over tp
+  // instead of a models::CausalLM's plan (for which it replaces the built-in plan). The model's
+  // code is not edited. Sequence parallelism needs the built-in plans (a named error otherwise).
+  nn::ParallelPlan custom_plan;
   LossScaleOptions loss_scale;        // fp16: initial_scale 2**16, ... (ColossalAI's Hybrid values)
   double max_norm = 0.0;              // clip every step at this global norm (0: off)
   double zero_bucket_size_in_m = 12;  // ZeRO gradient bucket, millions of elements
