@@ -13,6 +13,7 @@
 #include <numeric>
 
 #include "colossal/booster/booster.h"
+#include "colossal/booster/plugins/hybrid_plugin.h"
 #include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
@@ -227,6 +228,12 @@ json::Value BenchReport::to_json() const {
     c.set("sp", h.sp_size);
     c.set("sp_mode", h.sequence_parallelism_mode.empty() ? "off" : h.sequence_parallelism_mode);
     c.set("zero", h.zero_stage);
+    if (h.pp_size > 1) {
+      c.set("pp_style", h.pp_style);
+      c.set("num_model_chunks", h.num_model_chunks);
+      c.set("num_microbatches", h.num_microbatches);
+      c.set("mbs", h.microbatch_size);
+    }
   }
   c.set("flash_attention", config.flash_attention);
   c.set("fused_ce", config.fused_ce);
@@ -262,6 +269,7 @@ json::Value BenchReport::to_json() const {
   r.set("peak_memory_kind", peak_memory_kind);
   r.set("final_loss", final_loss);
   if (config.profile) r.set("profile", profile);
+  if (!pipeline.is_null()) r.set("pipeline", pipeline);
   return r;
 }
 
@@ -291,7 +299,18 @@ std::string BenchReport::to_text() const {
       median_step_s, mean_step_s, tokens_per_s_per_gpu, tokens_per_s, samples_per_s,
       model_tflops_per_gpu, mfu_989, colossalai_tflops_per_gpu, megatron_tflops_per_gpu,
       peak_memory_mib, peak_memory_kind.c_str(), final_loss);
-  return std::string(buf) + profile_text;
+  std::string pipe;
+  if (!pipeline.is_null()) {
+    char line[256];
+    std::snprintf(line, sizeof line,
+                  "pipeline: last step %.2f ms measured, %.2f ms simulated from its own per-op "
+                  "costs (bubble %.1f %%)\n",
+                  pipeline.at("measured_step_s").as_double() * 1e3,
+                  pipeline.at("simulated_step_s").as_double() * 1e3,
+                  pipeline.at("simulated_bubble").as_double() * 100);
+    pipe = line;
+  }
+  return std::string(buf) + pipe + profile_text;
 }
 
 namespace {
@@ -394,6 +413,25 @@ BenchLoop::BenchLoop(const BenchConfig& c, std::shared_ptr<Plugin> plugin,
 }
 
 at::Tensor BenchLoop::forward_backward(const at::Tensor& ids, const at::Tensor& targets) {
+  if (booster_.plugin().support_pipeline()) {
+    // Pipeline stages: the schedule splits the batch into micro-batches (--num_microbatches or
+    // --microbatch_size) and returns the step's loss on every rank.
+    COLOSSAL_CHECK_INPUT(!c_.cuda_graph, "--cuda_graph does not capture a pipeline schedule");
+    BatchIterator next = [&] { return std::make_pair(ids, targets); };
+    Criterion criterion;
+    if (!c_.fused_ce)
+      criterion = [](const at::Tensor& logits, const at::Tensor& t) {
+        return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
+                                      t.reshape({-1}).to(logits.device()), std::nullopt,
+                                      at::Reduction::Mean, -100);
+      };
+    PipelineStep ps;
+    ps.ce_chunk_tokens = c_.fused_ce ? c_.ce_chunk_tokens : 0;
+    return booster_
+        .execute_pipeline(next, *boosted_.model, criterion, boosted_.optimizer.get(), true, false,
+                          ps)
+        .loss;
+  }
   // This rank's part of the batch (a sequence shard under sequence parallelism).
   LocalBatch lb = booster_.plugin().local_batch(ids, targets);
   models::ForwardOptions fo;
@@ -539,6 +577,24 @@ BenchReport run_bench(const BenchConfig& c) {
   for (int64_t s = 0; s < c.steps; ++s) {
     const double dt = loop.step(s);
     if (s >= c.warmup) r.step_seconds.push_back(dt);
+  }
+  if (auto* hybrid = dynamic_cast<HybridParallelPlugin*>(plugin.get());
+      hybrid && hybrid->support_pipeline()) {
+    PipelineProfile pp = hybrid->pipeline_profile();
+    json::Value js = json::Value::object();
+    js.set("measured_step_s", pp.measured);
+    js.set("simulated_step_s", pp.simulated.step_time);
+    js.set("simulated_bubble", pp.simulated.bubble_fraction);
+    json::Value f = json::Value::array(), b = json::Value::array(), w = json::Value::array();
+    for (size_t i = 0; i < pp.costs.f_rank.size(); ++i) {
+      f.push_back(pp.costs.f_rank[i]);
+      b.push_back(pp.costs.b_rank[i]);
+      w.push_back(pp.costs.w_rank[i]);
+    }
+    js.set("f_s", f);
+    js.set("b_s", b);
+    js.set("w_s", w);
+    r.pipeline = js;
   }
   if (c.profile) {
     auto [text, js] = profile_step(c, loop, device.is_cuda(), distributed ? dist::rank() : 0);

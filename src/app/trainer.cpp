@@ -361,6 +361,29 @@ Trainer::StepStats Trainer::train_step() {
   st.lr = boosted_.lr_scheduler->lrs().front();
   double local_loss = 0.0;
   for (int64_t a = 0; a < A; ++a) {
+    if (plugin_->support_pipeline()) {
+      // Pipeline stages: the plugin's schedule runs forward and backward over micro-batches of
+      // this batch; the loss of the step comes back from the last stage on every rank.
+      std::unique_ptr<NoSyncGuard> guard;
+      if (a + 1 < A) guard = booster_->no_sync(mw, &opt);
+      BatchIterator next = [&] {
+        auto [inputs, targets] = dataloader.next();
+        check_tokens(inputs, targets);
+        return std::make_pair(inputs.to(device_), targets.to(device_));
+      };
+      Criterion criterion;
+      if (!c_.fused_ce)
+        criterion = [](const at::Tensor& logits, const at::Tensor& targets) {
+          return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
+                                        targets.reshape({-1}));
+        };
+      PipelineStep ps;
+      ps.loss_weight = 1.0 / static_cast<double>(A);
+      ps.ce_chunk_tokens = c_.fused_ce ? c_.ce_chunk_tokens : 0;
+      PipelineOutput out = booster_->execute_pipeline(next, mw, criterion, &opt, true, false, ps);
+      local_loss += out.loss.item<double>();
+      continue;
+    }
     auto [inputs, targets] = dataloader.next();
     check_tokens(inputs, targets);
     inputs = inputs.to(device_);

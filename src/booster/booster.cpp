@@ -79,14 +79,16 @@ double Booster::clip_grad_by_norm(OptimizerWrapper& optimizer, double max_norm, 
   return optimizer.clip_grad_by_norm(max_norm, norm_type);
 }
 
-void Booster::execute_pipeline() {
+PipelineOutput Booster::execute_pipeline(const BatchIterator& data_iter, ModelWrapper& model,
+                                         const Criterion& criterion, OptimizerWrapper* optimizer,
+                                         bool return_loss, bool return_outputs,
+                                         const PipelineStep& step) {
   COLOSSAL_CHECK_INPUT(plugin_->support_pipeline(), "plugin '", plugin_->name(),
-                       "' is not a pipeline plugin: execute_pipeline needs pp_size > 1 (the hybrid "
-                       "plugin)");
-  // A plugin that declares pipeline support needs the schedule, which the Booster does not run
-  // yet (it comes with the pipeline plugin).
-  throw Error(str("plugin '", plugin_->name(), "' supports pipelines, but this Booster has no ",
-                  "pipeline schedule to run them"));
+                       "' is not a pipeline plugin: execute_pipeline needs the hybrid plugin with "
+                       "pp_size > 1");
+  COLOSSAL_CHECK_INPUT(data_iter, "execute_pipeline: data_iter is empty");
+  return plugin_->execute_pipeline(data_iter, model, criterion, optimizer, return_loss,
+                                   return_outputs, step);
 }
 
 void Booster::save_model(ModelWrapper& model, const std::string& dir, bool shard,

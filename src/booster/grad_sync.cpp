@@ -211,6 +211,14 @@ void GradSync::launch_reduce_scatter(size_t bi) {
   b.launched = true;
 }
 
+void GradSync::reduce_now() {
+  const bool was = enabled_;
+  enabled_ = true;
+  armed_ = true;
+  finish();
+  enabled_ = was;
+}
+
 void GradSync::finish() {
   if (!enabled_ || !armed_) return;
   // Buckets whose parameters got no gradient this time (unused parameters) still take part.

@@ -51,6 +51,11 @@ void Plugin::validate() const {
                          "': device 'cuda' was requested but no CUDA device is visible");
 }
 
+PipelineOutput Plugin::execute_pipeline(const BatchIterator&, ModelWrapper&, const Criterion&,
+                                        OptimizerWrapper*, bool, bool, const PipelineStep&) {
+  throw InputError(str("plugin '", name(), "' has no pipeline stages (execute_pipeline)"));
+}
+
 std::shared_ptr<data::DataLoader> Plugin::prepare_dataloader(
     std::shared_ptr<data::TokenDataset> dataset, int64_t batch_size, bool shuffle, uint64_t seed,
     int64_t accumulation) const {

@@ -3,8 +3,9 @@
 // bench/hf_llama_baseline.py does); --json FILE writes the same JSON. Under `colossal run`
 // every rank trains and rank 0 reports. The flags come from the typed structs
 // (app::BenchConfig, booster::PluginOptions) through one OptionSet, ColossalAI's names as
-// aliases; --tp/--sp/--sp_mode/--pp/--zero are the hybrid (3d) plugin's own options, the other
-// 3d flags are accepted at their trivial values only.
+// aliases; --tp/--sp/--sp_mode/--pp/--zero/--pp_style/--n_chunks/--mbs are the hybrid (3d)
+// plugin's own options (with --pp > 1 and neither --mbs nor --num_microbatches, --mbs 1 as in
+// ColossalAI's benchmark), the other 3d flags are accepted at their trivial values only.
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -21,20 +22,17 @@ namespace {
 
 using colossal::InputError;
 
-// Flags of ColossalAI's benchmark that need what we do not have yet (pipelines, extra dp, fp8):
+// Flags of ColossalAI's benchmark that need what we do not have yet (extra dp, fp8):
 // only their trivial values are accepted; the Gemini/3d tuning switches are accepted and warned
 // about.
 struct HybridFlags {
-  int64_t extra_dp = 1, mbs = 1, n_chunks = 1;
-  std::string pp_style = "1f1b", memory_limit;
+  int64_t extra_dp = 1;
+  std::string memory_limit;
   bool custom_ckpt = false, nsys = false, use_fp8_comm = false, use_fp8 = false;
   bool disable_async_reduce = false, no_cache = false, overlap_p2p = false;
 
   void register_options(colossal::OptionSet& s) {
     s.add("3d", "extra_dp", &extra_dp, "extra data parallel size (only 1)")
-        .add("3d", "mbs", &mbs, "pipeline micro-batch size (only 1)")
-        .add("3d", "pp_style", &pp_style, "pipeline schedule (only 1f1b)")
-        .add("3d", "n_chunks", &n_chunks, "interleaved chunks (only 1)")
         .add("3d", "custom_ckpt", &custom_ckpt, "3d's custom layer split (not available)")
         .add("3d", "nsys", &nsys, "nsys ranges (not available)")
         .add("3d", "use_fp8_comm", &use_fp8_comm, "fp8 communication (not available)")
@@ -55,14 +53,6 @@ struct HybridFlags {
                                        ok, ")"));
     };
     need("extra_dp", extra_dp, 1, "extra data parallelism (gemini/3d)");
-    need("mbs", mbs, 1, "pipeline micro-batches (the 3d plugin)");
-    need("n_chunks", n_chunks, 1, "interleaved pipeline chunks (the 3d plugin)");
-    if (pp_style != "1f1b") {
-      if (pp_style == "interleaved" || pp_style == "zbv")
-        throw InputError("--pp_style " + pp_style +
-                         ": pipeline schedules are not available in colossal.cpp yet");
-      throw InputError("--pp_style must be 1f1b, interleaved or zbv, got '" + pp_style + "'");
-    }
     for (auto [name, on] : {std::pair{"custom_ckpt", custom_ckpt}, std::pair{"nsys", nsys},
                             std::pair{"use_fp8_comm", use_fp8_comm}, std::pair{"use_fp8", use_fp8}})
       if (on) throw InputError(colossal::str("--", name, " is not available in colossal.cpp yet"));
@@ -104,6 +94,10 @@ int run_bench(int argc, char** argv) {
                        ": this ColossalAI plugin is not available in colossal.cpp yet (use none, "
                        "ddp, low_level_zero, zero1, zero2, gemini, gemini_auto or 3d)");
   hybrid.check();
+  {
+    colossal::booster::HybridOptions& h = c.plugin.hybrid;
+    if (h.pp_size > 1 && h.num_microbatches == 0 && h.microbatch_size == 0) h.microbatch_size = 1;
+  }
   c.resolve(options);
   // The benchmark's own messages first (they name ColossalAI's flags), then every remaining
   // range and choice of the option structs.

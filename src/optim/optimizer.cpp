@@ -123,6 +123,24 @@ at::Tensor Optimizer::master(const std::string& name) const {
   return it == masters_.end() ? at::Tensor() : it->second;
 }
 
+void Optimizer::retain_params(const std::function<bool(const at::Tensor&)>& keep) {
+  for (auto& g : groups_) {
+    std::vector<std::string> names;
+    std::vector<at::Tensor> params;
+    for (size_t i = 0; i < g.params.size(); ++i) {
+      if (keep(g.params[i])) {
+        names.push_back(g.names[i]);
+        params.push_back(g.params[i]);
+      } else {
+        state_.erase(g.names[i]);
+        masters_.erase(g.names[i]);
+      }
+    }
+    g.names = std::move(names);
+    g.params = std::move(params);
+  }
+}
+
 void Optimizer::adopt_masters(const std::vector<std::pair<std::string, at::Tensor>>& masters) {
   if (!options_.master_weights) return;
   std::map<std::string, const at::Tensor*> by_name;

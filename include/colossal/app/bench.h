@@ -84,6 +84,9 @@ struct BenchReport {
   double final_loss = 0;
   std::string profile_text;  // --profile: where the profiled step's device time went
   json::Value profile;       // the same, as {"step_ms", "busy_ms", "categories": {...}, ...}
+  // pp > 1: the last timed step's pipeline, measured and simulated from its own per-instruction
+  // costs ({"measured_step_s", "simulated_step_s", "simulated_bubble", "f_s", "b_s", "w_s"}).
+  json::Value pipeline;
 
   json::Value to_json() const;
   std::string to_text() const;  // the human-readable report

@@ -31,9 +31,6 @@ struct BoosterOptions {
   std::optional<std::string> mixed_precision;
 };
 
-// What a loss is computed by: (model outputs, targets) -> scalar loss.
-using Criterion = std::function<at::Tensor(const at::Tensor& outputs, const at::Tensor& targets)>;
-
 struct Boosted {
   std::shared_ptr<ModelWrapper> model;
   std::shared_ptr<OptimizerWrapper> optimizer;
@@ -77,8 +74,16 @@ class Booster {
   [[nodiscard]] std::unique_ptr<NoSyncGuard> no_sync(ModelWrapper& model,
                                                      OptimizerWrapper* optimizer = nullptr);
   double clip_grad_by_norm(OptimizerWrapper& optimizer, double max_norm, double norm_type = 2.0);
-  // Needs plugin().support_pipeline(); the others reject it with a clear error.
-  void execute_pipeline();
+  // ColossalAI's execute_pipeline(data_iter, model, criterion, optimizer, return_loss,
+  // return_outputs): one step of forward + backward over the plugin's pipeline schedule, the
+  // batch from data_iter split into num_microbatches (or batches of microbatch_size); the
+  // gradients are synchronised unless inside no_sync. criterion empty: the model's own loss (a
+  // models::CausalLM's fused or vocab-parallel cross-entropy). Needs plugin().support_pipeline()
+  // (the hybrid plugin with pp_size > 1); the others reject it with a clear error.
+  PipelineOutput execute_pipeline(const BatchIterator& data_iter, ModelWrapper& model,
+                                  const Criterion& criterion = {},
+                                  OptimizerWrapper* optimizer = nullptr, bool return_loss = true,
+                                  bool return_outputs = false, const PipelineStep& step = {});
 
   // Checkpoints, through checkpoint_io() (formats: see DataParallelCheckpointIO).
   // Model: HF safetensors (`model.safetensors`, or shards + index when shard=true), plus

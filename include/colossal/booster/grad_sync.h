@@ -62,6 +62,10 @@ class GradSync {
   // the first hook): launches buckets not launched yet (in order), waits for every all-reduce
   // and writes averaged gradients back. A no-op when disabled or when nothing is pending.
   void finish();
+  // Reduces every gradient accumulated so far in one go (all buckets, no overlap), as if the last
+  // backward had just finished, whatever enabled() says: the pipeline schedule runs its backward
+  // passes with sync off and reduces once afterwards.
+  void reduce_now();
 
   size_t num_buckets() const { return buckets_.size(); }
   // Parameter names of bucket i, in packing order (for tests and logs).

@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "colossal/amp/grad_scaler.h"
@@ -58,6 +59,28 @@ struct LocalBatch {
 };
 class OptimizerWrapper;
 
+// What a loss is computed by: (model outputs, targets) -> scalar loss.
+using Criterion = std::function<at::Tensor(const at::Tensor& outputs, const at::Tensor& targets)>;
+
+// ColossalAI's data_iter of execute_pipeline: each call gives this data-parallel rank's next
+// batch (token ids and next-token targets [B, S]), which the pipeline splits into micro-batches.
+using BatchIterator = std::function<std::pair<at::Tensor, at::Tensor>()>;
+
+// What a pipeline step also needs that ColossalAI's signature lacks.
+struct PipelineStep {
+  // Each micro-batch's loss is multiplied by this before backward (1 / accumulation when steps
+  // are accumulated under no_sync); the reported loss is multiplied too.
+  double loss_weight = 1.0;
+  // The fused cross-entropy's chunk (tokens) when no criterion is given (0: one chunk).
+  int64_t ce_chunk_tokens = 4096;
+};
+
+// What execute_pipeline returns on every rank (ColossalAI returns it on the last stage only).
+struct PipelineOutput {
+  at::Tensor loss;                   // the step's loss (sum over micro-batches of mean / M)
+  std::vector<at::Tensor> outputs;   // return_outputs: the last stage's logits per micro-batch
+};
+
 class Plugin {
  public:
   virtual ~Plugin() = default;
@@ -67,6 +90,12 @@ class Plugin {
   virtual bool support_no_sync() const = 0;
   // Read by Booster::execute_pipeline (refused unless true).
   virtual bool support_pipeline() const { return false; }
+  // One training step through the pipeline (forward, backward, gradient synchronisation unless
+  // inside no_sync); the optimizer step stays the caller's. Only plugins that support_pipeline().
+  virtual PipelineOutput execute_pipeline(const BatchIterator& data_iter, ModelWrapper& model,
+                                          const Criterion& criterion, OptimizerWrapper* optimizer,
+                                          bool return_loss, bool return_outputs,
+                                          const PipelineStep& step);
   // true: the Booster saves and loads through checkpoint_io() (ColossalAI's
   // control_checkpoint_io / get_checkpoint_io); false: through DataParallelCheckpointIO.
   virtual bool control_checkpoint_io() const { return false; }

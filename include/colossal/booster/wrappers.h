@@ -63,6 +63,9 @@ class OptimizerWrapper {
 
   // loss.backward(), scaled by the loss scale under fp16.
   virtual void backward(const at::Tensor& loss);
+  // Gradients changed outside backward() (a pipeline schedule ran its own backward passes): the
+  // norm computed before is stale.
+  void invalidate_norm() { norm_valid_ = false; }
   // Computes the global gradient norm now (fp64, unscaled) and clips at step time: unscaling
   // and clipping are applied in the same pass as the update. Returns the norm (inf/nan on
   // fp16 overflow).

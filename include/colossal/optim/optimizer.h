@@ -12,6 +12,7 @@
 #include <colossal/kernels/adamw_hyper.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -101,6 +102,10 @@ class Optimizer {
   void adopt_masters(const std::vector<std::pair<std::string, at::Tensor>>& masters);
 
   const ParamState* state(const std::string& name) const;
+  // Keeps only the parameters `keep` says yes to (by tensor), dropping the others with their
+  // state and masters; groups stay (possibly empty), so schedulers see the same groups. A
+  // pipeline stage holds only its blocks' parameters of an optimizer built over the whole model.
+  void retain_params(const std::function<bool(const at::Tensor&)>& keep);
 
   virtual const char* type() const = 0;
   StateDict state_dict() const;

@@ -27,8 +27,9 @@ void PluginOptions::validate() const {
   precision_from_string(ddp.precision);
   COLOSSAL_CHECK_INPUT(is_hybrid_plugin(name) || !hybrid.non_default_layout(),
                        "--tp_size/--pp_size/--sp_size/--sequence_parallelism_mode/"
-                       "--enable_sequence_parallelism/--zero_stage apply to --plugin hybrid (3d) "
-                       "only, not '",
+                       "--enable_sequence_parallelism/--zero_stage and the pipeline options "
+                       "(--num_microbatches, --microbatch_size, --pp_style, --num_model_chunks, "
+                       "...) apply to --plugin hybrid (3d) only, not '",
                        name, "'");
   if (is_hybrid_plugin(name)) {
     hybrid.validate();

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "booster/plugins/plugin_common.h"
@@ -26,6 +27,9 @@
 #include "colossal/nn/plan.h"
 #include "colossal/nn/sequence_parallel.h"
 #include "colossal/optim/optimizer.h"
+#include "colossal/pipeline/executor.h"
+#include "colossal/pipeline/layers.h"
+#include "colossal/pipeline/schedule.h"
 #include "colossal/zero/low_level_optim.h"
 
 namespace colossal::booster {
@@ -35,7 +39,7 @@ using dist::SequenceParallel;
 void HybridOptions::register_options(OptionSet& set) {
   set.add("plugin", "tp_size", &tp_size, "hybrid: tensor parallel size")
       .alias("tp_size", "tp")
-      .add("plugin", "pp_size", &pp_size, "hybrid: pipeline stages (only 1 for now)")
+      .add("plugin", "pp_size", &pp_size, "hybrid: pipeline stages")
       .alias("pp_size", "pp")
       .add("plugin", "sp_size", &sp_size,
            "hybrid: sequence parallel axis size (all_to_all / ring_attn; 1 for split_gather)")
@@ -58,7 +62,30 @@ void HybridOptions::register_options(OptionSet& set) {
       .add("plugin", "max_norm", &max_norm,
            "hybrid: clip the global gradient norm at every step (0: off)")
       .add("plugin", "zero_bucket_size_in_m", &zero_bucket_size_in_m,
-           "hybrid: ZeRO gradient bucket size in millions of elements");
+           "hybrid: ZeRO gradient bucket size in millions of elements")
+      .add("plugin", "num_microbatches", &num_microbatches,
+           "hybrid pp: micro-batches per pipeline step (or --microbatch_size)")
+      .add("plugin", "microbatch_size", &microbatch_size,
+           "hybrid pp: rows per micro-batch (or --num_microbatches)")
+      .alias("microbatch_size", "mbs")
+      .add("plugin", "pp_style", &pp_style, "hybrid pp: schedule",
+           {"1f1b", "gpipe", "interleaved", "zbh1", "zbv"})
+      .add("plugin", "num_model_chunks", &num_model_chunks,
+           "hybrid pp: model chunks per stage (interleaved > 1, zbv 2)")
+      .alias("num_model_chunks", "n_chunks")
+      .add("plugin", "num_layers_per_stage", &num_layers_per_stage,
+           "hybrid pp: decoder layers per virtual stage, e.g. 8,8,8,8 (default: even)")
+      .add("plugin", "pp_balance", &pp_balance,
+           "hybrid pp: default layer split: layers (ColossalAI's) or cost (counts embedding, "
+           "head and loss)",
+           {"layers", "cost"})
+      .add("plugin", "pp_schedule_table", &pp_schedule_table,
+           "hybrid pp: a schedule table (CSV or JSON) instead of --pp_style")
+      .add("plugin", "enable_metadata_cache", &enable_metadata_cache,
+           "hybrid pp: send shapes once per step")
+      .add("plugin", "num_ckpt_layers_per_stage", &num_ckpt_layers_per_stage,
+           "hybrid pp: activation-checkpointed layers per stage, e.g. 2,1");
+  set.min("num_microbatches", 0).min("microbatch_size", 0).min("num_model_chunks", 1);
   set.min("tp_size", 1).min("pp_size", 1).min("sp_size", 1).min("zero_stage", 0);
   set.max("zero_stage", 2)
       .min("make_vocab_size_divisible_by", 1)
@@ -88,8 +115,41 @@ void HybridOptions::validate() const {
   COLOSSAL_CHECK_INPUT(tp_size >= 1 && pp_size >= 1 && sp_size >= 1,
                        "hybrid: tp_size, pp_size and sp_size must be >= 1, got ", tp_size, ", ",
                        pp_size, ", ", sp_size);
-  COLOSSAL_CHECK_INPUT(pp_size == 1, "hybrid: pp_size=", pp_size,
-                       ": pipeline parallelism is not available yet (pp_size must be 1)");
+  COLOSSAL_CHECK_INPUT(num_microbatches >= 0 && microbatch_size >= 0 && num_model_chunks >= 1,
+                       "hybrid: num_microbatches and microbatch_size must be >= 0 and "
+                       "num_model_chunks >= 1, got ",
+                       num_microbatches, ", ", microbatch_size, ", ", num_model_chunks);
+  COLOSSAL_CHECK_INPUT(pp_balance == "layers" || pp_balance == "cost",
+                       "hybrid: pp_balance must be 'layers' or 'cost', got '", pp_balance, "'");
+  if (pp_size > 1) {
+    COLOSSAL_CHECK_INPUT(zero_stage <= 1, "hybrid: zero_stage=", zero_stage, " with pp_size=",
+                         pp_size,
+                         ": pipelines take ZeRO stage 0 or 1 (the gradients stay whole until "
+                         "the last micro-batch, so stage 2 would save nothing)");
+    COLOSSAL_CHECK_INPUT((num_microbatches > 0) != (microbatch_size > 0),
+                         "hybrid: pp_size=", pp_size,
+                         " needs exactly one of num_microbatches and microbatch_size, got ",
+                         num_microbatches, " and ", microbatch_size);
+    COLOSSAL_CHECK_INPUT(custom_plan.empty(),
+                         "hybrid: custom_plan with pp_size > 1 (pipeline stages are cut from "
+                         "models::CausalLM's blocks)");
+    if (pp_schedule_table.empty()) {
+      const bool chunks_ok = pp_style == "interleaved" ? num_model_chunks > 1
+                             : pp_style == "zbv"       ? num_model_chunks == 2
+                                                       : num_model_chunks == 1;
+      COLOSSAL_CHECK_INPUT(chunks_ok, "hybrid: pp_style ", pp_style, " with num_model_chunks=",
+                           num_model_chunks,
+                           " (1f1b, gpipe and zbh1 take 1 chunk, interleaved more than 1, zbv "
+                           "exactly 2)");
+    }
+  } else {
+    COLOSSAL_CHECK_INPUT(num_layers_per_stage.empty() && num_ckpt_layers_per_stage.empty() &&
+                             pp_schedule_table.empty() && num_model_chunks == 1,
+                         "hybrid: num_layers_per_stage, num_ckpt_layers_per_stage, "
+                         "pp_schedule_table and num_model_chunks need pp_size > 1");
+  }
+  layers_per_stage();
+  ckpt_layers_per_stage();
   COLOSSAL_CHECK_INPUT(zero_stage >= 0 && zero_stage <= 2,
                        "hybrid: zero_stage must be 0, 1 or 2, got ", zero_stage);
   COLOSSAL_CHECK_INPUT(make_vocab_size_divisible_by >= 1,
@@ -112,9 +172,48 @@ void HybridOptions::validate() const {
   precision_from_string(precision);
 }
 
+namespace {
+std::vector<int64_t> parse_int_list(const std::string& text, const char* option) {
+  std::vector<int64_t> out;
+  if (text.empty()) return out;
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    const size_t comma = std::min(text.find(',', pos), text.size());
+    const std::string item = text.substr(pos, comma - pos);
+    size_t used = 0;
+    int64_t v = -1;
+    try {
+      v = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    COLOSSAL_CHECK_INPUT(used == item.size() && !item.empty() && v >= 0, "hybrid: ", option, "='",
+                         text, "': '", item,
+                         "' is not a non-negative integer (a comma-separated list)");
+    out.push_back(v);
+    pos = comma + 1;
+  }
+  return out;
+}
+}  // namespace
+
+std::vector<int64_t> HybridOptions::layers_per_stage() const {
+  return parse_int_list(num_layers_per_stage, "num_layers_per_stage");
+}
+std::vector<int64_t> HybridOptions::ckpt_layers_per_stage() const {
+  auto v = parse_int_list(num_ckpt_layers_per_stage, "num_ckpt_layers_per_stage");
+  COLOSSAL_CHECK_INPUT(v.empty() || static_cast<int64_t>(v.size()) == pp_size,
+                       "hybrid: num_ckpt_layers_per_stage='", num_ckpt_layers_per_stage,
+                       "' has ", v.size(), " entries for pp_size=", pp_size);
+  return v;
+}
+
 bool HybridOptions::non_default_layout() const {
   return tp_size != 1 || pp_size != 1 || sp_size != 1 || !sequence_parallelism_mode.empty() ||
-         enable_sequence_parallelism || zero_stage != 0;
+         enable_sequence_parallelism || zero_stage != 0 || num_microbatches != 0 ||
+         microbatch_size != 0 || pp_style != "1f1b" || num_model_chunks != 1 ||
+         !num_layers_per_stage.empty() || pp_balance != "layers" || !pp_schedule_table.empty() ||
+         !num_ckpt_layers_per_stage.empty();
 }
 
 dist::ParallelDegrees HybridOptions::degrees(int world_size) const {
@@ -164,6 +263,8 @@ struct ParamRole {
   // Whether this tp rank adds it to the gradient norm: ranks holding the same values (replicated
   // over r ranks, r = Module::replication or tp for a whole parameter) count it on the first.
   bool counted_on_tp = true;
+  // false for the last pipeline stage's copy of a tied embedding (the first stage counts it).
+  bool counted_on_pp = true;
 };
 
 std::map<std::string, ParamRole> param_roles(torch::nn::Module& root, int tp_rank, int tp) {
@@ -246,6 +347,20 @@ class HybridOptimizer : public OptimizerWrapper {
 };
 
 }  // namespace
+
+// What the plugin keeps for pipeline steps: the stage model, the placement of its chunks, the
+// tied embedding's group and one executor per micro-batch count.
+class PipelineState {
+ public:
+  std::shared_ptr<models::CausalLM> model;
+  pipeline::Placement placement = pipeline::Placement::Loop;
+  std::optional<pipeline::Schedule> table;  // pp_schedule_table, loaded at configure time
+  std::map<int, pipeline::Schedule> schedules;
+  std::map<int, std::unique_ptr<pipeline::Executor>> executors;
+  dist::Communicator embedding_group;  // first and last stage of a tied head (Loop placement)
+  std::vector<int64_t> layers;         // decoder layers per virtual stage
+  const pipeline::Executor* last = nullptr;  // the executor of the last step
+};
 
 HybridParallelPlugin::HybridParallelPlugin(HybridOptions options,
                                            std::shared_ptr<dist::ParallelDims> dims)
@@ -348,8 +463,14 @@ std::shared_ptr<ModelWrapper> HybridParallelPlugin::configure_model(
   // Every shard is cut from rank 0's whole model: the values are the unsharded model's.
   std::vector<std::pair<std::string, at::Tensor>> none;
   plugins::broadcast_from_rank0(world_, *model, none, /*buffers=*/true);
+  if (options_.pp_size > 1) {
+    COLOSSAL_CHECK_INPUT(lm, "hybrid: pp_size ", options_.pp_size,
+                         " needs a models::CausalLM (pipeline stages are cut from its blocks)");
+    cut_pipeline_stage(lm);
+  }
   if (tp > 1) {
     nn::PlanOptions po;
+    po.allow_unmatched = options_.pp_size > 1;  // rules for layers on other stages
     po.tp = dims_->tp();
     // all_to_all / ring_attn shard the sequence on their own axis: the tp layers see whole
     // sequences there.
@@ -381,6 +502,7 @@ std::shared_ptr<ModelWrapper> HybridParallelPlugin::configure_model(
         so);
   }
   auto roles = param_roles(*model, dims_->tp().rank(), dims_->tp().size());
+  if (pipe_ && lm->holds_tied_copy()) roles.at("model.embed_tokens.weight").counted_on_pp = false;
   auto masters = plugins::cast_module_in_place(*model, working_dtype(precision_), options_.device);
   if (tp_io_) tp_io_->set_model(model);
   auto hm = std::make_shared<HybridModel>(std::move(model), std::move(masters));
@@ -420,6 +542,14 @@ std::shared_ptr<OptimizerWrapper> HybridParallelPlugin::configure_optimizer(
   auto* hm = dynamic_cast<HybridModel*>(&model);
   COLOSSAL_CHECK(hm, "hybrid plugin: the model was not configured by this plugin");
   if (!optimizer) return nullptr;
+  if (pipe_) {
+    // An optimizer built over the whole model keeps this stage's parameters only.
+    std::set<const void*> held;
+    for (auto& item : model.module().named_parameters(true))
+      held.insert(item.value().unsafeGetTensorImpl());
+    optimizer->retain_params(
+        [&held](const at::Tensor& p) { return held.count(p.unsafeGetTensorImpl()) > 0; });
+  }
   plugins::check_optimizer_params(*optimizer, model.module());
   const at::Device dev = device_of(options_.device);
   amp::GradReducer reducer = amp::over_parallel_dims(*dims_, dev);
@@ -429,7 +559,8 @@ std::shared_ptr<OptimizerWrapper> HybridParallelPlugin::configure_optimizer(
     hm->masters.clear();
     std::set<const void*> counted;
     for (auto& item : model.module().named_parameters(true))
-      if (reducer.counts({"dp"}) && roles.at(item.key()).counted_on_tp)
+      if (reducer.counts({"dp"}) && roles.at(item.key()).counted_on_tp &&
+          roles.at(item.key()).counted_on_pp)
         counted.insert(item.value().unsafeGetTensorImpl());
     return std::make_shared<HybridOptimizer>(std::move(optimizer), precision_, options_.loss_scale,
                                              std::move(reducer), std::move(counted),
@@ -444,8 +575,11 @@ std::shared_ptr<OptimizerWrapper> HybridParallelPlugin::configure_optimizer(
   // A rank that does not count a parameter names the tp axis, along which it is not rank 0.
   zopt->set_norm_reducer(std::move(reducer), [roles](const std::string& name) {
     auto it = roles.find(name);
-    return it != roles.end() && !it->second.counted_on_tp ? std::vector<std::string>{"tp"}
-                                                          : std::vector<std::string>{};
+    std::vector<std::string> axes;
+    if (it != roles.end() && !it->second.counted_on_tp) axes.push_back("tp");
+    // The tied copy lives on a pipeline rank other than 0 (the first stage counts it).
+    if (it != roles.end() && !it->second.counted_on_pp) axes.push_back("pp");
+    return axes;
   });
   GradSync::Options gs;
   const int64_t elem = at::elementSize(working_dtype(precision_));
@@ -470,6 +604,254 @@ std::shared_ptr<OptimizerWrapper> HybridParallelPlugin::configure_optimizer(
            " data-parallel rank(s); optimizer state on this rank ", zopt->state_bytes(), " bytes");
   return std::make_shared<ZeroOptimizerWrapper>(std::move(optimizer), std::move(zopt), precision_,
                                                 options_.loss_scale, options_.max_norm);
+}
+
+std::vector<int64_t> HybridParallelPlugin::layers_per_virtual_stage(
+    const models::ModelConfig& cfg, int64_t seq_len) const {
+  const int stages = static_cast<int>(options_.pp_size);
+  const int chunks = pipe_ && pipe_->table ? pipe_->table->chunks
+                                           : static_cast<int>(options_.num_model_chunks);
+  const int64_t L = cfg.num_hidden_layers;
+  COLOSSAL_CHECK_INPUT(L >= static_cast<int64_t>(stages) * chunks, "hybrid: ", stages,
+                       " pipeline stages x ", chunks, " chunks need at least ", stages * chunks,
+                       " decoder layers; the model has ", L);
+  std::vector<int64_t> given = options_.layers_per_stage();
+  if (!given.empty()) {
+    pipeline::check_layers_per_stage(given, L, stages * chunks);
+    return given;
+  }
+  if (options_.pp_balance == "cost") {
+    const models::BlockCosts c = models::block_costs(cfg, seq_len);
+    return pipeline::balance_layers(L, stages * chunks, c.layer, c.embedding, c.head);
+  }
+  return pipeline::distribute_layers(L, stages, chunks);
+}
+
+void HybridParallelPlugin::cut_pipeline_stage(const std::shared_ptr<models::CausalLM>& lm) {
+  pipe_ = std::make_unique<PipelineState>();
+  pipe_->model = lm;
+  const int pp = dims_->pp().size(), rank = dims_->pp().rank();
+  if (!options_.pp_schedule_table.empty()) {
+    pipe_->table = pipeline::load_schedule_table(options_.pp_schedule_table);
+    COLOSSAL_CHECK_INPUT(pipe_->table->stages == pp, "hybrid: the schedule table ",
+                         options_.pp_schedule_table, " has ", pipe_->table->stages,
+                         " stages, pp_size is ", pp);
+    pipe_->placement = pipe_->table->placement;
+  } else {
+    pipe_->placement =
+        options_.pp_style == "zbv" ? pipeline::Placement::V : pipeline::Placement::Loop;
+  }
+  // The cost-balanced split weighs attention at the longest sequence the model is made for
+  // (capped at 4096 tokens): the split is fixed before any batch is seen.
+  const int64_t seq = std::min<int64_t>(lm->config().max_position_embeddings, 4096);
+  pipe_->layers = layers_per_virtual_stage(lm->config(), seq);
+  lm->keep_chunks(pipeline::rank_block_ranges(pipe_->layers, pp, rank,
+                                              pipe_->placement == pipeline::Placement::V));
+  std::vector<int64_t> ckpt = options_.ckpt_layers_per_stage();
+  if (!ckpt.empty())
+    lm->set_activation_checkpointing(nn::CheckpointMode::Full, ckpt[static_cast<size_t>(rank)]);
+  if (lm->tied() && pipe_->placement == pipeline::Placement::Loop) {
+    // The embedding (stage 0) and the last stage's copy used by the head: one group per
+    // (dp, tp, sp) coordinate, its two members along pp.
+    std::vector<int> along = dims_->mesh().group_ranks({dist::Axis::PP});
+    std::vector<int> members{along.front(), along.back()};
+    if (rank == 0 || rank == pp - 1)
+      pipe_->embedding_group = dims_->pp().new_group(
+          members, "hybrid-tied-embedding-" + std::to_string(members[0]));
+  }
+  log_info("hybrid: pipeline rank ", rank, " of ", pp, " holds blocks ",
+           [&] {
+             std::string out;
+             for (int64_t c = 0; c < lm->num_chunks(); ++c) {
+               auto [b, e] = lm->chunk_blocks(c);
+               out += (c ? ", " : "") + std::string("[") + std::to_string(b) + ", " +
+                      std::to_string(e) + ")";
+             }
+             return out;
+           }(),
+           lm->holds_tied_copy() ? " + the tied embedding copy" : "");
+}
+
+const pipeline::Schedule& HybridParallelPlugin::schedule(int microbatches) {
+  COLOSSAL_CHECK(pipe_, "hybrid: no pipeline (pp_size 1 or the model was not boosted)");
+  auto it = pipe_->schedules.find(microbatches);
+  if (it != pipe_->schedules.end()) return it->second;
+  pipeline::Schedule s;
+  if (pipe_->table) {
+    COLOSSAL_CHECK_INPUT(pipe_->table->microbatches == microbatches, "hybrid: the schedule table ",
+                         options_.pp_schedule_table, " is for ", pipe_->table->microbatches,
+                         " micro-batches, the step has ", microbatches);
+    s = *pipe_->table;
+  } else {
+    pipeline::ScheduleOptions so;
+    so.style = options_.pp_style;
+    so.stages = static_cast<int>(options_.pp_size);
+    so.microbatches = microbatches;
+    so.chunks = static_cast<int>(options_.num_model_chunks);
+    s = pipeline::make_schedule(so);
+  }
+  pipeline::validate(s);
+  return pipe_->schedules.emplace(microbatches, std::move(s)).first->second;
+}
+
+PipelineOutput HybridParallelPlugin::execute_pipeline(const BatchIterator& data_iter,
+                                                      ModelWrapper& model,
+                                                      const Criterion& criterion,
+                                                      OptimizerWrapper* optimizer,
+                                                      bool return_loss, bool return_outputs,
+                                                      const PipelineStep& step) {
+  auto* hm = dynamic_cast<HybridModel*>(&model);
+  COLOSSAL_CHECK(hm && pipe_, "hybrid: execute_pipeline needs a model boosted by this plugin "
+                              "with pp_size > 1");
+  COLOSSAL_CHECK_INPUT(at::GradMode::is_enabled(),
+                       "hybrid: execute_pipeline runs a training step (forward-only pipeline "
+                       "steps are not supported); grad mode is off");
+  models::CausalLM& lm = *pipe_->model;
+  auto [inputs, targets] = data_iter();
+  COLOSSAL_CHECK_INPUT(inputs.defined() && targets.defined() && inputs.dim() == 2 &&
+                           targets.sizes() == inputs.sizes(),
+                       "hybrid: execute_pipeline's data_iter must give token ids and targets "
+                       "[batch, seq] of one shape, got ",
+                       inputs.defined() ? inputs.sizes() : at::IntArrayRef{}, " and ",
+                       targets.defined() ? targets.sizes() : at::IntArrayRef{});
+  const int64_t B = inputs.size(0);
+  int64_t M = options_.num_microbatches;
+  if (M > 0) {
+    COLOSSAL_CHECK_INPUT(B % M == 0, "hybrid: a batch of ", B,
+                         " rows does not split into num_microbatches=", M);
+  } else {
+    COLOSSAL_CHECK_INPUT(B % options_.microbatch_size == 0, "hybrid: a batch of ", B,
+                         " rows is not divisible by microbatch_size=", options_.microbatch_size);
+    M = B / options_.microbatch_size;
+  }
+  const pipeline::Schedule& sched = schedule(static_cast<int>(M));
+  auto& exec = pipe_->executors[static_cast<int>(M)];
+  const at::Device dev = device_of(options_.device);
+  // This step's micro-batches, each cut for this rank (sequence shards) as local_batch does.
+  std::vector<LocalBatch> mbs;
+  const int64_t rows = B / M;
+  for (int64_t m = 0; m < M; ++m)
+    mbs.push_back(local_batch(inputs.narrow(0, m * rows, rows).to(dev),
+                              targets.narrow(0, m * rows, rows).to(dev)));
+  const bool vocab_head = (lm.lm_head && lm.lm_head->vocab_parallel_head()) ||
+                          (!lm.lm_head && lm.model->embed_tokens &&
+                           lm.model->embed_tokens->vocab_parallel_head());
+  COLOSSAL_CHECK_INPUT(!(return_outputs && vocab_head), "hybrid: return_outputs with a "
+                       "vocab-parallel head (parallel_output) returns no whole logits; set "
+                       "parallel_output=false");
+  std::vector<at::Tensor> outputs(static_cast<size_t>(M));
+  const int64_t L = lm.config().num_hidden_layers;
+  pipeline::StageFunctions fns;
+  fns.forward = [&](int mb, int chunk, const at::Tensor& input) -> at::Tensor {
+    const LocalBatch& lb = mbs[static_cast<size_t>(mb)];
+    models::ForwardOptions fo;
+    fo.seq_offset = lb.seq_offset;
+    fo.global_seq_len = lb.global_seq_len;
+    if (lb.positions.defined()) fo.positions = lb.positions.to(lb.inputs.device());
+    const auto [begin, end] = lm.chunk_blocks(chunk);
+    const at::Tensor x = begin == 0 ? lb.inputs : input;
+    if (end < L + 3) return lm.forward_chunk(chunk, x, fo);
+    const double w = lb.loss_weight * step.loss_weight / static_cast<double>(M);
+    if (vocab_head || (!criterion && !return_outputs))
+      return lm.forward_chunk_loss(chunk, x, lb.targets, step.ce_chunk_tokens, fo) * w;
+    at::Tensor logits = lm.forward_chunk(chunk, x, fo);
+    if (return_outputs) outputs[static_cast<size_t>(mb)] = logits.detach();
+    at::Tensor loss =
+        criterion ? criterion(logits, lb.targets)
+                  : at::cross_entropy_loss(logits.to(at::kFloat).reshape({-1, logits.size(-1)}),
+                                           lb.targets.reshape({-1}), std::nullopt,
+                                           at::Reduction::Mean, -100);
+    return loss * w;
+  };
+  std::vector<at::Tensor> params;
+  for (auto& [name, p] : plugins::trainable(model.module())) params.push_back(p);
+  fns.parameters = [&params](int) { return params; };
+  if (optimizer && optimizer->scaler()) {
+    const double scale = optimizer->loss_scale();
+    fns.scale_loss = [scale](const at::Tensor& loss) { return loss * scale; };
+  }
+  if (!exec) {
+    pipeline::ExecutorOptions eo;
+    eo.enable_metadata_cache = options_.enable_metadata_cache;
+    eo.device = dev;
+    eo.record_timings = true;
+    exec = std::make_unique<pipeline::Executor>(sched, dims_->pp(), fns, eo);
+  } else {
+    exec->set_stage(fns);
+  }
+  // The schedule's backward passes accumulate; the data-parallel reduction runs once after it.
+  const bool sync = hm->require_grad_sync();
+  hm->set_require_grad_sync(false);
+  std::vector<at::Tensor> losses;
+  try {
+    losses = exec->run();
+  } catch (...) {
+    hm->set_require_grad_sync(sync);
+    throw;
+  }
+  hm->set_require_grad_sync(sync);
+  if (optimizer) optimizer->invalidate_norm();
+  if (sync) {
+    if (pipe_->embedding_group.valid()) {
+      // The head's copy and the embedding: each holds part of the tied weight's gradient.
+      at::Tensor w;
+      for (auto& item : lm.named_parameters(true))
+        if (item.key() == "model.embed_tokens.weight") w = item.value();
+      COLOSSAL_CHECK(w.defined(), "hybrid: a tied stage without model.embed_tokens.weight");
+      if (w.requires_grad()) {
+        if (!w.grad().defined()) w.mutable_grad() = at::zeros_like(w);
+        pipe_->embedding_group.all_reduce(w.mutable_grad(), dist::ReduceOp::Sum);
+      }
+    }
+    if (hm->sync) hm->sync->reduce_now();
+  }
+  PipelineOutput out;
+  if (return_loss) {
+    // The step's loss from the last stage to every pipeline rank (rank 0 logs it).
+    at::Tensor total = at::zeros({1}, at::TensorOptions(at::kDouble).device(dev));
+    for (auto& l : losses) total += l.to(at::kDouble).reshape({1});
+    const int last = sched.holder(sched.virtual_stages() - 1).first;
+    if (dims_->pp().size() > 1) dims_->pp().broadcast(total, last);
+    out.loss = total.reshape({});
+  }
+  if (return_outputs && exec->holds_last()) out.outputs = std::move(outputs);
+  pipe_->last = exec.get();
+  return out;
+}
+
+PipelineProfile HybridParallelPlugin::pipeline_profile() {
+  COLOSSAL_CHECK(pipe_ && pipe_->last, "hybrid: pipeline_profile needs a pipeline step first");
+  const pipeline::Executor& exec = *pipe_->last;
+  // This rank's mean compute times: [f, b, w, measured step].
+  double sum[3] = {0, 0, 0};
+  int count[3] = {0, 0, 0};
+  for (const auto& t : exec.last_timings()) {
+    const int k = t.instr.op == pipeline::Op::F                                    ? 0
+                  : t.instr.op == pipeline::Op::B || t.instr.op == pipeline::Op::BW ? 1
+                  : t.instr.op == pipeline::Op::W                                   ? 2
+                                                                                    : -1;
+    if (k < 0) continue;
+    sum[k] += t.end - t.start;
+    ++count[k];
+  }
+  at::Tensor mine = at::zeros({4}, at::kDouble);
+  for (int k = 0; k < 3; ++k) mine[k] = count[k] ? sum[k] / count[k] : 0.0;
+  mine[3] = exec.last_run_seconds();
+  dist::Communicator& pp = dims_->pp();
+  const at::Device dev = device_of(options_.device);
+  at::Tensor all = at::zeros({4 * pp.size()}, at::TensorOptions(at::kDouble).device(dev));
+  pp.all_gather(all, mine.to(dev));
+  all = all.to(at::kCPU).view({pp.size(), 4});
+  PipelineProfile out;
+  for (int r = 0; r < pp.size(); ++r) {
+    out.costs.f_rank.push_back(all[r][0].item<double>());
+    out.costs.b_rank.push_back(all[r][1].item<double>());
+    out.costs.w_rank.push_back(all[r][2].item<double>());
+    out.measured = std::max(out.measured, all[r][3].item<double>());
+  }
+  out.costs.comm = 0.0;
+  out.simulated = pipeline::simulate(exec.schedule(), out.costs);
+  return out;
 }
 
 HybridMemoryReport HybridParallelPlugin::memory_report(ModelWrapper& model,

@@ -36,10 +36,18 @@
 // exactly as split_gather here. Key/value heads fewer than tp are replicated by the layers (their
 // gradients summed over the sharing ranks there); the norm counts them once per replica group.
 //
-// Not yet (each refused with a named InputError): pp_size > 1 (pipelines come with their own
-// issue); the all_to_all and ring_attn modes (their attention cores are built by other work;
-// local_batch() is their seam); split_gather / ring with a tied embedding (the embedding stays
-// whole, so nothing splits the sequence); overlap_allgather.
+// Pipeline parallelism (pp_size > 1): the model (a models::CausalLM) is cut into pp_size *
+// num_model_chunks virtual stages; each pipeline rank keeps only its chunks' blocks (names
+// unchanged; a tied head's last stage keeps a copy of the embedding weight, whose gradient is
+// summed over the first and last stage and counted once in the norm), then the tp plan and SP
+// cores apply to what it holds. Booster::execute_pipeline runs one step of the schedule (pp_style
+// or a user's table, pipeline/schedule.h) through pipeline::Executor. ZeRO with pp: stage <= 1
+// (ColossalAI's rule, kept: the gradients must stay whole until the last micro-batch's
+// backward, so ZeRO-2's reduce-scatter during backward frees nothing that stage 1 keeps).
+//
+// Not yet (each refused with a named InputError): split_gather / ring with a tied embedding (the
+// embedding stays whole, so nothing splits the sequence); overlap_allgather; custom_plan with
+// pp_size > 1; forward-only pipeline steps (execute_pipeline needs grad mode).
 #pragma once
 
 #include <cstdint>
@@ -52,17 +60,22 @@
 #include "colossal/booster/wrappers.h"
 #include "colossal/dist/parallel_dims.h"
 #include "colossal/nn/plan.h"
+#include "colossal/pipeline/schedule.h"
 
 namespace colossal {
 class OptionSet;
 }
+namespace colossal::models {
+struct ModelConfig;
+class CausalLM;
+}  // namespace colossal::models
 namespace colossal::booster {
 
 // ColossalAI's HybridParallelPlugin arguments that apply here, with its names and defaults
 // (sp_size None -> 1, inner_ring_size None -> 0).
 struct HybridOptions {
   int64_t tp_size = 1;
-  int64_t pp_size = 1;  // must be 1: pipeline parallelism is not available yet
+  int64_t pp_size = 1;
   int64_t sp_size = 1;  // the sp axis (all_to_all / ring_attn); 1 for split_gather / ring
   // "" (no mode chosen: SP off), "split_gather", "ring", "all_to_all" or "ring_attn".
   std::string sequence_parallelism_mode;
@@ -79,6 +92,25 @@ struct HybridOptions {
   // instead of a models::CausalLM's plan (for which it replaces the built-in plan). The model's
   // code is not edited. Sequence parallelism needs the built-in plans (a named error otherwise).
   nn::ParallelPlan custom_plan;
+  // Pipeline (pp_size > 1), ColossalAI's names: one of num_microbatches / microbatch_size (the
+  // batch each execute_pipeline call gets is split into them); pp_style "1f1b", "gpipe",
+  // "interleaved" (num_model_chunks > 1), "zbh1" or "zbv" (num_model_chunks 2).
+  int64_t num_microbatches = 0;
+  int64_t microbatch_size = 0;
+  std::string pp_style = "1f1b";
+  int64_t num_model_chunks = 1;
+  // Decoder layers per virtual stage ("8,8,8,8"; empty: ColossalAI's distribute_layers, or the
+  // cost-balanced split when pp_balance is "cost": the embedding and the LM head with its loss
+  // counted by their FLOPs).
+  std::string num_layers_per_stage;
+  std::string pp_balance = "layers";  // "layers" (distribute_layers) or "cost"
+  // A user's schedule table (CSV or JSON, pipeline/schedule.h) instead of pp_style's generator.
+  std::string pp_schedule_table;
+  bool enable_metadata_cache = true;
+  // Activation checkpointing per pipeline stage (ColossalAI's gradient_checkpoint_config
+  // num_ckpt_layers_per_stage, "2,1"): the first n decoder layers of stage i recompute in
+  // backward (full recompute). Empty: the model's own setting is left alone.
+  std::string num_ckpt_layers_per_stage;
   LossScaleOptions loss_scale;        // fp16: initial_scale 2**16, ... (ColossalAI's Hybrid values)
   double max_norm = 0.0;              // clip every step at this global norm (0: off)
   double zero_bucket_size_in_m = 12;  // ZeRO gradient bucket, millions of elements
@@ -102,7 +134,17 @@ struct HybridOptions {
   dist::ParallelDegrees degrees(int world_size) const;
   // Range and combination checks that need no world size or model.
   void validate() const;
+  // num_layers_per_stage / num_ckpt_layers_per_stage as numbers (InputError naming the option).
+  std::vector<int64_t> layers_per_stage() const;
+  std::vector<int64_t> ckpt_layers_per_stage() const;
   bool non_default_layout() const;  // any of tp/pp/sp/mode/enable/zero_stage set
+};
+
+// The last pipeline step, measured and simulated (HybridParallelPlugin::pipeline_profile).
+struct PipelineProfile {
+  pipeline::Costs costs;         // per-rank mean F, B, W seconds (BW counted as B, W = 0)
+  double measured = 0;           // the step's wall time (the slowest pipeline rank), seconds
+  pipeline::SimResult simulated; // the schedule simulated with `costs`
 };
 
 // What a rank holds, in bytes (HybridParallelPlugin::memory_report): measured from the tensors.
@@ -113,6 +155,7 @@ struct HybridMemoryReport {
 };
 
 class TensorParallelCheckpointIO;
+class PipelineState;
 
 class HybridParallelPlugin : public Plugin {
  public:
@@ -126,6 +169,8 @@ class HybridParallelPlugin : public Plugin {
   std::vector<Precision> supported_precisions() const override;
   std::vector<std::string> supported_devices() const override { return {"cpu", "cuda"}; }
   bool support_no_sync() const override { return true; }
+  // pp_size > 1: Booster::execute_pipeline runs the schedule (see execute_pipeline below).
+  bool support_pipeline() const override { return options_.pp_size > 1; }
   Precision precision() const override { return precision_; }
   std::string device() const override { return options_.device; }
   // The dp axis: tp and sp peers read the same samples.
@@ -144,6 +189,23 @@ class HybridParallelPlugin : public Plugin {
   std::shared_ptr<ModelWrapper> configure_model(std::shared_ptr<torch::nn::Module> model) override;
   std::shared_ptr<OptimizerWrapper> configure_optimizer(std::shared_ptr<optim::Optimizer> optimizer,
                                                         ModelWrapper& model) override;
+  // One step through the pipeline: the batch is split into micro-batches (each through
+  // local_batch), the schedule runs on the pp group, then (unless inside no_sync) the tied
+  // embedding's gradient is summed over its first and last stage and the gradients are
+  // synchronised over the data-parallel group (all-reduce, or ZeRO-1's). The loss is broadcast
+  // from the last stage to every pipeline rank.
+  PipelineOutput execute_pipeline(const BatchIterator& data_iter, ModelWrapper& model,
+                                  const Criterion& criterion, OptimizerWrapper* optimizer,
+                                  bool return_loss, bool return_outputs,
+                                  const PipelineStep& step) override;
+  // The schedule a step of `microbatches` micro-batches runs (validated).
+  const pipeline::Schedule& schedule(int microbatches);
+  // Collective over the pp group: the last execute_pipeline step's per-instruction timings,
+  // turned into per-rank costs and fed to the schedule simulator (what `colossal bench` prints).
+  PipelineProfile pipeline_profile();
+  // The decoder layers of each virtual stage for a model of `num_layers` layers.
+  std::vector<int64_t> layers_per_virtual_stage(const models::ModelConfig& config,
+                                                int64_t seq_len) const;
 
   const HybridOptions& options() const { return options_; }
   dist::ParallelDims& dims() { return *dims_; }
@@ -152,12 +214,16 @@ class HybridParallelPlugin : public Plugin {
   HybridMemoryReport memory_report(ModelWrapper& model, OptimizerWrapper* optimizer) const;
 
  private:
+  // Keeps this pipeline rank's chunks of the model (and the tied copy), checkpointing per stage.
+  void cut_pipeline_stage(const std::shared_ptr<models::CausalLM>& model);
+
   HybridOptions options_;
   Precision precision_;
   dist::SequenceParallel mode_;
   std::shared_ptr<dist::ParallelDims> dims_;
   dist::Communicator world_;
   std::shared_ptr<TensorParallelCheckpointIO> tp_io_;  // tp_size > 1, made by checkpoint_io()
+  std::unique_ptr<PipelineState> pipe_;                // pp_size > 1
 };
 
 }  // namespace colossal::booster
