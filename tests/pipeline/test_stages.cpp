@@ -17,7 +17,9 @@
 #include <utility>
 #include <vector>
 
+#include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
+#include "colossal/kernels/fused.h"
 #include "colossal/models/llama/costs.h"
 #include "colossal/models/llama/model.h"
 #include "colossal/models/llama/plan.h"
@@ -50,11 +52,12 @@ ModelConfig tiny(int64_t layers, bool tied, bool gqa) {
   return c;
 }
 
-std::shared_ptr<CausalLM> make_model(const ModelConfig& c) {
-  auto m = std::make_shared<CausalLM>(c);
+std::shared_ptr<CausalLM> make_model(const ModelConfig& c, const at::Device& device = at::kCPU) {
+  auto m = std::make_shared<CausalLM>(c, at::TensorOptions().device(at::kMeta));
   nn::InitOptions io;
   io.seed = 7;
   io.std = 0.2;
+  io.device = device;
   nn::init_parameters(*m, io);
   return m;
 }
@@ -72,10 +75,11 @@ std::pair<int, int> holder(int v, int stages, bool v_placement) {
 // One model copy per rank, each keeping that rank's chunks.
 std::vector<std::shared_ptr<CausalLM>> split(const ModelConfig& c,
                                              const std::vector<int64_t>& layers, int stages,
-                                             bool v_placement) {
+                                             bool v_placement,
+                                             const at::Device& device = at::kCPU) {
   std::vector<std::shared_ptr<CausalLM>> ranks;
   for (int r = 0; r < stages; ++r) {
-    ranks.push_back(make_model(c));
+    ranks.push_back(make_model(c, device));
     ranks.back()->keep_chunks(rank_block_ranges(layers, stages, r, v_placement));
   }
   return ranks;
@@ -243,6 +247,46 @@ TEST(Stages, CheckpointingCountsLayersOverChunks) {
       auto want = plain[r]->named_parameters();
       for (const auto& p : ckpt[r]->named_parameters())
         EXPECT_LE(max_abs(p.value().grad(), want[p.key()].grad()), 1e-6) << p.key();
+    }
+  }
+}
+
+// On the GPU the decoder layers defer their residual adds into the next norm (fused kernels):
+// every chunk boundary after a layer resolves it (the chunk returns x + delta), so the chain
+// equals the whole model run with the same kernels. fp32: within float rounding (the fused add
+// inside the next norm against a plain add).
+TEST(Stages, ChunkBoundariesResolveTheDeferredResidualCuda) {
+  if (!Accelerator::cuda().available()) GTEST_SKIP() << "no CUDA device";
+  const at::Device dev = Accelerator::cuda().device();
+  kernels::set_enabled(true);
+  const ModelConfig c = tiny(8, true, true);
+  auto whole = make_model(c, dev);
+  at::manual_seed(6);
+  const at::Tensor ids = at::randint(0, c.vocab_size, {2, 16}, at::kLong).to(dev);
+  const at::Tensor targets = at::randint(0, c.vocab_size, {2, 16}, at::kLong).to(dev);
+  at::Tensor logits;
+  {
+    at::NoGradGuard ng;
+    logits = whole->forward(ids);
+  }
+  const at::Tensor loss = whole->forward_loss(ids, targets, 7);
+  loss.backward();
+  for (bool v : {false, true}) {
+    auto ranks = split(c, distribute_layers(8, 2, 2), 2, v, dev);
+    Chain chain = run_chain(ranks, 2, 2, v, ids, targets);
+    EXPECT_LE(max_abs(chain.logits, logits), 1e-5 * logits.abs().max().item<double>());
+    EXPECT_NEAR(chain.loss.item<double>(), loss.item<double>(), 1e-5 * loss.item<double>());
+    for (const auto& p : whole->named_parameters()) {
+      at::Tensor sum;
+      for (const auto& r : ranks) {
+        auto params = r->named_parameters();
+        if (!params.contains(p.key())) continue;
+        const at::Tensor g = params[p.key()].grad();
+        sum = sum.defined() ? sum + g : g;
+      }
+      ASSERT_TRUE(sum.defined()) << p.key();
+      const at::Tensor want = p.value().grad();
+      EXPECT_LE(max_abs(sum, want), 1e-4 * want.abs().max().item<double>() + 1e-12) << p.key();
     }
   }
 }
