@@ -398,7 +398,7 @@ void TensorParallelCheckpointIO::save_model(ModelWrapper& model, const std::stri
   COLOSSAL_CHECK(!items.empty(), "save_model: the model has no parameters");
   auto lm = std::dynamic_pointer_cast<models::CausalLM>(model.module_ptr());
   if (lm) {
-    COLOSSAL_CHECK(lm->first_block() == 0 && lm->end_block() == lm->num_blocks(),
+    COLOSSAL_CHECK(lm->whole(),
                    "save_model needs the whole model on each tensor-parallel group (this rank "
                    "holds blocks [",
                    lm->first_block(), ", ", lm->end_block(),

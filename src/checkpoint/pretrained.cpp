@@ -57,8 +57,7 @@ std::shared_ptr<models::CausalLM> load_pretrained(const std::string& dir,
 
 void save_pretrained(const models::CausalLM& model, const std::string& dir,
                      const SaveOptions& opts) {
-  COLOSSAL_CHECK(model.first_block() == 0 && model.end_block() == model.num_blocks(),
-                 "save_pretrained needs the whole model (this one holds blocks [",
+  COLOSSAL_CHECK(model.whole(), "save_pretrained needs the whole model (this one holds blocks [",
                  model.first_block(), ", ", model.end_block(), "))");
   TensorList state = module_state(model);
   COLOSSAL_CHECK(!state.empty(), "save_pretrained: the model has no parameters");

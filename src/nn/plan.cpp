@@ -21,6 +21,33 @@ std::vector<std::string> split(const std::string& s) {
   }
 }
 
+// Whether the first n components of `pattern` match those of `path` ('*' = any one).
+bool prefix_matches(const std::vector<std::string>& pattern, const std::vector<std::string>& path,
+                    size_t n) {
+  if (pattern.size() < n || path.size() < n) return false;
+  for (size_t i = 0; i < n; ++i)
+    if (pattern[i] != "*" && pattern[i] != path[i]) return false;
+  return true;
+}
+
+// Whether a rule that matched nothing may be meant for an absent module: its leading components
+// match an absent path, and no present module of that place exists (one that did, e.g. an
+// owned layer where "model.layers.*" also names dropped ones, would have shown the rule's rest
+// wrong).
+bool matches_absent(const std::string& pattern, const std::vector<std::string>& absent,
+                    const std::vector<std::string>& present) {
+  const std::vector<std::string> p = split(pattern);
+  for (const std::string& a : absent) {
+    const std::vector<std::string> q = split(a);
+    if (!prefix_matches(p, q, q.size())) continue;
+    bool testable = false;
+    for (const std::string& path : present)
+      if (prefix_matches(p, split(path), q.size())) testable = true;
+    if (!testable) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 bool plan_matches(const std::string& pattern, const std::string& path) {
@@ -74,8 +101,9 @@ int64_t apply_plan(torch::nn::Module& root, const ParallelPlan& plan, const Plan
         ++changed;
       }
     }
-    COLOSSAL_CHECK_INPUT(hits > 0 || !options.every_rule_matches, "parallel plan rule '",
-                         rule.pattern, "' matches no module of this model");
+    COLOSSAL_CHECK_INPUT(hits > 0 || !options.every_rule_matches ||
+                             matches_absent(rule.pattern, options.absent_modules, paths),
+                         "parallel plan rule '", rule.pattern, "' matches no module of this model");
   }
   return changed;
 }

@@ -265,7 +265,11 @@ TEST(Blocks, StagesKeepNamesAndComposeToTheWholeModel) {
   ModelConfig tied = c;
   tied.tie_word_embeddings = true;
   CausalLM t(tied, at::TensorOptions().device(at::kMeta));
-  EXPECT_THROW(t.keep_blocks(3, 6), Error);
+  // A tied head's stage keeps the embedding as its weight, not as a block.
+  t.keep_blocks(3, 6);
+  EXPECT_TRUE(t.holds_tied_copy());
+  EXPECT_FALSE(t.owns_block(0));
+  EXPECT_TRUE(t.named_parameters().contains("model.embed_tokens.weight"));
 }
 
 TEST(KVCache, IncrementalDecodingMatchesFullForward) {

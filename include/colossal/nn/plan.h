@@ -39,15 +39,22 @@ using ParallelPlan = std::vector<PlanRule>;
 struct PlanOptions {
   dist::Communicator tp;  // what shard rules shard over; invalid or of size 1: they are skipped
   SequenceParallelMode sequence_parallel = SequenceParallelMode::Off;
-  // Every rule must match a module. A pipeline stage, which holds only some blocks, turns it off.
+  // Every rule must match a module. A pipeline stage, which holds only some blocks, turns it off
+  // or, keeping the check for everything else, names what it dropped in absent_modules.
   bool every_rule_matches = true;
+  // Module paths root lacks on purpose (a pipeline stage's dropped blocks:
+  // models::CausalLM::dropped_blocks()): a rule that matches no module is accepted when it would
+  // match one of these or a module under one, and no module of root sits at that place (a rule
+  // "model.layers.*.x" on a stage holding some layers must match in them).
+  std::vector<std::string> absent_modules;
 };
 
 // Whether `path` matches `pattern` ('*' = one whole component).
 bool plan_matches(const std::string& pattern, const std::string& path);
 
 // Applies every rule to every module of `root` whose path matches it, in the plan's order.
-// A rule that matches no module (unless options.every_rule_matches is off), or a module that two
+// A rule that matches no module (unless options.every_rule_matches is off or it falls under
+// options.absent_modules), or a module that two
 // rules would shard, is an InputError naming the pattern (a plan written for another model must not
 // half-apply silently); a layer that cannot take its spec (sizes not divisible by the group) is an
 // InputError naming its path. Returns the number of modules changed.

@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <utility>
 
 #include "colossal/core/error.h"
@@ -201,7 +202,7 @@ DecoderModel::DecoderModel(const ModelConfig& cfg, const at::TensorOptions& opts
 }
 
 CausalLM::CausalLM(const ModelConfig& cfg, const at::TensorOptions& opts)
-    : config_(cfg), end_(cfg.num_hidden_layers + 3) {
+    : config_(cfg), chunks_{{0, cfg.num_hidden_layers + 3}} {
   config_.validate();
   register_slot("model", model, std::make_shared<DecoderModel>(config_, opts));
   if (!config_.tie_word_embeddings) {
@@ -243,40 +244,105 @@ void CausalLM::set_activation_checkpointing(CheckpointMode mode, int64_t num_lay
   checkpointing_ = num_layers == 0 ? CheckpointMode::None : mode;
 }
 
+std::string CausalLM::block_name(int64_t i) const {
+  const int64_t L = config_.num_hidden_layers;
+  COLOSSAL_CHECK_INPUT(0 <= i && i < num_blocks(), "block ", i, " of a model of ", num_blocks(),
+                       " blocks");
+  if (i == 0) return "model.embed_tokens";
+  if (i <= L) return "model.layers." + std::to_string(i - 1);
+  return i == L + 1 ? "model.norm" : "lm_head";
+}
+
 std::vector<Block> CausalLM::blocks() const {
   std::vector<Block> out;
   const int64_t L = config_.num_hidden_layers;
-  for (int64_t i = first_; i < end_; ++i) {
+  for (int64_t i = 0; i < num_blocks(); ++i) {
+    if (!owns_block(i)) continue;
+    std::shared_ptr<torch::nn::Module> m;
     if (i == 0) {
-      out.push_back({"model.embed_tokens", model->embed_tokens});
+      m = model->embed_tokens;
     } else if (i <= L) {
-      out.push_back({"model.layers." + std::to_string(i - 1), model->layers->layers[i - 1]});
+      m = model->layers->layers[i - 1];
     } else if (i == L + 1) {
-      out.push_back({"model.norm", model->norm});
+      m = model->norm;
     } else {
-      out.push_back({"lm_head", lm_head});
+      m = lm_head;
     }
+    out.push_back({block_name(i), std::move(m)});
   }
   return out;
 }
 
+bool CausalLM::owns_block(int64_t i) const {
+  for (const auto& [b, e] : chunks_)
+    if (b <= i && i < e) return true;
+  return false;
+}
+
+std::pair<int64_t, int64_t> CausalLM::chunk_blocks(int64_t c) const {
+  COLOSSAL_CHECK_INPUT(0 <= c && c < num_chunks(), "chunk ", c, " of a model holding ",
+                       num_chunks(), " chunks");
+  return chunks_[c];
+}
+
+int64_t CausalLM::first_block() const {
+  int64_t first = num_blocks();
+  for (const auto& r : chunks_) first = std::min(first, r.first);
+  return first;
+}
+
+int64_t CausalLM::end_block() const {
+  int64_t end = 0;
+  for (const auto& r : chunks_) end = std::max(end, r.second);
+  return end;
+}
+
+bool CausalLM::whole() const {
+  return chunks_.size() == 1 && chunks_[0].first == 0 && chunks_[0].second == num_blocks();
+}
+
+std::vector<std::string> CausalLM::dropped_blocks() const {
+  std::vector<std::string> out;
+  for (int64_t i = 0; i < num_blocks(); ++i)
+    if (!owns_block(i) && !(i == 0 && tied_copy_)) out.push_back(block_name(i));
+  return out;
+}
+
 void CausalLM::keep_blocks(int64_t begin, int64_t end) {
+  keep_chunks({{begin, end}});
+}
+
+void CausalLM::keep_chunks(const std::vector<std::pair<int64_t, int64_t>>& ranges) {
   const int64_t n = num_blocks(), L = config_.num_hidden_layers;
-  COLOSSAL_CHECK(0 <= begin && begin < end && end <= n, "keep_blocks(", begin, ", ", end,
-                 "): need 0 <= begin < end <= ", n);
-  COLOSSAL_CHECK(begin >= first_ && end <= end_, "keep_blocks(", begin, ", ", end,
-                 "): blocks outside [", first_, ", ", end_, ") were already dropped");
-  COLOSSAL_CHECK(!(config_.tie_word_embeddings && end == n && begin > 0),
-                 "a pipeline stage holding the tied lm_head must also hold model.embed_tokens "
-                 "(tie_word_embeddings)");
-  auto keep = [&](int64_t i) { return begin <= i && i < end; };
-  if (!keep(0) && model->embed_tokens) model->drop_child("embed_tokens");
+  COLOSSAL_CHECK_INPUT(!ranges.empty(), "keep_chunks: no block ranges (a stage keeps >= 1 chunk)");
+  for (const auto& [b, e] : ranges) {
+    COLOSSAL_CHECK_INPUT(0 <= b && b < e && e <= n, "keep_chunks: block range [", b, ", ", e,
+                         ") is empty or outside the model's [0, ", n, ")");
+    for (int64_t i = b; i < e; ++i)
+      COLOSSAL_CHECK_INPUT(owns_block(i), "keep_chunks: block range [", b, ", ", e,
+                           ") includes block ", i, " (", block_name(i),
+                           "), which this model no longer owns");
+  }
+  std::vector<std::pair<int64_t, int64_t>> sorted = ranges;
+  std::sort(sorted.begin(), sorted.end());
+  for (size_t k = 1; k < sorted.size(); ++k)
+    COLOSSAL_CHECK_INPUT(sorted[k].first >= sorted[k - 1].second, "keep_chunks: block ranges [",
+                         sorted[k - 1].first, ", ", sorted[k - 1].second, ") and [",
+                         sorted[k].first, ", ", sorted[k].second, ") overlap");
+  auto keep = [&](int64_t i) {
+    for (const auto& [b, e] : ranges)
+      if (b <= i && i < e) return true;
+    return false;
+  };
+  // A tied head keeps the embedding module as its weight (not as a block).
+  const bool tied_copy = config_.tie_word_embeddings && keep(L + 2) && !keep(0);
+  if (!keep(0) && !tied_copy && model->embed_tokens) model->drop_child("embed_tokens");
   for (int64_t i = 0; i < L; ++i)
     if (!keep(i + 1)) model->layers->drop(i);
   if (!keep(L + 1) && model->norm) model->drop_child("norm");
   if (!keep(L + 2) && lm_head) drop_child("lm_head");
-  first_ = begin;
-  end_ = end;
+  chunks_ = ranges;
+  tied_copy_ = tied_copy;
 }
 
 namespace {
@@ -309,13 +375,30 @@ bool deferred_residual(const DecoderLayer& layer, const at::Tensor& x, const KVC
 }  // namespace
 
 at::Tensor CausalLM::forward(const at::Tensor& input, const ForwardOptions& opts) {
-  return forward_blocks(input, opts, end_);
+  COLOSSAL_CHECK_INPUT(num_chunks() == 1, "CausalLM::forward runs a model of one chunk; this one ",
+                       "holds ", num_chunks(), " (forward_chunk)");
+  return forward_chunk(0, input, opts);
+}
+
+at::Tensor CausalLM::forward_chunk(int64_t c, const at::Tensor& input, const ForwardOptions& opts) {
+  const auto [begin, end] = chunk_blocks(c);
+  return forward_blocks(begin, end, input, opts);
 }
 
 at::Tensor CausalLM::forward_loss(const at::Tensor& input, const at::Tensor& targets,
                                   int64_t chunk_tokens, const ForwardOptions& opts) {
-  COLOSSAL_CHECK(end_ == num_blocks(), "CausalLM::forward_loss needs the stage holding lm_head");
-  at::Tensor h = forward_blocks(input, opts, end_ - 1);
+  COLOSSAL_CHECK_INPUT(num_chunks() == 1, "CausalLM::forward_loss runs a model of one chunk; ",
+                       "this one holds ", num_chunks(), " (forward_chunk_loss)");
+  return forward_chunk_loss(0, input, targets, chunk_tokens, opts);
+}
+
+at::Tensor CausalLM::forward_chunk_loss(int64_t c, const at::Tensor& input,
+                                        const at::Tensor& targets, int64_t chunk_tokens,
+                                        const ForwardOptions& opts) {
+  const auto [begin, end] = chunk_blocks(c);
+  COLOSSAL_CHECK(end == num_blocks(), "CausalLM::forward_loss needs the chunk holding lm_head; ",
+                 "chunk ", c, " holds blocks [", begin, ", ", end, ")");
+  at::Tensor h = forward_blocks(begin, end - 1, input, opts);
   nn::FusedCEOptions fo;
   fo.chunk_tokens = chunk_tokens;
   // A head sharded over the vocabulary (lm_head, or the embedding it is tied to) takes the
@@ -340,12 +423,12 @@ at::Tensor CausalLM::forward_loss(const at::Tensor& input, const at::Tensor& tar
   return nn::fused_linear_cross_entropy(h, head_weight(), targets.to(h.device()), fo);
 }
 
-at::Tensor CausalLM::forward_blocks(const at::Tensor& input, const ForwardOptions& opts,
-                                    int64_t stop) {
+at::Tensor CausalLM::forward_blocks(int64_t begin, int64_t stop, const at::Tensor& input,
+                                    const ForwardOptions& opts) {
   ForwardScope scope(*this);
   const int64_t L = config_.num_hidden_layers;
-  COLOSSAL_CHECK(input.dim() == (first_ == 0 ? 2 : 3), "CausalLM::forward: expected ",
-                 first_ == 0 ? "token ids [batch, seq]" : "hidden states [batch, seq, hidden]",
+  COLOSSAL_CHECK(input.dim() == (begin == 0 ? 2 : 3), "CausalLM::forward: expected ",
+                 begin == 0 ? "token ids [batch, seq]" : "hidden states [batch, seq, hidden]",
                  ", got ", input.dim(), " dims");
   const int64_t s = input.size(1);
   SequenceInfo seq;
@@ -370,7 +453,7 @@ at::Tensor CausalLM::forward_blocks(const at::Tensor& input, const ForwardOption
         "attention_mask");
   }
   if (opts.cache) {
-    const int64_t first_layer = std::max<int64_t>(first_ - 1, 0);
+    const int64_t first_layer = std::max<int64_t>(begin - 1, 0);
     if (first_layer < L) seq.past = opts.cache->length(first_layer);
   }
   const int64_t past = seq.past, kv = past + seq.global_len;
@@ -384,7 +467,8 @@ at::Tensor CausalLM::forward_blocks(const at::Tensor& input, const ForwardOption
   at::Tensor delta;  // the residual add left pending by forward_deferred: the state is x + delta
   LayerContext full, sliding;
   bool context_ready = false;
-  for (int64_t i = first_; i < stop; ++i) {
+  // A chunk starting mid-model builds the same context from opts as the whole model does.
+  for (int64_t i = begin; i < stop; ++i) {
     if (i == 0) {
       x = model->embed_tokens->forward(x);
     } else if (i <= L) {
@@ -432,7 +516,7 @@ at::Tensor CausalLM::forward_blocks(const at::Tensor& input, const ForwardOption
       }
     }
   }
-  return delta.defined() ? x + delta : x;  // a stage ending after a layer returns the sum
+  return delta.defined() ? x + delta : x;  // a chunk ending after a layer returns the sum
 }
 
 at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels) {
@@ -453,8 +537,7 @@ at::Tensor generate_greedy(CausalLM& m, const at::Tensor& prompt, int64_t max_ne
   COLOSSAL_CHECK_INPUT(prompt.dim() == 2 && prompt.size(1) > 0,
                        "generate: prompt ids must be [batch, len>0], got ", prompt.sizes());
   COLOSSAL_CHECK_INPUT(max_new >= 0, "generate: max_new_tokens must be >= 0, got ", max_new);
-  COLOSSAL_CHECK(m.first_block() == 0 && m.end_block() == m.num_blocks(),
-                 "generate needs the whole model");
+  COLOSSAL_CHECK(m.whole(), "generate needs the whole model");
   at::NoGradGuard ng;
   // cuDNN's attention plans per shape and the key length grows every step: on an H200 it made
   // bf16 decoding of a 1B model 5x slower (14 vs 75 tokens/s). Flash/efficient kernels do not.

@@ -4,7 +4,8 @@
 // sub-layer sits in a replaceable slot (Module::replace_child / nn::replace_module), so a
 // parallel plan (plan.h), LoRA or FP8 swaps a layer without editing this file, and the fused
 // q/k/v and gate/up GEMMs run only while the projections are plain (nn::fused_projections).
-// It exposes its ordered blocks so a pipeline stage can keep only its slice, names unchanged.
+// It exposes its ordered blocks so a pipeline stage can keep only its chunks (one or more block
+// ranges), names unchanged.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -99,7 +100,7 @@ class LayerList : public nn::Module {
 class DecoderModel : public nn::Module {
  public:
   DecoderModel(const ModelConfig& cfg, const at::TensorOptions& opts);
-  std::shared_ptr<nn::Embedding> embed_tokens;  // null when dropped by keep_blocks
+  std::shared_ptr<nn::Embedding> embed_tokens;  // null when dropped by keep_chunks
   std::shared_ptr<LayerList> layers;
   std::shared_ptr<nn::RMSNorm> norm;  // null when dropped
   std::shared_ptr<nn::RotaryEmbedding> rotary_emb;
@@ -135,24 +136,65 @@ class CausalLM : public nn::Module {
   // A whole model: ids [B, S] -> logits [B, S, vocab]; with a vocab-sharded head (lm_head
   // column-sharded, or the tied embedding vocab-sharded, over a group) this rank's columns of
   // the padded vocabulary [B, S, P/tp] unless its spec gathers output (parallel_output=false).
-  // A pipeline stage: its first block's input (ids for the embedding, else hidden states
-  // [B, S, hidden]) -> its last block's output.
+  // A pipeline stage of one chunk: forward_chunk(0, ...). InputError with several chunks.
   at::Tensor forward(const at::Tensor& input, const ForwardOptions& opts = {});
 
   // Blocks in order: embed_tokens, layers.0..N-1, norm, lm_head (lm_head's module is null when
-  // the head is tied to the embedding). Only the blocks still owned are listed.
+  // the head is tied to the embedding). Only the owned blocks are listed, in block order (a
+  // tied copy of the embedding is not a block: see holds_tied_copy).
   std::vector<Block> blocks() const;
   int64_t num_blocks() const { return config_.num_hidden_layers + 3; }
-  // Keeps blocks [begin, end) of the full list (indices as in a whole model's blocks()) and
-  // drops the rest; parameter names do not change.
+  // "model.embed_tokens", "model.layers.<i-1>", "model.norm" or "lm_head" for block i of a
+  // whole model. InputError outside [0, num_blocks()).
+  std::string block_name(int64_t i) const;
+
+  // Pipeline chunks: several non-contiguous block ranges on one rank (interleaved and ZB-V
+  // schedules). Keeps ranges[c] = [begin, end) (indices of a whole model's blocks()) as local
+  // chunk c and drops every other block; parameter names do not change. Each range must be
+  // non-empty and still owned, and no two may overlap (InputError naming them). Tied
+  // embeddings: when the kept blocks include lm_head (L + 2) but not the embedding (0), the
+  // module model.embed_tokens stays as the head's weight holder (holds_tied_copy()).
+  void keep_chunks(const std::vector<std::pair<int64_t, int64_t>>& ranges);
+  // keep_chunks({{begin, end}}): one chunk.
   void keep_blocks(int64_t begin, int64_t end);
-  int64_t first_block() const { return first_; }
-  int64_t end_block() const { return end_; }
+  int64_t num_chunks() const { return static_cast<int64_t>(chunks_.size()); }
+  // Chunk c's block range [begin, end). InputError when c is not a chunk.
+  std::pair<int64_t, int64_t> chunk_blocks(int64_t c) const;
+  bool owns_block(int64_t i) const;
+  // With one chunk its range; with several the smallest owned block and one past the largest
+  // (blocks in between may belong to other ranks: test owns_block or whole()).
+  int64_t first_block() const;
+  int64_t end_block() const;
+  // Whether every block is owned (a whole model, one chunk).
+  bool whole() const;
+  // The names (block_name) of the blocks this model dropped, for nn::PlanOptions::absent_modules
+  // (a plan written for the whole model applies to a stage, the rules of other stages' blocks
+  // matching nothing here). A held tied copy of the embedding is present, not dropped.
+  std::vector<std::string> dropped_blocks() const;
+  // Tied embeddings across stages (tie_word_embeddings): a rank holding lm_head without the
+  // embedding keeps model.embed_tokens (same name and parameter, model.embed_tokens.weight) as
+  // the head's weight: head_weight(), the tied projection and the vocab-parallel tied loss read
+  // it; it is not an owned block and forward never looks tokens up with it. The contract with
+  // the pipeline plugin: this parameter exists on both the first and the last stage, both
+  // copies start equal (init and loading are keyed by name), and the plugin sums its gradient
+  // over the two stages before the step (so both copies take the same update) and counts it
+  // once in the gradient norm. A vocab-sharded tied embedding is sharded on both stages alike.
+  bool holds_tied_copy() const { return tied_copy_; }
+
+  // Chunk c: its first block's input (token ids [B, S] when it starts at the embedding, else
+  // hidden states [B, S, hidden]) -> its last block's output (hidden states, or logits when it
+  // ends with lm_head, as forward). Rotary tables, masks and sequence shards (opts) are built
+  // for every chunk exactly as in the whole model, and the deferred residual (fused kernels)
+  // is resolved at the chunk's end: a chunk ending after a decoder layer returns x + delta.
+  at::Tensor forward_chunk(int64_t c, const at::Tensor& input, const ForwardOptions& opts = {});
+  // forward_loss of chunk c, which must end with lm_head (the same loss paths).
+  at::Tensor forward_chunk_loss(int64_t c, const at::Tensor& input, const at::Tensor& targets,
+                                int64_t chunk_tokens = 4096, const ForwardOptions& opts = {});
 
   // Recompute decoder layers in backward (checkpointing.h): the first `num_layers` owned decoder
-  // layers get `mode` (all of them when num_layers < 0), the others none: per-layer selective
-  // recompute trades memory for the fewest recomputed layers (ColossalAI's
-  // num_ckpt_layers_per_stage). InputError when num_layers exceeds the owned layers.
+  // layers (in block order, over all chunks) get `mode` (all of them when num_layers < 0), the
+  // others none: per-layer selective recompute trades memory for the fewest recomputed layers
+  // (ColossalAI's num_ckpt_layers_per_stage). InputError when num_layers exceeds the owned layers.
   void set_activation_checkpointing(CheckpointMode mode, int64_t num_layers = -1);
   CheckpointMode activation_checkpointing() const { return checkpointing_; }
 
@@ -170,6 +212,7 @@ class CausalLM : public nn::Module {
   // chunk_tokens tokens at a time, so the [B, S, vocab] logits never exist; a head of another
   // kind runs its own forward and the loss is taken from its logits. Equals
   // cross_entropy(forward(input), targets) within fp32 rounding. Needs the blocks through lm_head.
+  // A model of one chunk: forward_chunk_loss(0, ...).
   at::Tensor forward_loss(const at::Tensor& input, const at::Tensor& targets,
                           int64_t chunk_tokens = 4096, const ForwardOptions& opts = {});
 
@@ -177,13 +220,15 @@ class CausalLM : public nn::Module {
   std::shared_ptr<nn::Linear> lm_head;  // null when tied
 
  private:
-  // forward over the owned blocks [first_, stop).
-  at::Tensor forward_blocks(const at::Tensor& input, const ForwardOptions& opts, int64_t stop);
+  // forward over blocks [begin, stop), all owned.
+  at::Tensor forward_blocks(int64_t begin, int64_t stop, const at::Tensor& input,
+                            const ForwardOptions& opts);
   // A tied head that is not vocab-sharded over a group reads the embedding's weight, which must
   // then hold the whole vocabulary.
   void check_tied_head() const;
   ModelConfig config_;
-  int64_t first_ = 0, end_;
+  std::vector<std::pair<int64_t, int64_t>> chunks_;  // [begin, end) of each local chunk
+  bool tied_copy_ = false;
   CheckpointMode checkpointing_ = CheckpointMode::None;
 };
 
