@@ -21,6 +21,7 @@
 #include "colossal/core/logging.h"
 #include "colossal/core/options.h"
 #include "colossal/dist/runtime.h"
+#include "colossal/models/llama/costs.h"
 #include "colossal/models/llama/model.h"
 #include "colossal/models/llama/plan.h"
 #include "colossal/nn/module.h"
@@ -470,7 +471,7 @@ std::shared_ptr<ModelWrapper> HybridParallelPlugin::configure_model(
   }
   if (tp > 1) {
     nn::PlanOptions po;
-    po.allow_unmatched = options_.pp_size > 1;  // rules for layers on other stages
+    if (pipe_) po.absent_modules = lm->dropped_blocks();  // rules for other stages' layers
     po.tp = dims_->tp();
     // all_to_all / ring_attn shard the sequence on their own axis: the tp layers see whole
     // sequences there.
@@ -496,6 +497,7 @@ std::shared_ptr<ModelWrapper> HybridParallelPlugin::configure_model(
   if (mode_ == SequenceParallel::AllToAll || mode_ == SequenceParallel::RingAttn) {
     // The attention cores of the sequence axis replace each layer's core attention.
     nn::PlanOptions so;
+    if (pipe_) so.absent_modules = lm->dropped_blocks();
     nn::apply_plan(
         *model,
         models::sequence_parallel_plan(lm->config(), mode_, dims_->sp(), options_.inner_ring_size),
