@@ -6,8 +6,11 @@
 #include <torch/nn/module.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <functional>
+#include <set>
 #include <unordered_map>
 
 #include "colossal/booster/wrappers.h"
@@ -16,6 +19,7 @@
 #include "colossal/checkpoint/pretrained.h"
 #include "colossal/checkpoint/safetensors.h"
 #include "colossal/core/error.h"
+#include "colossal/core/json.h"
 #include "colossal/core/logging.h"
 #include "colossal/dist/runtime.h"
 #include "colossal/models/llama/model.h"
@@ -318,6 +322,400 @@ std::string param_of_state(const std::string& state_name) {
   return dot == std::string::npos ? std::string() : state_name.substr(0, dot);
 }
 
+// ---- Pipeline stages ----
+
+constexpr int kTagStage = 74;
+
+bool is_nccl(const dist::Communicator& g) {
+  return g.backend() == dist::Backend::Nccl;
+}
+
+// Every member's string, in group order (lengths first, then the padded bytes).
+std::vector<std::string> all_gather_strings(const dist::Communicator& group,
+                                            const std::string& mine) {
+  dist::Communicator g = group;
+  const int n = g.size();
+  if (n <= 1) return {mine};
+  auto dev = [&](const at::Tensor& t) { return is_nccl(g) ? t.cuda() : t; };
+  at::Tensor len = dev(at::full({1}, static_cast<int64_t>(mine.size()), at::kLong));
+  at::Tensor lens = dev(at::empty({n}, at::kLong));
+  g.all_gather(lens, len);
+  lens = lens.cpu();
+  const int64_t width = std::max<int64_t>(1, lens.max().item<int64_t>());
+  at::Tensor buf = at::zeros({width}, at::kByte);
+  if (!mine.empty()) std::memcpy(buf.data_ptr(), mine.data(), mine.size());
+  buf = dev(buf);
+  at::Tensor all = dev(at::empty({n * width}, at::kByte));
+  g.all_gather(all, buf);
+  all = all.cpu();
+  std::vector<std::string> out;
+  const char* base = static_cast<const char*>(all.data_ptr());
+  for (int r = 0; r < n; ++r)
+    out.emplace_back(base + r * width, static_cast<size_t>(lens[r].item<int64_t>()));
+  return out;
+}
+
+std::string encode_decls(const std::vector<Item>& items) {
+  json::Value a = json::Value::array();
+  for (const auto& it : items) {
+    json::Value e = json::Value::array();
+    e.push_back(it.decl.name);
+    e.push_back(checkpoint::dtype_to_safetensors(it.decl.dtype));
+    json::Value shape = json::Value::array();
+    for (int64_t d : it.decl.shape) shape.push_back(d);
+    e.push_back(std::move(shape));
+    a.push_back(std::move(e));
+  }
+  return a.dump();
+}
+
+std::vector<checkpoint::TensorDecl> decode_decls(const std::string& text) {
+  std::vector<checkpoint::TensorDecl> out;
+  const json::Value parsed = json::parse(text, "stage declarations");
+  for (const auto& e : parsed.as_array()) {
+    const auto& f = e.as_array();
+    std::vector<int64_t> shape;
+    for (const auto& d : f.at(2).as_array()) shape.push_back(d.as_int());
+    out.push_back({f.at(0).as_string(), checkpoint::dtype_from_safetensors(f.at(1).as_string()),
+                   std::move(shape)});
+  }
+  return out;
+}
+
+// What the stages hold: every stage's declarations (gathered over pp, the same on every rank),
+// and which of them each stage writes: the names no lower stage holds.
+struct Stages {
+  std::vector<std::vector<checkpoint::TensorDecl>> decls;
+  std::vector<std::vector<size_t>> owned;  // indices into decls[s]
+  std::set<std::string> names;             // held by some stage
+};
+
+Stages gather_stages(const dist::Communicator& pp, const std::vector<Item>& items,
+                     const char* what) {
+  Stages st;
+  for (const auto& text : all_gather_strings(pp, encode_decls(items)))
+    st.decls.push_back(decode_decls(text));
+  std::map<std::string, std::pair<size_t, const checkpoint::TensorDecl*>> first;
+  st.owned.resize(st.decls.size());
+  for (size_t s = 0; s < st.decls.size(); ++s) {
+    for (size_t i = 0; i < st.decls[s].size(); ++i) {
+      const auto& d = st.decls[s][i];
+      auto [it, fresh] = first.emplace(d.name, std::make_pair(s, &d));
+      if (fresh) {
+        st.owned[s].push_back(i);
+        st.names.insert(d.name);
+        continue;
+      }
+      const auto& o = *it->second.second;
+      COLOSSAL_CHECK(o.dtype == d.dtype && o.shape == d.shape, "checkpoint: the ", what, " ",
+                     d.name, " is held by stages ", it->second.first, " and ", s,
+                     " with different dtypes or shapes (", c10::toString(o.dtype), " ",
+                     at::IntArrayRef(o.shape), " vs ", c10::toString(d.dtype), " ",
+                     at::IntArrayRef(d.shape), ")");
+    }
+  }
+  return st;
+}
+
+std::string shard_file_name(size_t k, size_t n) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "model-%05zu-of-%05zu.safetensors", k, n);
+  return buf;
+}
+
+// model.safetensors, model.safetensors.index.json, model-NNNNN-of-NNNNN.safetensors, config.json:
+// the files a model save writes (an earlier save's are not carried into a new one).
+bool is_model_file(const std::string& name) {
+  if (name == "model.safetensors" || name == "model.safetensors.index.json" ||
+      name == "config.json")
+    return true;
+  const std::string pattern = "model-00000-of-00000.safetensors";
+  if (name.size() != pattern.size()) return false;
+  for (size_t i = 0; i < pattern.size(); ++i) {
+    const char c = name[i];
+    if (pattern[i] == '0' ? !(c >= '0' && c <= '9') : c != pattern[i]) return false;
+  }
+  return true;
+}
+
+// StagedDirectory's folder for `target` (every rank computes it; only rank 0 makes it).
+std::string staging_path(std::string target) {
+  while (target.size() > 1 && target.back() == '/') target.pop_back();
+  return target + ".staging";
+}
+
+// The full-shape state of a stage writer sent to global rank 0 over pp, and received there.
+void send_full(const dist::Communicator& pp, const at::Tensor& t, const at::Device& dev) {
+  dist::Communicator g = pp;
+  g.send(is_nccl(g) ? t.to(dev) : t.contiguous(), 0, kTagStage);
+}
+
+at::Tensor recv_full(const dist::Communicator& pp, int src, const checkpoint::TensorDecl& d,
+                     const at::Device& dev, const std::shared_ptr<Meter>& meter) {
+  dist::Communicator g = pp;
+  at::Tensor full = metered_full(d.shape, d.dtype, meter);
+  if (!is_nccl(g)) {
+    g.recv(full, src, kTagStage);
+    return full;
+  }
+  at::Tensor buf = at::empty(d.shape, at::TensorOptions().dtype(d.dtype).device(dev));
+  Held held(meter, nbytes(buf));
+  g.recv(buf, src, kTagStage);
+  full.copy_(buf);
+  return full;
+}
+
+// The device pp collectives use: a CUDA device under NCCL (the stage's own), else the CPU.
+at::Device stage_device(const dist::Communicator& pp, const std::vector<Item>& items) {
+  if (!is_nccl(pp)) return at::Device(at::kCPU);
+  for (const auto& it : items)
+    if (it.local.is_cuda()) return it.local.device();
+  return at::Device(at::kCUDA);
+}
+
+// The stages' optimizer scalars as one model's: each group's params and the steps, in stage
+// order, a name held by several stages once; the rest (type, hyper-parameters) from stage 0.
+json::Value merge_scalars(const std::vector<std::string>& stages) {
+  std::vector<json::Value> sc;
+  for (const auto& t : stages) sc.push_back(json::parse(t, "optimizer scalars"));
+  json::Value out = sc.at(0);
+  const json::Value* g0 = out.find("param_groups");
+  if (g0 && g0->is_array()) {
+    const size_t ng = g0->as_array().size();
+    json::Value groups = json::Value::array();
+    for (size_t gi = 0; gi < ng; ++gi) {
+      json::Value g = g0->as_array()[gi];
+      json::Value params = json::Value::array();
+      std::set<std::string> seen;
+      for (size_t s = 0; s < sc.size(); ++s) {
+        const auto& gs = sc[s].at("param_groups").as_array("optimizer scalars param_groups");
+        COLOSSAL_CHECK(gs.size() == ng, "save_optimizer: stage ", s, " has ", gs.size(),
+                       " param groups but stage 0 has ", ng);
+        for (const auto& n : gs[gi].at("params").as_array())
+          if (seen.insert(n.as_string()).second) params.push_back(n);
+      }
+      g.set("params", std::move(params));
+      groups.push_back(std::move(g));
+    }
+    out.set("param_groups", std::move(groups));
+  }
+  if (out.find("steps")) {
+    json::Value steps = json::Value::object();
+    std::set<std::string> seen;
+    for (const auto& s : sc)
+      if (const json::Value* st = s.find("steps"))
+        for (const auto& [n, v] : st->as_object())
+          if (seen.insert(n).second) steps.set(n, v);
+    out.set("steps", std::move(steps));
+  }
+  return out;
+}
+
+// A saved state's scalars cut down to the parameters of this stage (`local`): each group's
+// params in their saved order and their steps.
+json::Value stage_scalars(const json::Value& scalars, const std::set<std::string>& local) {
+  json::Value out = scalars;
+  if (const json::Value* gs = scalars.find("param_groups"); gs && gs->is_array()) {
+    json::Value groups = json::Value::array();
+    for (const auto& g : gs->as_array()) {
+      json::Value ng = g;
+      if (const json::Value* ps = g.find("params"); ps && ps->is_array()) {
+        json::Value params = json::Value::array();
+        for (const auto& n : ps->as_array())
+          if (n.is_string() && local.count(n.as_string())) params.push_back(n);
+        ng.set("params", std::move(params));
+      }
+      groups.push_back(std::move(ng));
+    }
+    out.set("param_groups", std::move(groups));
+  }
+  if (const json::Value* st = scalars.find("steps"); st && st->is_object()) {
+    json::Value steps = json::Value::object();
+    for (const auto& [n, v] : st->as_object())
+      if (local.count(n)) steps.set(n, v);
+    out.set("steps", std::move(steps));
+  }
+  return out;
+}
+
+// save_model with pipeline stages (see the header): every stage writer streams its stage's own
+// tensors into its files in the staging folder; rank 0 adds the index and config and commits.
+SaveStats save_model_stages(const dist::Communicator& tp, const dist::Communicator& dp,
+                            const dist::Communicator& pp, const std::vector<Item>& items,
+                            const models::CausalLM* lm, const std::string& dir, bool shard,
+                            int64_t size_per_shard_mb) {
+  checkpoint::SaveOptions so;
+  so.shard = shard;
+  so.size_per_shard_mb = size_per_shard_mb;
+  const Stages st = gather_stages(pp, items, "tensor");
+  // Every stage's files, numbered over the whole model in stage order (every rank plans all).
+  const size_t nstages = st.decls.size();
+  std::vector<checkpoint::StatePlan> plans(nstages);
+  std::vector<size_t> first_file(nstages, 0);
+  size_t nfiles = 0;
+  for (size_t s = 0; s < nstages; ++s) {
+    std::vector<checkpoint::TensorDecl> owned;
+    for (size_t i : st.owned[s]) owned.push_back(st.decls[s][i]);
+    first_file[s] = nfiles;
+    if (owned.empty()) continue;
+    plans[s] = checkpoint::plan_state_dict(owned, so);
+    nfiles += plans[s].files.size();
+  }
+  COLOSSAL_CHECK(nfiles > 0, "save_model: no pipeline stage holds a tensor");
+  auto file_of = [&](size_t s, size_t k) { return shard_file_name(first_file[s] + k + 1, nfiles); };
+
+  const size_t stage = static_cast<size_t>(pp.rank());
+  const bool rank0 = global_rank() == 0;
+  std::unique_ptr<checkpoint::StagedDirectory> staged;
+  if (rank0) {
+    const fs::path parent = fs::path(staging_path(dir)).parent_path();
+    if (!parent.empty()) fs::create_directories(parent);
+    staged = std::make_unique<checkpoint::StagedDirectory>(dir);
+  }
+  barrier();  // the staging folder exists
+  const fs::path staging = staging_path(dir);
+  auto meter = std::make_shared<Meter>();
+  const bool participant = !dp.valid() || dp.rank() == 0;
+  if (participant && !plans[stage].files.empty()) {
+    std::vector<Item> mine;
+    for (size_t i : st.owned[stage]) mine.push_back(items[i]);
+    check_same_declarations(tp, mine, "model");
+    const checkpoint::StatePlan& plan = plans[stage];
+    std::vector<size_t> order;
+    for (const auto& f : plan.order) order.insert(order.end(), f.begin(), f.end());
+    stream_items(
+        mine, tp.rank() == 0, 0, order,
+        [&](const std::function<at::Tensor(size_t)>& produce) {
+          const checkpoint::Metadata md{{"format", "pt"}};  // transformers refuses files without
+          for (size_t k = 0; k < plan.files.size(); ++k) {
+            std::vector<size_t> members = plan.order[k];
+            std::sort(members.begin(), members.end());
+            std::vector<checkpoint::TensorDecl> decls;
+            for (size_t i : members) decls.push_back(mine[i].decl);
+            checkpoint::SafetensorsStreamWriter w((staging / file_of(stage, k)).string(),
+                                                  std::move(decls), md);
+            for (size_t pos = 0; !w.done(); ++pos) {
+              const size_t i = members[w.next_index()];
+              COLOSSAL_CHECK(i == plan.order[k][pos],
+                             "save_model: write order differs from the plan");
+              w.write_next(produce(i));
+            }
+            w.finish();
+          }
+        },
+        meter);
+  }
+  barrier();  // every stage's files are in the staging folder
+  if (rank0) {
+    std::map<std::string, std::string> sorted;  // HF writes the index with sorted keys
+    uint64_t total_size = 0, total_params = 0;
+    const checkpoint::TensorDecl* first = nullptr;
+    for (size_t s = 0; s < nstages; ++s) {
+      for (size_t k = 0; k < plans[s].files.size(); ++k) {
+        for (size_t i : plans[s].order[k]) {
+          const checkpoint::TensorDecl& d = st.decls[s][st.owned[s][i]];
+          COLOSSAL_CHECK(sorted.emplace(d.name, file_of(s, k)).second, "save_model: ", d.name,
+                         " planned twice");
+          total_size += d.nbytes();
+          total_params += d.nbytes() / c10::elementSize(d.dtype);
+        }
+      }
+      if (!first && !st.decls[s].empty()) first = &st.decls[s].front();
+    }
+    json::Value weight_map = json::Value::object();
+    for (const auto& [n, f] : sorted) weight_map.set(n, f);
+    json::Value meta = json::Value::object();
+    meta.set("total_parameters", total_params);
+    meta.set("total_size", total_size);
+    json::Value index = json::Value::object();
+    index.set("metadata", std::move(meta));
+    index.set("weight_map", std::move(weight_map));
+    write_text_atomic((staging / "model.safetensors.index.json").string(), index.dump(2) + "\n");
+    if (lm) {
+      models::ModelConfig cfg = lm->config();
+      cfg.dtype = checkpoint::hf_dtype_name(first->dtype);
+      write_text_atomic((staging / "config.json").string(), cfg.to_json().dump(2) + "\n");
+    }
+    // Files of an existing folder that this save does not replace (optimizer states saved
+    // there) stay: hard links into the new folder (copies where links fail).
+    std::error_code ec;
+    if (fs::is_directory(dir, ec)) {
+      for (const auto& e : fs::directory_iterator(dir)) {
+        const std::string name = e.path().filename().string();
+        if (is_model_file(name) || fs::exists(staging / name)) continue;
+        const auto rec = fs::copy_options::recursive;
+        fs::copy(e.path(), staging / name, rec | fs::copy_options::create_hard_links, ec);
+        if (ec) {
+          ec.clear();
+          fs::copy(e.path(), staging / name, rec, ec);
+        }
+        COLOSSAL_CHECK(!ec, "save_model: cannot carry ", e.path().string(),
+                       " into the new checkpoint folder: ", ec.message());
+      }
+    }
+    staged->commit();
+  }
+  barrier();  // the folder is in place
+  return meter->stats;
+}
+
+// save_optimizer with pipeline stages: one file, written by global rank 0 in file order; each
+// of its tensors comes from its own stage's tp gather (stage 0) or from the stage writer over pp.
+SaveStats save_optimizer_stages(const dist::Communicator& tp, const dist::Communicator& dp,
+                                const dist::Communicator& pp, const std::vector<Item>& items,
+                                const json::Value& scalars, const json::Value& wrapper,
+                                const std::string& dir) {
+  const Stages st = gather_stages(pp, items, "optimizer state");
+  const std::vector<std::string> stage_scalars_text = all_gather_strings(pp, scalars.dump());
+  // The file's tensors: each stage's own, in stage order.
+  std::vector<checkpoint::TensorDecl> decls;
+  std::vector<std::pair<size_t, size_t>> owner;  // stage, index into the stage's own list
+  for (size_t s = 0; s < st.decls.size(); ++s) {
+    for (size_t j = 0; j < st.owned[s].size(); ++j) {
+      decls.push_back(st.decls[s][st.owned[s][j]]);
+      owner.emplace_back(s, j);
+    }
+  }
+  const std::vector<size_t> file_order = checkpoint::safetensors_file_order(decls);
+  const size_t stage = static_cast<size_t>(pp.rank());
+  std::vector<Item> mine;
+  for (size_t i : st.owned[stage]) mine.push_back(items[i]);
+  std::vector<size_t> order;  // this stage's own tensors (indices into mine) in file order
+  for (size_t g : file_order)
+    if (owner[g].first == stage) order.push_back(owner[g].second);
+
+  auto meter = std::make_shared<Meter>();
+  const bool participant = !dp.valid() || dp.rank() == 0;
+  const at::Device dev = stage_device(pp, items);
+  if (participant) {
+    check_same_declarations(tp, mine, "optimizer state");
+    stream_items(
+        mine, tp.rank() == 0, 0, order,
+        [&](const std::function<at::Tensor(size_t)>& produce) {
+          if (global_rank() != 0) {  // a stage writer: to global rank 0, one tensor at a time
+            for (size_t j : order) send_full(pp, produce(j), dev);
+            return;
+          }
+          fs::create_directories(dir);
+          checkpoint::SafetensorsStreamWriter w(dir + "/optimizer.safetensors", decls,
+                                                {{"format", "colossal-optimizer"}});
+          while (!w.done()) {
+            const size_t g = w.next_index();
+            const auto [s, j] = owner[g];
+            w.write_next(s == stage ? produce(j)
+                                    : recv_full(pp, static_cast<int>(s), decls[g], dev, meter));
+          }
+          w.finish();
+          json::Value merged = merge_scalars(stage_scalars_text);
+          merged.set("wrapper", wrapper);
+          write_text_atomic(dir + "/optimizer.json", merged.dump(2));
+        },
+        meter);
+  }
+  barrier();
+  return meter->stats;
+}
+
 }  // namespace
 
 std::map<std::string, ShardedParameter> find_sharded_parameters(torch::nn::Module& root,
@@ -365,6 +763,27 @@ TensorParallelCheckpointIO::TensorParallelCheckpointIO(dist::Communicator tp, di
                        dp_.name(), "; tp and dp must be orthogonal axes of one mesh");
 }
 
+TensorParallelCheckpointIO::TensorParallelCheckpointIO(dist::Communicator tp, dist::Communicator dp,
+                                                       dist::Communicator pp)
+    : TensorParallelCheckpointIO(std::move(tp), std::move(dp)) {
+  pp_ = std::move(pp);
+  if (!pipelined()) return;
+  // Stage writers (tp rank 0 of a dp rank 0 group) send to global rank 0 over their pp group,
+  // which must therefore be rank 0's, with rank 0 as stage 0.
+  const bool stage_writer = tp_.rank() == 0 && (!dp_.valid() || dp_.rank() == 0);
+  COLOSSAL_CHECK_INPUT(global_rank() != 0 || (pp_.rank() == 0 && tp_.rank() == 0),
+                       "TensorParallelCheckpointIO: global rank 0 must be tp rank 0 of stage 0, "
+                       "but it is tp rank ",
+                       tp_.rank(), " of ", tp_.name(), " and pp rank ", pp_.rank(), " of ",
+                       pp_.name());
+  COLOSSAL_CHECK_INPUT(!stage_writer || rank_of_global_zero(pp_) == 0,
+                       "TensorParallelCheckpointIO: this rank writes its stage (tp rank 0, dp "
+                       "rank 0) but its pp group ",
+                       pp_.name(),
+                       " does not have global rank 0 as stage 0; tp, dp and pp must be "
+                       "orthogonal axes of one mesh");
+}
+
 void TensorParallelCheckpointIO::set_model(std::shared_ptr<torch::nn::Module> model) {
   model_ = model;
 }
@@ -397,6 +816,10 @@ void TensorParallelCheckpointIO::save_model(ModelWrapper& model, const std::stri
   }
   COLOSSAL_CHECK(!items.empty(), "save_model: the model has no parameters");
   auto lm = std::dynamic_pointer_cast<models::CausalLM>(model.module_ptr());
+  if (pipelined()) {
+    stats_ = save_model_stages(tp_, dp_, pp_, items, lm.get(), dir, shard, size_per_shard_mb);
+    return;
+  }
   if (lm) {
     COLOSSAL_CHECK(lm->whole(),
                    "save_model needs the whole model on each tensor-parallel group (this rank "
@@ -458,12 +881,29 @@ void TensorParallelCheckpointIO::load_model(ModelWrapper& model, const std::stri
       mismatched.push_back(
           str(name, " (checkpoint ", src->second.sizes(), ", model ", at::IntArrayRef(want), ")"));
   }
+  // With stages, a file tensor is expected when any stage holds it.
+  std::set<std::string> held;
+  if (pipelined()) {
+    std::string mine;
+    for (const auto& [name, t] : state) mine += name + "\n";
+    for (const auto& text : all_gather_strings(pp_, mine)) {
+      size_t b = 0;
+      for (size_t e = text.find('\n'); e != std::string::npos; b = e + 1, e = text.find('\n', b))
+        held.insert(text.substr(b, e - b));
+    }
+  }
   for (const auto& [name, t] : source)
-    if (!known.count(name)) unexpected.push_back(name);
+    if (!known.count(name) && !held.count(name)) unexpected.push_back(name);
   std::string problems;
   if (!mismatched.empty()) problems += str("; shape mismatch: ", join_names(mismatched));
   if (strict && !missing.empty())
     problems += str("; missing from the checkpoint: ", join_names(missing));
+  if (pipelined()) {  // every rank learns every stage's problems and refuses alike
+    const auto each = all_gather_strings(pp_, problems);
+    problems.clear();
+    for (size_t s = 0; s < each.size(); ++s)
+      if (!each[s].empty()) problems += str("; stage ", s, ": ", each[s].substr(2));
+  }
   if (strict && !unexpected.empty())
     problems += str("; not in the model: ", join_names(unexpected));
   COLOSSAL_CHECK_INPUT(problems.empty(), "checkpoint ", path, " does not match the model", problems,
@@ -509,6 +949,10 @@ void TensorParallelCheckpointIO::save_optimizer(OptimizerWrapper& optimizer,
     items.push_back({name, t, sp, {name, t.scalar_type(), sp ? sp->full_shape : t.sizes().vec()}});
     checkpoint::dtype_to_safetensors(t.scalar_type());
   }
+  if (pipelined()) {
+    stats_ = save_optimizer_stages(tp_, dp_, pp_, items, sd.scalars, optimizer.state(), dir);
+    return;
+  }
   std::vector<checkpoint::TensorDecl> decls;
   for (const auto& it : items) decls.push_back(it.decl);
   const std::vector<size_t> order = checkpoint::safetensors_file_order(decls);
@@ -540,8 +984,13 @@ void TensorParallelCheckpointIO::load_optimizer(OptimizerWrapper& optimizer,
                                                 const std::string& dir) {
   auto model = model_for_optimizer("load_optimizer");
   const auto sharded = find_sharded_parameters(*model, tp_);
+  // With stages, the file holds every stage's states: keep this stage's.
+  std::set<std::string> local;
+  if (pipelined())
+    for (const auto& p : model->named_parameters(/*recurse=*/true)) local.insert(p.key());
   optim::StateDict sd;
   for (auto& [name, t] : checkpoint::load_safetensors(dir + "/optimizer.safetensors")) {
+    if (pipelined() && !local.count(param_of_state(name))) continue;
     auto it = sharded.find(param_of_state(name));
     if (it != sharded.end() && t.sizes().vec() == it->second.full_shape) {
       sd.tensors.emplace_back(name, it->second.module->shard_slice(it->second.key, t));
@@ -551,6 +1000,7 @@ void TensorParallelCheckpointIO::load_optimizer(OptimizerWrapper& optimizer,
     }
   }
   sd.scalars = json::parse_file(dir + "/optimizer.json");
+  if (pipelined()) sd.scalars = stage_scalars(sd.scalars, local);
   optimizer.load_full_state_dict(sd);
   if (const json::Value* w = sd.scalars.find("wrapper")) optimizer.load_state(*w);
 }

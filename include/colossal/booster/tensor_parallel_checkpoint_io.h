@@ -18,6 +18,36 @@
 // Which parameters are sharded is found by walking the module tree: any colossal::nn::Module
 // with a ShardSpec whose full_shape differs from its local one along one dimension (a user's
 // model built from the project's layers works); everything else is replicated and written once.
+//
+// Pipeline stages (the (tp, dp, pp) constructor, pp > 1). A stage is saved as a tensor-parallel
+// group is (the same gathers, slices and full-shape optimizer states) with one level on top, so
+// this class takes an optional pp group rather than a PipelineCheckpointIO duplicating it; tp
+// may be a group of one. Every rank holds only its stage's tensors (CausalLM::keep_blocks, or
+// any module whose state names are the whole model's); the stages' names are gathered over pp,
+// and a name held by several stages (a tied embedding's copy on the last stage) belongs to the
+// lowest stage holding it. What is written:
+// - model: always the sharded HF form, whatever `shard` says: the writer of each stage (tp rank
+//   0 of its dp rank 0 group) streams the tensors its stage owns into its own
+//   `model-0000k-of-0000N.safetensors` files (one per stage, or several when shard=true cuts at
+//   size_per_shard_mb; k runs over the stages in order), and global rank 0 writes one
+//   `model.safetensors.index.json` (every tensor once, metadata.total_size in bytes) and
+//   config.json. Atomic as a folder: global rank 0 stages `dir` (checkpoint::StagedDirectory),
+//   the stage writers write into the staging folder, and after a barrier rank 0 adds the index
+//   and swaps the folder into place (files of an existing `dir` that are not model files, e.g.
+//   optimizer states saved there, are carried over by hard link). A crash leaves the previous
+//   `dir` intact.
+// - load: any layout's files (one file, index + shards, HF's own): every rank copies the tensors
+//   of its stage (its slices); both holders of a shared name get it. strict: a tensor of this
+//   stage missing from the files, or a file tensor that no stage holds (checked over pp), is an
+//   InputError raised on every rank, naming the stage and the tensors.
+// - optimizer: the same single `optimizer.safetensors` + `optimizer.json` as every other layout
+//   (so DataParallelCheckpointIO and the pp = 1 path read it unchanged, and it reads theirs):
+//   each stage writer streams its stage's full-shape states, tensor by tensor in file order, to
+//   global rank 0 over the pp group of rank 0 (stage writers are its members), which writes one
+//   file holding one full tensor at a time; the stages' scalars (param_groups, steps) are merged
+//   in stage order. Loading keeps the states and group entries of this stage's parameters.
+// With a pp group of one (or none) every method is exactly the tensor-parallel one: the files
+// are byte-identical to those written without pp.
 #pragma once
 
 #include <cstdint>
@@ -60,6 +90,13 @@ class TensorParallelCheckpointIO : public CheckpointIO {
   // members); dp: the data-parallel group (ranks holding the same slices; may be invalid when
   // there is none). InputError when tp is invalid.
   TensorParallelCheckpointIO(dist::Communicator tp, dist::Communicator dp);
+  // With pipeline stages: pp, the group of the ranks holding the same slices of the other stages
+  // (its group rank is the stage index). tp, dp and pp must be orthogonal axes of one mesh with
+  // global rank 0 at tp rank 0 of stage 0 (InputError otherwise; checked here, no
+  // communication). The hybrid plugin, whenever tp > 1 or pp > 1:
+  //   TensorParallelCheckpointIO(dims.tp(), sp > 1 ? dims.dp_sp() : dims.dp(), dims.pp())
+  // then set_model(stage module) when it boosts the model, as for tp alone.
+  TensorParallelCheckpointIO(dist::Communicator tp, dist::Communicator dp, dist::Communicator pp);
 
   // The model whose parameters the optimizer states belong to (save_optimizer/load_optimizer
   // find each state's slicing through it; the optimizer alone does not know its layers). The
@@ -89,11 +126,14 @@ class TensorParallelCheckpointIO : public CheckpointIO {
 
   const dist::Communicator& tp() const { return tp_; }
   const dist::Communicator& dp() const { return dp_; }
+  const dist::Communicator& pp() const { return pp_; }
+  // Whether saves and loads go through the stage level (a pp group of more than one rank).
+  bool pipelined() const { return pp_.valid() && pp_.size() > 1; }
 
  private:
   std::shared_ptr<torch::nn::Module> model_for_optimizer(const char* what) const;
 
-  dist::Communicator tp_, dp_;
+  dist::Communicator tp_, dp_, pp_;
   std::weak_ptr<torch::nn::Module> model_;
   SaveStats stats_;
 };
