@@ -412,10 +412,11 @@ int HybridParallelPlugin::dp_size() const {
 }
 
 std::shared_ptr<CheckpointIO> HybridParallelPlugin::checkpoint_io() {
-  if (options_.tp_size == 1) return std::make_shared<DataParallelCheckpointIO>();
+  if (options_.tp_size == 1 && options_.pp_size == 1)
+    return std::make_shared<DataParallelCheckpointIO>();
   if (!tp_io_)
     tp_io_ = std::make_shared<TensorParallelCheckpointIO>(
-        dims_->tp(), dims_->degrees().sp > 1 ? dims_->dp_sp() : dims_->dp());
+        dims_->tp(), dims_->degrees().sp > 1 ? dims_->dp_sp() : dims_->dp(), dims_->pp());
   return tp_io_;
 }
 

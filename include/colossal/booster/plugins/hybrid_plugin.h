@@ -176,8 +176,9 @@ class HybridParallelPlugin : public Plugin {
   // The dp axis: tp and sp peers read the same samples.
   int dp_rank() const override;
   int dp_size() const override;
-  // tp_size 1: DataParallelCheckpointIO. tp_size > 1: TensorParallelCheckpointIO over the tp and
-  // data-parallel groups (the same files from any layout, so runs resume across layouts).
+  // tp_size 1 and pp_size 1: DataParallelCheckpointIO. Otherwise TensorParallelCheckpointIO over
+  // the tp, data-parallel and pp groups (each stage writes its tensors under one HF index; the
+  // same tensors and optimizer file from any layout, so runs resume across layouts).
   bool control_checkpoint_io() const override { return true; }
   std::shared_ptr<CheckpointIO> checkpoint_io() override;
   // split_gather (and ring): the targets of this rank's sequence shard (tp rank r of tp holds
