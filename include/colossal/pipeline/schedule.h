@@ -40,7 +40,7 @@
 namespace colossal::pipeline {
 
 enum class Op { F, B, W, BW, SendF, RecvF, SendB, RecvB };
-const char* to_string(Op op);  // "F", "B", "W", "BW", "SendF", "RecvF", "SendB", "RecvB"
+const char* to_string(Op op);       // "F", "B", "W", "BW", "SendF", "RecvF", "SendB", "RecvB"
 Op parse_op(const std::string& s);  // InputError naming the text otherwise
 bool is_comm(Op op);                // Send* / Recv*
 bool is_compute(Op op);             // F / B / W / BW
@@ -54,11 +54,11 @@ struct Instr {
 std::string to_string(const Instr& i);  // "F3.1" = F of micro-batch 3, chunk 1; "SendB0.0"
 
 enum class Placement { Loop, V };
-const char* to_string(Placement p);             // "loop", "v"
+const char* to_string(Placement p);               // "loop", "v"
 Placement parse_placement(const std::string& s);  // InputError otherwise
 
 struct Schedule {
-  std::string name;  // "1f1b", "gpipe", "interleaved", "zbh1", "zbv", or the table's name
+  std::string name;      // "1f1b", "gpipe", "interleaved", "zbh1", "zbv", or the table's name
   int stages = 1;        // pipeline ranks
   int microbatches = 1;  // per step
   int chunks = 1;        // model chunks per rank
@@ -126,12 +126,12 @@ struct SimEvent {
 };
 
 struct SimResult {
-  double step_time = 0;                 // makespan over all ranks
-  double bubble_fraction = 0;           // 1 - sum(compute time) / (stages * step_time)
-  std::vector<int> peak_activations;    // per rank: most micro-batch chunks alive (F done, not
-                                        // yet freed by BW / W)
-  std::vector<double> busy;             // per rank: compute time
-  std::vector<SimEvent> events;         // every compute and comm instruction with its times
+  double step_time = 0;               // makespan over all ranks
+  double bubble_fraction = 0;         // 1 - sum(compute time) / (stages * step_time)
+  std::vector<int> peak_activations;  // per rank: most micro-batch chunks alive (F done, not
+                                      // yet freed by BW / W)
+  std::vector<double> busy;           // per rank: compute time
+  std::vector<SimEvent> events;       // every compute and comm instruction with its times
 };
 // Event simulation of a (valid) schedule: each rank runs its list in order; a compute starts
 // when the rank is free and its inputs are there; data sent by a Send at time t is available to
