@@ -196,6 +196,11 @@ class CausalLM : public nn::Module {
   // others none: per-layer selective recompute trades memory for the fewest recomputed layers
   // (ColossalAI's num_ckpt_layers_per_stage). InputError when num_layers exceeds the owned layers.
   void set_activation_checkpointing(CheckpointMode mode, int64_t num_layers = -1);
+  // Per chunk (ColossalAI's num_ckpt_layers_per_stage, indexed by virtual stage: pick a rank's
+  // entries with pipeline::rank_virtual_stages): the first per_chunk[c] decoder layers of chunk c
+  // get `mode` (all of them when < 0), the others none. InputError when the size is not
+  // num_chunks() or an entry exceeds its chunk's layers.
+  void set_activation_checkpointing(CheckpointMode mode, const std::vector<int64_t>& per_chunk);
   CheckpointMode activation_checkpointing() const { return checkpointing_; }
 
   const ModelConfig& config() const { return config_; }
