@@ -178,7 +178,8 @@ class CausalLM : public nn::Module {
   // the pipeline plugin: this parameter exists on both the first and the last stage, both
   // copies start equal (init and loading are keyed by name), and the plugin sums its gradient
   // over the two stages before the step (so both copies take the same update) and counts it
-  // once in the gradient norm. A vocab-sharded tied embedding is sharded on both stages alike.
+  // once in the gradient norm; a checkpoint writer saves it once. A vocab-sharded tied
+  // embedding is sharded on both stages alike.
   bool holds_tied_copy() const { return tied_copy_; }
 
   // Chunk c: its first block's input (token ids [B, S] when it starts at the embedding, else
