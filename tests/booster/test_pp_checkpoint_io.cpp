@@ -503,6 +503,34 @@ TEST(PipelineCheckpointIO, OptimizerStatesMoveBetweenStagesAndOneProcess) {
   }
 }
 
+// A stage opens only the shards holding its tensors: a damaged shard of other tensors does not
+// stop it, and the names of every tensor come back from the index.
+TEST(PipelineCheckpointIO, AFilteredLoadOpensOnlyTheShardsItNeeds) {
+  const fs::path dir = shared_dir("filter");
+  if (dist::rank() == 0) {
+    auto ref = build(nullptr, 5);
+    checkpoint::SaveOptions so;
+    so.size_per_shard_mb = 1;
+    checkpoint::save_state_dict((dir / "ref").string(), checkpoint::module_state(*ref), so);
+    json::Value index = json::parse_file((dir / "ref" / "model.safetensors.index.json").string());
+    const std::string keep = index.at("weight_map").at("model.norm.weight").as_string();
+    std::string damaged;
+    for (const auto& n : listing(dir / "ref"))
+      if (n.find("-of-") != std::string::npos && n != keep) damaged = n;
+    ASSERT_FALSE(damaged.empty());
+    std::ofstream((dir / "ref" / damaged).string(), std::ios::trunc) << "not a safetensors file";
+    std::vector<std::string> names;
+    auto got = checkpoint::load_state_dict(
+        (dir / "ref").string(), [](const std::string& n) { return n == "model.norm.weight"; },
+        &names);
+    ASSERT_EQ(got.size(), 1u);
+    EXPECT_TRUE(at::equal(got[0].second, ref->named_parameters()["model.norm.weight"]));
+    EXPECT_EQ(names.size(), index.at("weight_map").size());
+    EXPECT_THROW(checkpoint::load_state_dict((dir / "ref").string()), InputError);
+  }
+  drop_dir(dir);
+}
+
 TEST(PipelineCheckpointIO, BadInputIsNamedOnEveryRank) {
   const Layout l = pp_layouts().front();
   dist::ParallelDims& d = dims_of(l);
