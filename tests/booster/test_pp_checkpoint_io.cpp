@@ -241,6 +241,9 @@ TEST(PipelineCheckpointIO, StageSavesEqualTheSingleProcessSave) {
       auto io = make_io(d);
       io->save_model(part_w, (dir / "pp").string(), shard, 1);
       EXPECT_LE(io->last_save_stats().peak_full_tensors, 1);
+      // Every stage writer gathers its stage's tp-sharded tensors (the others gather none).
+      const bool stage_writer = d.tp().rank() == 0 && d.dp().rank() == 0;
+      EXPECT_EQ(io->last_save_stats().gathered > 0, stage_writer && l.tp > 1);
       if (dist::rank() == 0) {
         expect_same_tensors(dir / "pp", dir / "ref");
         expect_index_covers_shards(dir / "pp");
