@@ -387,7 +387,6 @@ std::vector<checkpoint::TensorDecl> decode_decls(const std::string& text) {
 struct Stages {
   std::vector<std::vector<checkpoint::TensorDecl>> decls;
   std::vector<std::vector<size_t>> owned;  // indices into decls[s]
-  std::set<std::string> names;             // held by some stage
 };
 
 Stages gather_stages(const dist::Communicator& pp, const std::vector<Item>& items,
@@ -403,7 +402,6 @@ Stages gather_stages(const dist::Communicator& pp, const std::vector<Item>& item
       auto [it, fresh] = first.emplace(d.name, std::make_pair(s, &d));
       if (fresh) {
         st.owned[s].push_back(i);
-        st.names.insert(d.name);
         continue;
       }
       const auto& o = *it->second.second;
