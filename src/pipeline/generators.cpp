@@ -3,6 +3,7 @@
 // decide each rank's compute order and then get their Send/Recv from insert_comm(), which is
 // deadlock-free and FIFO-safe by construction (see there).
 #include <algorithm>
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <map>
@@ -320,6 +321,11 @@ Schedule make_schedule(const ScheduleOptions& o) {
       "unknown pipeline style '", st, "' (expected 1f1b, gpipe, interleaved, zbh1 or zbv)");
   COLOSSAL_CHECK_INPUT(o.stages >= 1, "pipeline stages (pp_size) must be >= 1, got ", o.stages);
   COLOSSAL_CHECK_INPUT(o.microbatches >= 1, "microbatches must be >= 1, got ", o.microbatches);
+  COLOSSAL_CHECK_INPUT(o.stages <= 4096, "pipeline stages (pp_size) must be <= 4096, got ",
+                       o.stages);
+  COLOSSAL_CHECK_INPUT(int64_t{o.microbatches} * std::max(o.chunks, 1) <= (1 << 20),
+                       "microbatches * chunks must be <= ", 1 << 20, ", got ", o.microbatches,
+                       " * ", o.chunks);
   COLOSSAL_CHECK_INPUT(st == "gpipe" || o.microbatches >= o.stages, "pp_style ", st,
                        ": microbatches (", o.microbatches, ") must be >= stages (", o.stages,
                        "): fewer micro-batches than stages cannot fill the pipeline");
