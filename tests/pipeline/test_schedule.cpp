@@ -343,6 +343,11 @@ TEST(Tables, RoundTrips) {
       EXPECT_EQ(t.ranks, s.ranks) << text;
     }
   }
+  // A name with spaces survives the CSV header.
+  pp::Schedule named = make("1f1b", 2, 2);
+  named.name = "my  own schedule";
+  EXPECT_EQ(pp::parse_schedule_table(pp::to_csv(named)).name, named.name);
+  EXPECT_EQ(pp::parse_schedule_table(pp::to_json(named)).name, named.name);
   // Rows of ranks may interleave; blank lines and the column header are optional.
   const auto t = pp::parse_schedule_table(
       "# stages=2 microbatches=1\n# name=hand\n0,F,0,0\n1,RecvF,0,0\n0,SendF,0,0\n\n1,F,0,0\n"
