@@ -64,7 +64,7 @@ for phase in "$@"; do
     ;&
   build)
     step build
-    if ! TARGETS="colossal_cli test_kernels test_kernels_cuda test_model_cuda test_vocab_ce_cuda test_gemini_1rank test_zero_1rank bench_kernels" BUILD=$BUILD \
+    if ! TARGETS="colossal_cli test_kernels test_kernels_cuda test_model_cuda test_vocab_ce_cuda test_gemini_1rank test_zero_1rank test_pipeline_stages bench_kernels" BUILD=$BUILD \
          scripts/device_build.sh -DCOLOSSAL_WERROR=OFF > "$LOGS/build.log" 2>&1; then
       tail -40 "$LOGS/build.log"; exit 1
     fi
@@ -86,6 +86,11 @@ for phase in "$@"; do
          --gtest_filter='ZeroCuda*' > "$LOGS/test_zero_cuda.log" 2>&1; then
       note "PASS test_zero_1rank ZeroCuda*: $(grep -E 'PASSED|SKIPPED' "$LOGS/test_zero_cuda.log" | head -2 | tr '\n' ' ')"
     else note "FAIL test_zero_1rank ZeroCuda*"; grep -E -A6 "Failure|error" "$LOGS/test_zero_cuda.log" | head -30; fi
+    # Pipeline chunks on the GPU: the deferred residual resolved at every chunk boundary.
+    if timeout 300 "$BUILD/tests/pipeline/test_pipeline_stages" --gtest_filter='*Cuda' \
+         > "$LOGS/test_pipeline_stages_cuda.log" 2>&1; then
+      note "PASS test_pipeline_stages *Cuda: $(grep -E 'PASSED|SKIPPED' "$LOGS/test_pipeline_stages_cuda.log" | head -2 | tr '\n' ' ')"
+    else note "FAIL test_pipeline_stages *Cuda"; grep -E -A6 "Failure|error" "$LOGS/test_pipeline_stages_cuda.log" | head -30; fi
     [ "$phase" = ktests ] && continue
     step kernel micro-benchmarks
     timeout 400 "$BUILD/bench/bench_kernels" --json "$OUT/bench_kernels.json" > "$LOGS/bench_kernels.log" 2>&1

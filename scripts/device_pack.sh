@@ -6,9 +6,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 B=${1:-build}
 rm -rf build-carry
-mkdir -p build-carry/tests/kernels build-carry/tests/zero build-carry/bench
+mkdir -p build-carry/tests/kernels build-carry/tests/zero build-carry/tests/pipeline build-carry/bench
 for f in colossal tests/kernels/test_kernels tests/kernels/test_kernels_cuda tests/kernels/test_model_cuda tests/kernels/test_vocab_ce_cuda \
-         tests/zero/test_gemini_1rank tests/zero/test_zero_1rank bench/bench_kernels; do
+         tests/zero/test_gemini_1rank tests/zero/test_zero_1rank tests/pipeline/test_pipeline_stages \
+         bench/bench_kernels; do
   cp "$B/$f" "build-carry/$f"
   strip --strip-unneeded "build-carry/$f"
 done

@@ -387,7 +387,6 @@ std::vector<checkpoint::TensorDecl> decode_decls(const std::string& text) {
 struct Stages {
   std::vector<std::vector<checkpoint::TensorDecl>> decls;
   std::vector<std::vector<size_t>> owned;  // indices into decls[s]
-  std::set<std::string> names;             // held by some stage
 };
 
 Stages gather_stages(const dist::Communicator& pp, const std::vector<Item>& items,
@@ -403,7 +402,6 @@ Stages gather_stages(const dist::Communicator& pp, const std::vector<Item>& item
       auto [it, fresh] = first.emplace(d.name, std::make_pair(s, &d));
       if (fresh) {
         st.owned[s].push_back(i);
-        st.names.insert(d.name);
         continue;
       }
       const auto& o = *it->second.second;
@@ -863,9 +861,19 @@ void TensorParallelCheckpointIO::load_model(ModelWrapper& model, const std::stri
   model.wait_weights();  // a late all-gather must not overwrite the loaded weights
   torch::nn::Module& root = model.module();
   const auto sharded = find_sharded_parameters(root, tp_);
-  // Views of the mapped files: only the pages of this rank's slices are read.
-  const auto source = by_name(checkpoint::load_state_dict(path));
+  // Views of the mapped files: only the pages of this rank's slices are read. A stage opens
+  // only the shards that hold its tensors.
   const checkpoint::TensorList state = checkpoint::module_state(root);
+  std::set<std::string> local;
+  for (const auto& [name, t] : state) local.insert(name);
+  std::vector<std::string> file_names;
+  const auto source =
+      pipelined()
+          ? by_name(checkpoint::load_state_dict(
+                path, [&](const std::string& n) { return local.count(n) > 0; }, &file_names))
+          : by_name(checkpoint::load_state_dict(path));
+  if (!pipelined())
+    for (const auto& [name, t] : source) file_names.push_back(name);
   std::vector<std::string> missing, unexpected, mismatched;
   std::map<std::string, bool> known;
   for (const auto& [name, t] : state) {
@@ -892,7 +900,7 @@ void TensorParallelCheckpointIO::load_model(ModelWrapper& model, const std::stri
         held.insert(text.substr(b, e - b));
     }
   }
-  for (const auto& [name, t] : source)
+  for (const auto& name : file_names)
     if (!known.count(name) && !held.count(name)) unexpected.push_back(name);
   std::string problems;
   if (!mismatched.empty()) problems += str("; shape mismatch: ", join_names(mismatched));

@@ -34,7 +34,10 @@ std::string name_list(const std::vector<std::string>& names, size_t limit = 50) 
   return out;
 }
 
-TensorList load_index(const std::string& index_path) {
+// `wanted` (may be empty: every tensor) selects the tensors returned; a shard holding none of
+// them is not opened. `names` (may be null) receives every tensor the index lists.
+TensorList load_index(const std::string& index_path, const NameFilter& wanted,
+                      std::vector<std::string>* names_out) {
   json::Value root = json::parse_file(index_path);
   COLOSSAL_CHECK_INPUT(root.is_object(), index_path, ": an index must be a JSON object");
   const json::Value* wm = root.find("weight_map");
@@ -43,7 +46,7 @@ TensorList load_index(const std::string& index_path) {
   fs::path dir = fs::path(index_path).parent_path();
   // Shards in order of first mention; per shard, the tensors the index assigns to it.
   std::vector<std::string> shards;
-  std::map<std::string, std::set<std::string>> wanted;
+  std::map<std::string, std::set<std::string>> by_shard;
   for (const auto& [name, file] : wm->as_object()) {
     COLOSSAL_CHECK_INPUT(file.is_string(), index_path, ": weight_map entry of \"", name,
                          "\" must be a file name");
@@ -53,16 +56,21 @@ TensorList load_index(const std::string& index_path) {
     for (const auto& part : fp) safe = safe && part != "..";
     COLOSSAL_CHECK_INPUT(safe, index_path, ": weight_map entry of \"", name, "\" names file \"", f,
                          "\", which is not a plain relative path inside the checkpoint folder");
-    if (!wanted.count(f)) shards.push_back(f);
-    wanted[f].insert(name);
+    if (!by_shard.count(f)) shards.push_back(f);
+    by_shard[f].insert(name);
+    if (names_out) names_out->push_back(name);
   }
   TensorList out;
   for (const auto& shard : shards) {
     std::string path = (dir / shard).string();
     COLOSSAL_CHECK_INPUT(fs::exists(path), index_path, " lists shard ", shard, ", but ", path,
                          " does not exist (incomplete download or copy?)");
+    auto& names = by_shard[shard];
+    if (wanted) {
+      std::erase_if(names, [&](const std::string& n) { return !wanted(n); });
+      if (names.empty()) continue;
+    }
     SafetensorsReader r(path);
-    auto& names = wanted[shard];
     for (const auto& info : r.tensors()) {
       if (names.count(info.name)) out.emplace_back(info.name, r.get(info.name));
     }
@@ -105,15 +113,32 @@ void collect_state(const torch::nn::Module& m, const std::string& prefix, Tensor
 
 }  // namespace
 
+namespace {
+// A single .safetensors file, its tensors filtered.
+TensorList load_file(const std::string& path, const NameFilter& wanted,
+                     std::vector<std::string>* names) {
+  TensorList all = load_safetensors(path);
+  if (names)
+    for (const auto& [n, t] : all) names->push_back(n);
+  if (wanted) std::erase_if(all, [&](const auto& nt) { return !wanted(nt.first); });
+  return all;
+}
+}  // namespace
+
 TensorList load_state_dict(const std::string& file_or_dir) {
+  return load_state_dict(file_or_dir, {}, nullptr);
+}
+
+TensorList load_state_dict(const std::string& file_or_dir, const NameFilter& wanted,
+                           std::vector<std::string>* names) {
   std::error_code ec;
   COLOSSAL_CHECK_INPUT(fs::exists(file_or_dir, ec), "checkpoint ", file_or_dir, " does not exist");
   if (fs::is_directory(file_or_dir, ec)) {
     fs::path dir(file_or_dir);
     std::string index = (dir / "model.safetensors.index.json").string();
-    if (fs::exists(index, ec)) return load_index(index);
+    if (fs::exists(index, ec)) return load_index(index, wanted, names);
     std::string single = (dir / "model.safetensors").string();
-    if (fs::exists(single, ec)) return load_safetensors(single);
+    if (fs::exists(single, ec)) return load_file(single, wanted, names);
     // Another prefix: exactly one *.safetensors.index.json or one *.safetensors file.
     std::vector<std::string> indexes, files;
     for (const auto& e : fs::directory_iterator(dir)) {
@@ -121,16 +146,16 @@ TensorList load_state_dict(const std::string& file_or_dir) {
       if (ends_with(name, ".safetensors.index.json")) indexes.push_back(e.path().string());
       if (ends_with(name, ".safetensors")) files.push_back(e.path().string());
     }
-    if (indexes.size() == 1) return load_index(indexes[0]);
-    if (indexes.empty() && files.size() == 1) return load_safetensors(files[0]);
+    if (indexes.size() == 1) return load_index(indexes[0], wanted, names);
+    if (indexes.empty() && files.size() == 1) return load_file(files[0], wanted, names);
     throw InputError(str(
         "checkpoint folder ", file_or_dir,
         " holds neither model.safetensors.index.json nor model.safetensors",
         indexes.size() + files.size() ? " and more than one candidate; pass the file itself" : "",
         " (found ", indexes.size(), " index files and ", files.size(), " .safetensors files)"));
   }
-  if (ends_with(file_or_dir, ".json")) return load_index(file_or_dir);
-  return load_safetensors(file_or_dir);
+  if (ends_with(file_or_dir, ".json")) return load_index(file_or_dir, wanted, names);
+  return load_file(file_or_dir, wanted, names);
 }
 
 namespace {

@@ -41,6 +41,7 @@ int run_schedule(int argc, char** argv) {
            "model chunks per rank (interleaved: >= 2, zbv: 2)")
       .alias("num_model_chunks", "chunks")
       .min("num_model_chunks", 1)
+      .default_text("num_model_chunks", "1; 2 with interleaved or zbv")
       .add("schedule", "pp_style", &style, "schedule style",
            {"1f1b", "gpipe", "interleaved", "zbh1", "zbv"})
       .add("schedule", "table", &table, "a schedule table (.csv or .json) instead of --pp_style")

@@ -102,23 +102,27 @@ std::vector<std::pair<int64_t, int64_t>> stage_block_ranges(
   return out;
 }
 
-std::vector<std::pair<int64_t, int64_t>> rank_block_ranges(
-    const std::vector<int64_t>& layers_per_virtual_stage, int stages, int rank, bool v_placement) {
-  const int64_t V = static_cast<int64_t>(layers_per_virtual_stage.size());
-  COLOSSAL_CHECK_INPUT(stages >= 1 && V % stages == 0, "rank_block_ranges: ", V,
+std::vector<int> rank_virtual_stages(int virtual_stages, int stages, int rank, bool v_placement) {
+  const int V = virtual_stages;
+  COLOSSAL_CHECK_INPUT(stages >= 1 && V >= 1 && V % stages == 0, "pipeline: ", V,
                        " virtual stages are not a multiple of ", stages, " stages");
-  COLOSSAL_CHECK_INPUT(0 <= rank && rank < stages, "rank_block_ranges: rank ", rank,
-                       " outside [0, ", stages, ")");
-  const int64_t chunks = V / stages;
+  COLOSSAL_CHECK_INPUT(0 <= rank && rank < stages, "pipeline: rank ", rank, " outside [0, ", stages,
+                       ")");
+  const int chunks = V / stages;
   COLOSSAL_CHECK_INPUT(!v_placement || chunks == 2, "the V placement takes 2 chunks per rank, got ",
                        chunks);
+  std::vector<int> out;
+  for (int c = 0; c < chunks; ++c)
+    out.push_back(v_placement ? (c == 0 ? rank : 2 * stages - 1 - rank) : c * stages + rank);
+  return out;
+}
+
+std::vector<std::pair<int64_t, int64_t>> rank_block_ranges(
+    const std::vector<int64_t>& layers_per_virtual_stage, int stages, int rank, bool v_placement) {
   const auto all = stage_block_ranges(layers_per_virtual_stage);
   std::vector<std::pair<int64_t, int64_t>> out;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t v =
-        v_placement ? (c == 0 ? rank : 2 * int64_t{stages} - 1 - rank) : c * stages + rank;
+  for (int v : rank_virtual_stages(static_cast<int>(all.size()), stages, rank, v_placement))
     out.push_back(all[v]);
-  }
   return out;
 }
 

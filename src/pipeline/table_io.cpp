@@ -17,6 +17,13 @@ std::string trim(const std::string& s) {
   return s.substr(a, b - a);
 }
 
+// Line breaks would end the CSV header line: written as spaces.
+std::string one_line(std::string s) {
+  for (char& ch : s)
+    if (ch == '\n' || ch == '\r') ch = ' ';
+  return s;
+}
+
 // A non-negative decimal integer, or -1.
 long parse_count(const std::string& s) {
   if (s.empty() || s.size() > 9) return -1;
@@ -108,7 +115,10 @@ Schedule parse_csv(const std::string& text, const std::string& what) {
             throw InputError(at + ": " + e.what());
           }
         } else if (key == "name") {
-          s.name = value;
+          // The rest of the line: a name may hold spaces (to_csv writes it last).
+          std::string rest;
+          std::getline(words, rest);
+          s.name = trim(value + rest);
         } else {
           throw InputError(at + ": unknown header key '" + key +
                            "' (stages, microbatches, chunks, placement, name)");
@@ -191,7 +201,7 @@ Schedule parse_json(const std::string& text, const std::string& what) {
 std::string to_csv(const Schedule& s) {
   std::ostringstream os;
   os << "# stages=" << s.stages << " microbatches=" << s.microbatches << " chunks=" << s.chunks
-     << " placement=" << to_string(s.placement) << " name=" << s.name << "\n";
+     << " placement=" << to_string(s.placement) << " name=" << one_line(s.name) << "\n";
   os << "rank,op,mb,chunk\n";
   for (size_t r = 0; r < s.ranks.size(); ++r)
     for (const auto& i : s.ranks[r])

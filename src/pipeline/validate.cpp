@@ -1,5 +1,6 @@
 // validate(): ranges, per-rank ordering, per-pair FIFO matching, then a deadlock-free run under
 // the batch semantics (the same engine simulate() times).
+#include <cstdint>
 #include <map>
 #include <tuple>
 
@@ -9,6 +10,9 @@
 
 namespace colossal::pipeline {
 namespace {
+
+constexpr int kMaxStages = 4096;
+constexpr int64_t kMaxMicrobatchChunks = 1 << 20;
 
 using detail::where;
 
@@ -194,6 +198,12 @@ void validate(const Schedule& s) {
                        "': microbatches must be >= 1, got ", s.microbatches);
   COLOSSAL_CHECK_INPUT(s.chunks >= 1, "schedule '", s.name, "': chunks must be >= 1, got ",
                        s.chunks);
+  // Bounds that keep a hostile table from asking for unbounded memory.
+  COLOSSAL_CHECK_INPUT(s.stages <= kMaxStages, "schedule '", s.name, "': stages (", s.stages,
+                       ") above ", kMaxStages);
+  COLOSSAL_CHECK_INPUT(int64_t{s.microbatches} * s.chunks <= kMaxMicrobatchChunks, "schedule '",
+                       s.name, "': microbatches * chunks (", int64_t{s.microbatches} * s.chunks,
+                       ") above ", kMaxMicrobatchChunks);
   COLOSSAL_CHECK_INPUT(s.placement != Placement::V || s.chunks == 2, "schedule '", s.name,
                        "': placement v needs chunks == 2, got ", s.chunks);
   COLOSSAL_CHECK_INPUT(static_cast<int>(s.ranks.size()) == s.stages, "schedule '", s.name,

@@ -241,6 +241,9 @@ TEST(PipelineCheckpointIO, StageSavesEqualTheSingleProcessSave) {
       auto io = make_io(d);
       io->save_model(part_w, (dir / "pp").string(), shard, 1);
       EXPECT_LE(io->last_save_stats().peak_full_tensors, 1);
+      // Every stage writer gathers its stage's tp-sharded tensors (the others gather none).
+      const bool stage_writer = d.tp().rank() == 0 && d.dp().rank() == 0;
+      EXPECT_EQ(io->last_save_stats().gathered > 0, stage_writer && l.tp > 1);
       if (dist::rank() == 0) {
         expect_same_tensors(dir / "pp", dir / "ref");
         expect_index_covers_shards(dir / "pp");
@@ -501,6 +504,34 @@ TEST(PipelineCheckpointIO, OptimizerStatesMoveBetweenStagesAndOneProcess) {
     }
     drop_dir(dir);
   }
+}
+
+// A stage opens only the shards holding its tensors: a damaged shard of other tensors does not
+// stop it, and the names of every tensor come back from the index.
+TEST(PipelineCheckpointIO, AFilteredLoadOpensOnlyTheShardsItNeeds) {
+  const fs::path dir = shared_dir("filter");
+  if (dist::rank() == 0) {
+    auto ref = build(nullptr, 5);
+    checkpoint::SaveOptions so;
+    so.size_per_shard_mb = 1;
+    checkpoint::save_state_dict((dir / "ref").string(), checkpoint::module_state(*ref), so);
+    json::Value index = json::parse_file((dir / "ref" / "model.safetensors.index.json").string());
+    const std::string keep = index.at("weight_map").at("model.norm.weight").as_string();
+    std::string damaged;
+    for (const auto& n : listing(dir / "ref"))
+      if (n.find("-of-") != std::string::npos && n != keep) damaged = n;
+    ASSERT_FALSE(damaged.empty());
+    std::ofstream((dir / "ref" / damaged).string(), std::ios::trunc) << "not a safetensors file";
+    std::vector<std::string> names;
+    auto got = checkpoint::load_state_dict(
+        (dir / "ref").string(), [](const std::string& n) { return n == "model.norm.weight"; },
+        &names);
+    ASSERT_EQ(got.size(), 1u);
+    EXPECT_TRUE(at::equal(got[0].second, ref->named_parameters()["model.norm.weight"]));
+    EXPECT_EQ(names.size(), index.at("weight_map").size());
+    EXPECT_THROW(checkpoint::load_state_dict((dir / "ref").string()), InputError);
+  }
+  drop_dir(dir);
 }
 
 TEST(PipelineCheckpointIO, BadInputIsNamedOnEveryRank) {

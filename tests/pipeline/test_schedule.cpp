@@ -181,6 +181,17 @@ TEST(Schedule, InterleavedAndZeroBubbleBeatOneFOneB) {
     }
 }
 
+TEST(Schedule, ZbvIsCloseToItsLowerBound) {
+  // f = b = w = 1: each rank has 6 M units of work and rank S - 1 cannot start before S - 1, so
+  // no V schedule beats 6 M + S - 1; ours stays within 4 units of it.
+  for (int S = 2; S <= 8; ++S)
+    for (int M = S; M <= 4 * S; ++M) {
+      const auto r = pp::simulate(make("zbv", S, M, 2), {});
+      EXPECT_GE(r.step_time, 6 * M + S - 1) << "S=" << S << " M=" << M;
+      EXPECT_LE(r.step_time, 6 * M + S + 3) << "S=" << S << " M=" << M;
+    }
+}
+
 TEST(Schedule, InterleavedMatchesMegatronsBubble) {
   // Megatron (Narayanan et al. 2021): with C chunks the bubble time is (S - 1)(F + B) / C for a
   // whole stage's F and B, i.e. (S - 1)(f + b + w) in per-chunk costs: step = (M C + S - 1)(f +
@@ -303,6 +314,15 @@ TEST(MakeSchedule, NamedErrors) {
             std::string::npos);
   EXPECT_NE(err("1f1b", 0, 8, 1).find("stages"), std::string::npos);
   EXPECT_NO_THROW(make("gpipe", 4, 2, 1));  // GPipe needs no full pipeline
+  EXPECT_NE(err("gpipe", 2, 1 << 21, 1).find("microbatches * chunks must be <= "),
+            std::string::npos);
+  pp::Schedule huge;
+  huge.stages = 1;
+  huge.microbatches = 1 << 20;
+  huge.chunks = 1024;
+  huge.ranks.resize(1);
+  EXPECT_NE(expect_invalid(huge).find("microbatches * chunks (1073741824) above"),
+            std::string::npos);
 }
 
 TEST(Tables, RoundTrips) {
@@ -323,6 +343,11 @@ TEST(Tables, RoundTrips) {
       EXPECT_EQ(t.ranks, s.ranks) << text;
     }
   }
+  // A name with spaces survives the CSV header.
+  pp::Schedule named = make("1f1b", 2, 2);
+  named.name = "my  own schedule";
+  EXPECT_EQ(pp::parse_schedule_table(pp::to_csv(named)).name, named.name);
+  EXPECT_EQ(pp::parse_schedule_table(pp::to_json(named)).name, named.name);
   // Rows of ranks may interleave; blank lines and the column header are optional.
   const auto t = pp::parse_schedule_table(
       "# stages=2 microbatches=1\n# name=hand\n0,F,0,0\n1,RecvF,0,0\n0,SendF,0,0\n\n1,F,0,0\n"

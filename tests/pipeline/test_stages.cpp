@@ -6,6 +6,7 @@
 // rules (ColossalAI's default, a user's list, the cost-balanced split against brute force, the
 // block ranges of each placement) and the named errors.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 
@@ -37,6 +38,14 @@ using colossal::pipeline::stage_block_ranges;
 using Ranges = std::vector<std::pair<int64_t, int64_t>>;
 
 namespace {
+
+// Tiny tensors: intra-op threads only contend with each other on a shared machine.
+class OneThread : public ::testing::Environment {
+ public:
+  void SetUp() override { at::set_num_threads(1); }
+};
+const bool one_thread_registered [[maybe_unused]] =
+    (::testing::AddGlobalTestEnvironment(new OneThread), true);
 
 ModelConfig tiny(int64_t layers, bool tied, bool gqa) {
   ModelConfig c = ModelConfig::preset("tiny");
@@ -242,6 +251,16 @@ TEST(Stages, CheckpointingCountsLayersOverChunks) {
     EXPECT_EQ(l0[4]->checkpointing, mode);
     EXPECT_EQ(l0[5]->checkpointing, CheckpointMode::None);
     EXPECT_THROW(ckpt[0]->set_activation_checkpointing(mode, 5), InputError);
+    // Per chunk (ColossalAI's per-virtual-stage list): chunk 0 none, chunk 1 its first layer.
+    ckpt[1]->set_activation_checkpointing(mode, std::vector<int64_t>{0, 1});
+    const auto& l1 = ckpt[1]->model->layers->layers;
+    EXPECT_EQ(l1[2]->checkpointing, CheckpointMode::None);
+    EXPECT_EQ(l1[3]->checkpointing, CheckpointMode::None);
+    EXPECT_EQ(l1[6]->checkpointing, mode);
+    EXPECT_EQ(l1[7]->checkpointing, CheckpointMode::None);
+    EXPECT_THROW(ckpt[1]->set_activation_checkpointing(mode, std::vector<int64_t>{3, 0}),
+                 InputError);
+    EXPECT_THROW(ckpt[1]->set_activation_checkpointing(mode, std::vector<int64_t>{1}), InputError);
     run_chain(ckpt, 2, 2, false, ids, targets);
     for (int r = 0; r < 2; ++r) {
       auto want = plain[r]->named_parameters();
@@ -421,6 +440,11 @@ TEST(Layers, BlockRangesOfEachPlacement) {
   EXPECT_EQ(rank_block_ranges(layers, 2, 0, true), (R{{0, 2}, {6, 10}}));   // v 0, 3
   EXPECT_EQ(rank_block_ranges(layers, 2, 1, true), (R{{2, 4}, {4, 6}}));    // v 1, 2
   EXPECT_EQ(rank_block_ranges(layers, 4, 3, false), (R{{6, 10}}));
+  using pipeline::rank_virtual_stages;
+  EXPECT_EQ(rank_virtual_stages(8, 4, 1, false), (std::vector<int>{1, 5}));
+  EXPECT_EQ(rank_virtual_stages(8, 4, 1, true), (std::vector<int>{1, 6}));
+  EXPECT_EQ(rank_virtual_stages(8, 4, 3, true), (std::vector<int>{3, 4}));
+  EXPECT_EQ(rank_virtual_stages(12, 4, 2, false), (std::vector<int>{2, 6, 10}));
 }
 
 namespace {

@@ -1,5 +1,5 @@
-// Checkpoint IO of tensor-parallel layouts (ColossalAI's HybridParallelCheckpointIO without
-// pipeline stages). It writes exactly the files DataParallelCheckpointIO writes for the same
+// Checkpoint IO of tensor-parallel layouts (ColossalAI's HybridParallelCheckpointIO; pipeline
+// stages below). It writes exactly the files DataParallelCheckpointIO writes for the same
 // weights, so a run saves from any layout and resumes in any other (dp-only, tp2, tp4, tp x dp,
 // ZeRO, Gemini):
 // - model: HF safetensors (`model.safetensors`, or shards + `model.safetensors.index.json`
@@ -27,19 +27,21 @@
 // and a name held by several stages (a tied embedding's copy on the last stage) belongs to the
 // lowest stage holding it. What is written:
 // - model: always the sharded HF form, whatever `shard` says: the writer of each stage (tp rank
-//   0 of its dp rank 0 group) streams the tensors its stage owns into its own
-//   `model-0000k-of-0000N.safetensors` files (one per stage, or several when shard=true cuts at
-//   size_per_shard_mb; k runs over the stages in order), and global rank 0 writes one
-//   `model.safetensors.index.json` (every tensor once, metadata.total_size in bytes) and
+//   0 of its dp rank 0 group, dp being dp x sp under sequence parallelism) streams the tensors its
+//   stage owns into its own `model-0000k-of-0000N.safetensors` files (one per stage, or several
+//   when shard=true cuts at size_per_shard_mb; k runs over the stages in order), and global rank 0
+//   writes one `model.safetensors.index.json` (every tensor once, metadata.total_size in bytes) and
 //   config.json. Atomic as a folder: global rank 0 stages `dir` (checkpoint::StagedDirectory),
 //   the stage writers write into the staging folder, and after a barrier rank 0 adds the index
 //   and swaps the folder into place (files of an existing `dir` that are not model files, e.g.
 //   optimizer states saved there, are carried over by hard link). A crash leaves the previous
-//   `dir` intact.
-// - load: any layout's files (one file, index + shards, HF's own): every rank copies the tensors
-//   of its stage (its slices); both holders of a shared name get it. strict: a tensor of this
-//   stage missing from the files, or a file tensor that no stage holds (checked over pp), is an
-//   InputError raised on every rank, naming the stage and the tensors.
+//   `dir` intact. The stage writers need a file system they all see (a shared one across
+//   hosts).
+// - load: any layout's files (one file, index + shards, HF's own): every rank opens only the
+//   shards holding its stage's tensors and copies its slices; both holders of a shared name get
+//   it. strict: a tensor of this stage missing from the files, or a file tensor that no stage
+//   holds (checked over pp), is an InputError raised on every rank, naming the stage and the
+//   tensors.
 // - optimizer: the same single `optimizer.safetensors` + `optimizer.json` as every other layout
 //   (so DataParallelCheckpointIO and the pp = 1 path read it unchanged, and it reads theirs):
 //   each stage writer streams its stage's full-shape states, tensor by tensor in file order, to

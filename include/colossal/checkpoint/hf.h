@@ -22,6 +22,16 @@ namespace colossal::checkpoint {
 // All tensors of a checkpoint: a .safetensors file, an index .json, or a folder.
 TensorList load_state_dict(const std::string& file_or_dir);
 
+// Selects tensors by name.
+using NameFilter = std::function<bool(const std::string& name)>;
+
+// The tensors of a checkpoint that `wanted` accepts (empty: all), for a rank that holds only
+// some of them (a pipeline stage): with an index, a shard holding none of them is not opened
+// (every listed shard must still exist). `names` (may be null) receives the name of every tensor
+// of the checkpoint, in the index's or the file's order.
+TensorList load_state_dict(const std::string& file_or_dir, const NameFilter& wanted,
+                           std::vector<std::string>* names);
+
 struct SaveOptions {
   bool shard = true;                 // false: always one model.safetensors
   int64_t size_per_shard_mb = 1024;  // ColossalAI's default; a shard is cut before it overflows

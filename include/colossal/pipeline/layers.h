@@ -36,9 +36,14 @@ std::vector<int64_t> balance_layers(int64_t num_layers, int virtual_stages, doub
 std::vector<std::pair<int64_t, int64_t>> stage_block_ranges(
     const std::vector<int64_t>& layers_per_virtual_stage);
 
-// The block ranges of `rank`'s chunks (chunk c = element c, the argument of keep_chunks) under
-// the Loop placement or (v_placement) the V placement, which takes exactly 2 chunks. InputError
-// when the virtual stages are not a multiple of `stages` or rank is outside [0, stages).
+// The virtual stage of each of `rank`'s chunks (chunk c = element c) under the Loop placement or
+// (v_placement) the V placement, which takes exactly 2 chunks. E.g. to pick a per-virtual-stage
+// list (ColossalAI's num_ckpt_layers_per_stage) for a rank. InputError when virtual_stages is
+// not a multiple of `stages` or rank is outside [0, stages).
+std::vector<int> rank_virtual_stages(int virtual_stages, int stages, int rank, bool v_placement);
+
+// The block ranges of `rank`'s chunks (chunk c = element c, the argument of keep_chunks):
+// stage_block_ranges at rank_virtual_stages (same errors).
 std::vector<std::pair<int64_t, int64_t>> rank_block_ranges(
     const std::vector<int64_t>& layers_per_virtual_stage, int stages, int rank, bool v_placement);
 

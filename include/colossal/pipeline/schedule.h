@@ -135,8 +135,10 @@ struct SimResult {
 };
 // Event simulation of a (valid) schedule: each rank runs its list in order; a compute starts
 // when the rank is free and its inputs are there; data sent by a Send at time t is available to
-// the matching Recv at t + comm. With comm = 0 and b + w = 2f the 1F1B step time is exactly
-// (M + S - 1) * (f + b + w), so the bubble is (S - 1) / (M + S - 1).
+// the matching Recv at t + comm. A batch completes when all its ops do: a Send when its Recv is
+// posted, a Recv at max(its post, the Send's post + comm). validate()s first. With comm = 0
+// the 1F1B step time is exactly (M + S - 1) * (f + b + w) (any f, b, w; tested), so the bubble
+// is (S - 1) / (M + S - 1).
 SimResult simulate(const Schedule& s, const Costs& costs);
 
 // Timeline picture (SVG): one row per rank, a box per compute (F, B, W, BW coloured apart,

@@ -244,6 +244,35 @@ void CausalLM::set_activation_checkpointing(CheckpointMode mode, int64_t num_lay
   checkpointing_ = num_layers == 0 ? CheckpointMode::None : mode;
 }
 
+void CausalLM::set_activation_checkpointing(CheckpointMode mode,
+                                            const std::vector<int64_t>& per_chunk) {
+  const int64_t L = config_.num_hidden_layers;
+  COLOSSAL_CHECK_INPUT(static_cast<int64_t>(per_chunk.size()) == num_chunks(),
+                       "activation checkpointing per chunk: ", per_chunk.size(),
+                       " entries for a model of ", num_chunks(), " chunks");
+  // Layers of chunk c: its blocks within [1, L].
+  auto layers_of = [&](int64_t c) {
+    return std::pair{std::max<int64_t>(chunks_[c].first, 1),
+                     std::min<int64_t>(chunks_[c].second, L + 1)};
+  };
+  for (int64_t c = 0; c < num_chunks(); ++c) {
+    const auto [b, e] = layers_of(c);
+    const int64_t n = std::max<int64_t>(e - b, 0);
+    COLOSSAL_CHECK_INPUT(per_chunk[c] <= n, "activation checkpointing of ", per_chunk[c],
+                         " layers in chunk ", c, ": it holds only ", n, " decoder layers");
+  }
+  bool any = false;
+  for (int64_t c = 0; c < num_chunks(); ++c) {
+    const auto [b, e] = layers_of(c);
+    for (int64_t i = b; i < e; ++i) {
+      const bool on = per_chunk[c] < 0 || i - b < per_chunk[c];
+      model->layers->layers[i - 1]->checkpointing = on ? mode : CheckpointMode::None;
+      any = any || on;
+    }
+  }
+  checkpointing_ = any ? mode : CheckpointMode::None;
+}
+
 std::string CausalLM::block_name(int64_t i) const {
   const int64_t L = config_.num_hidden_layers;
   COLOSSAL_CHECK_INPUT(0 <= i && i < num_blocks(), "block ", i, " of a model of ", num_blocks(),

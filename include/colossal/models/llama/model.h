@@ -178,7 +178,8 @@ class CausalLM : public nn::Module {
   // the pipeline plugin: this parameter exists on both the first and the last stage, both
   // copies start equal (init and loading are keyed by name), and the plugin sums its gradient
   // over the two stages before the step (so both copies take the same update) and counts it
-  // once in the gradient norm. A vocab-sharded tied embedding is sharded on both stages alike.
+  // once in the gradient norm; a checkpoint writer saves it once. A vocab-sharded tied
+  // embedding is sharded on both stages alike.
   bool holds_tied_copy() const { return tied_copy_; }
 
   // Chunk c: its first block's input (token ids [B, S] when it starts at the embedding, else
@@ -196,6 +197,11 @@ class CausalLM : public nn::Module {
   // others none: per-layer selective recompute trades memory for the fewest recomputed layers
   // (ColossalAI's num_ckpt_layers_per_stage). InputError when num_layers exceeds the owned layers.
   void set_activation_checkpointing(CheckpointMode mode, int64_t num_layers = -1);
+  // Per chunk (ColossalAI's num_ckpt_layers_per_stage, indexed by virtual stage: pick a rank's
+  // entries with pipeline::rank_virtual_stages): the first per_chunk[c] decoder layers of chunk c
+  // get `mode` (all of them when < 0), the others none. InputError when the size is not
+  // num_chunks() or an entry exceeds its chunk's layers.
+  void set_activation_checkpointing(CheckpointMode mode, const std::vector<int64_t>& per_chunk);
   CheckpointMode activation_checkpointing() const { return checkpointing_; }
 
   const ModelConfig& config() const { return config_; }
