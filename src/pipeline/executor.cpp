@@ -79,7 +79,13 @@ Executor::Executor(Schedule schedule, dist::Communicator pp, StageFunctions stag
                        " ranks");
   rank_ = pp_.valid() ? pp_.rank() : 0;
   validate(schedule_);
-  if (pp_.valid() && pp_.size() > 1) meta_ = pp_.new_group(pp_.ranks(), pp_.name() + "/meta");
+  if (pp_.valid() && pp_.size() > 1) {
+    meta_ = pp_.new_group(pp_.ranks(), pp_.name() + "/meta");
+    // A group connects on its first operation, with every member: a rank's first point-to-point
+    // op must not be where that happens (its peers may be blocked on other ranks' messages).
+    pp_.barrier();
+    meta_.barrier();
+  }
 }
 
 void Executor::set_stage(StageFunctions stage) {

@@ -66,6 +66,7 @@ class Executor {
  public:
   // `pp`: the pipeline group, in stage order (its rank r runs schedule.ranks[r]). The schedule
   // is validated here (an invalid one is an InputError naming its first bad instruction).
+  // Collective over `pp` (every member constructs its executor: the groups connect here).
   Executor(Schedule schedule, dist::Communicator pp, StageFunctions stage,
            ExecutorOptions options = {});
 

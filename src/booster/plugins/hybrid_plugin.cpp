@@ -202,11 +202,7 @@ std::vector<int64_t> HybridOptions::layers_per_stage() const {
   return parse_int_list(num_layers_per_stage, "num_layers_per_stage");
 }
 std::vector<int64_t> HybridOptions::ckpt_layers_per_stage() const {
-  auto v = parse_int_list(num_ckpt_layers_per_stage, "num_ckpt_layers_per_stage");
-  COLOSSAL_CHECK_INPUT(v.empty() || static_cast<int64_t>(v.size()) == pp_size,
-                       "hybrid: num_ckpt_layers_per_stage='", num_ckpt_layers_per_stage,
-                       "' has ", v.size(), " entries for pp_size=", pp_size);
-  return v;
+  return parse_int_list(num_ckpt_layers_per_stage, "num_ckpt_layers_per_stage");
 }
 
 bool HybridOptions::non_default_layout() const {
@@ -651,8 +647,19 @@ void HybridParallelPlugin::cut_pipeline_stage(const std::shared_ptr<models::Caus
   lm->keep_chunks(pipeline::rank_block_ranges(pipe_->layers, pp, rank,
                                               pipe_->placement == pipeline::Placement::V));
   std::vector<int64_t> ckpt = options_.ckpt_layers_per_stage();
-  if (!ckpt.empty())
-    lm->set_activation_checkpointing(nn::CheckpointMode::Full, ckpt[static_cast<size_t>(rank)]);
+  if (!ckpt.empty()) {
+    // One entry per virtual stage (ColossalAI's num_ckpt_layers_per_stage, indexed by
+    // stage + chunk * stages): this rank's chunks take theirs.
+    const int V = static_cast<int>(pipe_->layers.size());
+    COLOSSAL_CHECK_INPUT(static_cast<int>(ckpt.size()) == V, "hybrid: num_ckpt_layers_per_stage='",
+                         options_.num_ckpt_layers_per_stage, "' has ", ckpt.size(),
+                         " entries for ", V, " virtual stages (pp_size x num_model_chunks)");
+    std::vector<int64_t> per_chunk;
+    for (int v : pipeline::rank_virtual_stages(V, pp, rank,
+                                               pipe_->placement == pipeline::Placement::V))
+      per_chunk.push_back(ckpt[static_cast<size_t>(v)]);
+    lm->set_activation_checkpointing(nn::CheckpointMode::Full, per_chunk);
+  }
   if (lm->tied() && pipe_->placement == pipeline::Placement::Loop) {
     // The embedding (stage 0) and the last stage's copy used by the head: one group per
     // (dp, tp, sp) coordinate, its two members along pp.

@@ -107,9 +107,9 @@ struct HybridOptions {
   // A user's schedule table (CSV or JSON, pipeline/schedule.h) instead of pp_style's generator.
   std::string pp_schedule_table;
   bool enable_metadata_cache = true;
-  // Activation checkpointing per pipeline stage (ColossalAI's gradient_checkpoint_config
-  // num_ckpt_layers_per_stage, "2,1"): the first n decoder layers of stage i recompute in
-  // backward (full recompute). Empty: the model's own setting is left alone.
+  // Activation checkpointing per virtual stage (ColossalAI's gradient_checkpoint_config
+  // num_ckpt_layers_per_stage, "2,1"; entry stage + chunk * pp_size): the first n decoder layers
+  // of that chunk recompute in backward (full recompute). Empty: the model's own setting stays.
   std::string num_ckpt_layers_per_stage;
   LossScaleOptions loss_scale;        // fp16: initial_scale 2**16, ... (ColossalAI's Hybrid values)
   double max_norm = 0.0;              // clip every step at this global norm (0: off)
