@@ -466,11 +466,15 @@ void Trainer::log_step(int64_t done, const StepStats& st, double elapsed) {
 std::string Trainer::save(int64_t step) {
   std::string target = c_.save_dir + "/" + step_dir_name(step);
   std::unique_ptr<checkpoint::StagedDirectory> staged;
-  std::string path = target;
+  // Every rank writes into the same staging folder (pipeline stages write their own files);
+  // rank 0 makes it here, and the checkpoint IO's barrier orders the others after that.
+  while (target.size() > 1 && target.back() == '/') target.pop_back();
+  std::string path = target + ".staging";
   if (rank0_) {
     fs::create_directories(c_.save_dir);
     staged = std::make_unique<checkpoint::StagedDirectory>(target);
-    path = staged->path();
+    COLOSSAL_CHECK(staged->path() == path, "checkpoint staging folder ", staged->path(),
+                   " is not the one every rank writes to (", path, ")");
   }
   booster_->save_model(*boosted_.model, path + "/model");
   booster_->save_optimizer(*boosted_.optimizer, path);

@@ -88,7 +88,7 @@ def test_resume_across_layouts(work, single):
     out, p = train(work, "pp_saved", 2, ["--plugin", "hybrid", "--pp", "2", "--num_microbatches", "2",
                                           "--micro_batch", "4", "--save_dir", str(ckpt), "--save_every", "5"])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert (ckpt / "step-00000005" / "model.safetensors.index.json").exists()
+    assert (ckpt / "step-00000005" / "model" / "model.safetensors.index.json").exists()
     for name, nproc, extra in [
             ("pp_to_tp", 2, ["--plugin", "hybrid", "--tp", "2", "--micro_batch", "4"]),
             ("pp_to_dp_pp", 4, ["--plugin", "hybrid", "--pp", "2", "--zero_stage", "1", "--num_microbatches", "2",

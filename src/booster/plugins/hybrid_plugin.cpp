@@ -479,7 +479,8 @@ std::shared_ptr<ModelWrapper> HybridParallelPlugin::configure_model(
     nn::apply_plan(*model,
                    custom ? options_.custom_plan : models::tensor_parallel_plan(lm->config(), tpo),
                    po);
-    if (sequence_in_tp_group(mode_)) {
+    if (sequence_in_tp_group(mode_) && lm->owns_block(0)) {
+      // (Later pipeline stages receive the sequence shards the first stage's embedding made.)
       auto* embed = lm->model->embed_tokens.get();
       COLOSSAL_CHECK_INPUT(
           embed && embed->shard_spec() && embed->shard_spec()->communicates(),
@@ -760,6 +761,8 @@ PipelineOutput HybridParallelPlugin::execute_pipeline(const BatchIterator& data_
     if (lb.positions.defined()) fo.positions = lb.positions.to(lb.inputs.device());
     const auto [begin, end] = lm.chunk_blocks(chunk);
     const at::Tensor x = begin == 0 ? lb.inputs : input;
+    // A later stage's input stands for this rank's tokens (split_gather: S/tp rows of S tokens).
+    if (begin > 0) fo.input_tokens = lb.inputs.size(1);
     if (end < L + 3) return lm.forward_chunk(chunk, x, fo);
     const double w = lb.loss_weight * step.loss_weight / static_cast<double>(M);
     if (vocab_head || (!criterion && !return_outputs))

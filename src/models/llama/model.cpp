@@ -459,7 +459,11 @@ at::Tensor CausalLM::forward_blocks(int64_t begin, int64_t stop, const at::Tenso
   COLOSSAL_CHECK(input.dim() == (begin == 0 ? 2 : 3), "CausalLM::forward: expected ",
                  begin == 0 ? "token ids [batch, seq]" : "hidden states [batch, seq, hidden]",
                  ", got ", input.dim(), " dims");
-  const int64_t s = input.size(1);
+  COLOSSAL_CHECK_INPUT(opts.input_tokens == 0 || (begin > 0 && opts.input_tokens >= input.size(1)),
+                       "CausalLM::forward: input_tokens=", opts.input_tokens,
+                       " applies to hidden-state inputs of at least that many rows only (got ",
+                       input.sizes(), ")");
+  const int64_t s = opts.input_tokens > 0 ? opts.input_tokens : input.size(1);
   SequenceInfo seq;
   seq.offset = opts.seq_offset;
   seq.local_len = s;

@@ -120,6 +120,11 @@ struct ForwardOptions {
   // positions only. Undefined: the tokens are contiguous from seq_offset. Takes no KV cache,
   // position_ids or attention_mask.
   at::Tensor positions;
+  // The tokens the input stands for, when a pipeline stage's hidden-state input holds fewer rows:
+  // under split_gather / ring the activations between stages are sequence shards of the tp group
+  // (the layers gather them), so a later stage's [B, S/tp, hidden] input is S tokens. 0: the
+  // input's own length.
+  int64_t input_tokens = 0;
 };
 
 // One pipeline unit: its HF name prefix and module.
