@@ -75,8 +75,7 @@ Executor::Executor(Schedule schedule, dist::Communicator pp, StageFunctions stag
   COLOSSAL_CHECK(stage_.parameters, "pipeline executor: no parameters function");
   const int world = pp_.valid() ? pp_.size() : 1;
   COLOSSAL_CHECK_INPUT(world == schedule_.stages, "pipeline: the schedule '", schedule_.name,
-                       "' has ", schedule_.stages, " stages, the pipeline group ", world,
-                       " ranks");
+                       "' has ", schedule_.stages, " stages, the pipeline group ", world, " ranks");
   rank_ = pp_.valid() ? pp_.rank() : 0;
   validate(schedule_);
   if (pp_.valid() && pp_.size() > 1) {
@@ -89,7 +88,8 @@ Executor::Executor(Schedule schedule, dist::Communicator pp, StageFunctions stag
 }
 
 void Executor::set_stage(StageFunctions stage) {
-  COLOSSAL_CHECK(stage.forward && stage.parameters, "pipeline executor: incomplete stage functions");
+  COLOSSAL_CHECK(stage.forward && stage.parameters,
+                 "pipeline executor: incomplete stage functions");
   stage_ = std::move(stage);
 }
 
@@ -105,8 +105,8 @@ std::vector<at::Tensor> Executor::run() {
   const int C = s.chunks, V = s.virtual_stages(), M = s.microbatches;
   std::vector<Slot> slots(static_cast<size_t>(M * C));
   auto slot = [&](int mb, int chunk) -> Slot& {
-    COLOSSAL_CHECK(mb >= 0 && mb < M && chunk >= 0 && chunk < C, "pipeline: (mb ", mb,
-                   ", chunk ", chunk, ") out of range");
+    COLOSSAL_CHECK(mb >= 0 && mb < M && chunk >= 0 && chunk < C, "pipeline: (mb ", mb, ", chunk ",
+                   chunk, ") out of range");
     return slots[static_cast<size_t>(mb * C + chunk)];
   };
   // Metadata of the channels seen this step: (kind, sending virtual stage).
@@ -152,10 +152,13 @@ std::vector<at::Tensor> Executor::run() {
           sl.input = at::Tensor();
         }
         at::Tensor y = stage_.forward(in.mb, in.chunk, input);
-        COLOSSAL_CHECK(y.defined(), "pipeline: the forward of ", to_string(in), " returned nothing");
+        COLOSSAL_CHECK(y.defined(), "pipeline: the forward of ", to_string(in),
+                       " returned nothing");
         if (v == V - 1) {
-          COLOSSAL_CHECK(y.numel() == 1, "pipeline: the last stage's forward must return the loss "
-                                         "(a scalar), got ", y.sizes());
+          COLOSSAL_CHECK(y.numel() == 1,
+                         "pipeline: the last stage's forward must return the loss "
+                         "(a scalar), got ",
+                         y.sizes());
           sl.loss = y.detach();
           sl.y = stage_.scale_loss ? stage_.scale_loss(y) : y;
         } else {
@@ -249,8 +252,7 @@ std::vector<at::Tensor> Executor::run() {
           COLOSSAL_CHECK(sl.y.defined(), "pipeline: ", to_string(in), " before its forward");
           t = sl.y.detach().contiguous();
         } else {
-          COLOSSAL_CHECK(sl.grad_in.defined(), "pipeline: ", to_string(in),
-                         " before its backward");
+          COLOSSAL_CHECK(sl.grad_in.defined(), "pipeline: ", to_string(in), " before its backward");
           t = std::exchange(sl.grad_in, at::Tensor()).contiguous();
         }
         if (!options_.enable_metadata_cache || !sent_meta.count(channel)) {
@@ -264,7 +266,8 @@ std::vector<at::Tensor> Executor::run() {
       } else {
         auto it = recv_meta.find(channel);
         if (!options_.enable_metadata_cache || it == recv_meta.end()) {
-          at::Tensor m = at::empty({kMetaLen}, at::TensorOptions(at::kLong).device(options_.device));
+          at::Tensor m =
+              at::empty({kMetaLen}, at::TensorOptions(at::kLong).device(options_.device));
           meta_ops.push_back(dist::P2POp::recv(m, peer));
           delayed.push_back({&sl, !fwd, peer, channel, m});
           delayed_links.insert(peer);
@@ -272,8 +275,8 @@ std::vector<at::Tensor> Executor::run() {
         } else if (delayed_links.count(peer)) {
           delayed.push_back({&sl, !fwd, peer, channel, at::Tensor()});
         } else {
-          at::Tensor buf =
-              at::empty(it->second.sizes, at::TensorOptions(it->second.dtype).device(options_.device));
+          at::Tensor buf = at::empty(it->second.sizes,
+                                     at::TensorOptions(it->second.dtype).device(options_.device));
           phase1.push_back(dist::P2POp::recv(buf, peer));
           (fwd ? sl.input : sl.grad_out) = buf;
         }

@@ -151,7 +151,9 @@ TEST(CheckpointIO, BuiltInPluginsControlTheirs) {
 }
 
 TEST(CheckpointIO, ExecutePipelineReadsSupportPipeline) {
-  auto iter = [] { return std::make_pair(at::zeros({1, 2}, at::kLong), at::zeros({1, 2}, at::kLong)); };
+  auto iter = [] {
+    return std::make_pair(at::zeros({1, 2}, at::kLong), at::zeros({1, 2}, at::kLong));
+  };
   auto model = std::make_shared<booster::ModelWrapper>(std::make_shared<torch::nn::Module>());
   booster::Booster plain(std::make_shared<TestPlugin>(true, /*pipeline=*/false));
   try {

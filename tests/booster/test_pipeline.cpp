@@ -143,8 +143,8 @@ void run_case(const Case& k) {
   for (int step = 0; step < kSteps; ++step) {
     double ref_total = 0.0, total = 0.0;
     for (int64_t a = 0; a < A; ++a) {
-      auto [ids, targets] = global_batch(step * 10 + static_cast<int>(a), kRowsPerDp * dp,
-                                         cfg.vocab_size);
+      auto [ids, targets] =
+          global_batch(step * 10 + static_cast<int>(a), kRowsPerDp * dp, cfg.vocab_size);
       at::Tensor ref_loss = ref->forward_loss(ids, targets) / static_cast<double>(A);
       ref_loss.backward();
       ref_total += ref_loss.item<double>();
@@ -155,8 +155,7 @@ void run_case(const Case& k) {
       PipelineStep ps;
       ps.loss_weight = 1.0 / static_cast<double>(A);
       PipelineOutput out = booster.execute_pipeline(
-          [&] { return std::make_pair(my_ids, my_targets); }, *b.model, {}, &opt, true, false,
-          ps);
+          [&] { return std::make_pair(my_ids, my_targets); }, *b.model, {}, &opt, true, false, ps);
       ASSERT_TRUE(out.loss.defined());
       at::Tensor mean = out.loss.detach().reshape({1}).to(at::kDouble).clone();
       dist::world().all_reduce(mean, dist::ReduceOp::Avg);
@@ -261,7 +260,8 @@ TEST(Pipeline, NamedErrors) {
   {
     HybridOptions o = opts();
     o.num_microbatches = 0;
-    expect_input_error([&] { o.validate(); }, "exactly one of num_microbatches and microbatch_size");
+    expect_input_error([&] { o.validate(); },
+                       "exactly one of num_microbatches and microbatch_size");
   }
   {
     HybridOptions o = opts();
@@ -279,9 +279,8 @@ TEST(Pipeline, NamedErrors) {
     expect_input_error([&] { booster.boost(model, adamw_of(*model)); }, "need at least 8");
   }
   // Fewer micro-batches than 1F1B needs; a batch that does not split.
-  for (auto [mb, rows, fragment] :
-       std::vector<std::tuple<int64_t, int64_t, std::string>>{{1, 4, "microbatches"},
-                                                              {4, 6, "does not split"}}) {
+  for (auto [mb, rows, fragment] : std::vector<std::tuple<int64_t, int64_t, std::string>>{
+           {1, 4, "microbatches"}, {4, 6, "does not split"}}) {
     HybridOptions o = opts();
     o.num_microbatches = mb;
     auto plugin = std::make_shared<HybridParallelPlugin>(o);

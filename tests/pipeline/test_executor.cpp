@@ -131,8 +131,8 @@ TEST(Executor, SendsWhateverShapeAndDtypeTheStageMakes) {
   at::Tensor w = at::ones({3}, at::kDouble).requires_grad_(true);
   StageFunctions f;
   f.forward = [&](int mb, int, const at::Tensor& input) {
-    if (rank == 0) return (at::full({2, 3, 4}, static_cast<double>(mb + 1), at::kDouble) *
-                           w.view({1, 3, 1}));
+    if (rank == 0)
+      return (at::full({2, 3, 4}, static_cast<double>(mb + 1), at::kDouble) * w.view({1, 3, 1}));
     EXPECT_EQ(input.scalar_type(), at::kDouble);
     EXPECT_EQ(input.sizes(), (std::vector<int64_t>{2, 3, 4}));
     at::Tensor out = input * w.view({1, 3, 1});

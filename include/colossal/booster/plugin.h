@@ -77,8 +77,8 @@ struct PipelineStep {
 
 // What execute_pipeline returns on every rank (ColossalAI returns it on the last stage only).
 struct PipelineOutput {
-  at::Tensor loss;                   // the step's loss (sum over micro-batches of mean / M)
-  std::vector<at::Tensor> outputs;   // return_outputs: the last stage's logits per micro-batch
+  at::Tensor loss;                  // the step's loss (sum over micro-batches of mean / M)
+  std::vector<at::Tensor> outputs;  // return_outputs: the last stage's logits per micro-batch
 };
 
 class Plugin {

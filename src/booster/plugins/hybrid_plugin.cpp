@@ -123,8 +123,8 @@ void HybridOptions::validate() const {
   COLOSSAL_CHECK_INPUT(pp_balance == "layers" || pp_balance == "cost",
                        "hybrid: pp_balance must be 'layers' or 'cost', got '", pp_balance, "'");
   if (pp_size > 1) {
-    COLOSSAL_CHECK_INPUT(zero_stage <= 1, "hybrid: zero_stage=", zero_stage, " with pp_size=",
-                         pp_size,
+    COLOSSAL_CHECK_INPUT(zero_stage <= 1, "hybrid: zero_stage=", zero_stage,
+                         " with pp_size=", pp_size,
                          ": pipelines take ZeRO stage 0 or 1 (the gradients stay whole until "
                          "the last micro-batch, so stage 2 would save nothing)");
     COLOSSAL_CHECK_INPUT((num_microbatches > 0) != (microbatch_size > 0),
@@ -138,8 +138,8 @@ void HybridOptions::validate() const {
       const bool chunks_ok = pp_style == "interleaved" ? num_model_chunks > 1
                              : pp_style == "zbv"       ? num_model_chunks == 2
                                                        : num_model_chunks == 1;
-      COLOSSAL_CHECK_INPUT(chunks_ok, "hybrid: pp_style ", pp_style, " with num_model_chunks=",
-                           num_model_chunks,
+      COLOSSAL_CHECK_INPUT(chunks_ok, "hybrid: pp_style ", pp_style,
+                           " with num_model_chunks=", num_model_chunks,
                            " (1f1b, gpipe and zbh1 take 1 chunk, interleaved more than 1, zbv "
                            "exactly 2)");
     }
@@ -354,8 +354,8 @@ class PipelineState {
   std::optional<pipeline::Schedule> table;  // pp_schedule_table, loaded at configure time
   std::map<int, pipeline::Schedule> schedules;
   std::map<int, std::unique_ptr<pipeline::Executor>> executors;
-  dist::Communicator embedding_group;  // first and last stage of a tied head (Loop placement)
-  std::vector<int64_t> layers;         // decoder layers per virtual stage
+  dist::Communicator embedding_group;        // first and last stage of a tied head (Loop placement)
+  std::vector<int64_t> layers;               // decoder layers per virtual stage
   const pipeline::Executor* last = nullptr;  // the executor of the last step
 };
 
@@ -606,11 +606,11 @@ std::shared_ptr<OptimizerWrapper> HybridParallelPlugin::configure_optimizer(
                                                 options_.loss_scale, options_.max_norm);
 }
 
-std::vector<int64_t> HybridParallelPlugin::layers_per_virtual_stage(
-    const models::ModelConfig& cfg, int64_t seq_len) const {
+std::vector<int64_t> HybridParallelPlugin::layers_per_virtual_stage(const models::ModelConfig& cfg,
+                                                                    int64_t seq_len) const {
   const int stages = static_cast<int>(options_.pp_size);
-  const int chunks = pipe_ && pipe_->table ? pipe_->table->chunks
-                                           : static_cast<int>(options_.num_model_chunks);
+  const int chunks =
+      pipe_ && pipe_->table ? pipe_->table->chunks : static_cast<int>(options_.num_model_chunks);
   const int64_t L = cfg.num_hidden_layers;
   COLOSSAL_CHECK_INPUT(L >= static_cast<int64_t>(stages) * chunks, "hybrid: ", stages,
                        " pipeline stages x ", chunks, " chunks need at least ", stages * chunks,
@@ -653,11 +653,11 @@ void HybridParallelPlugin::cut_pipeline_stage(const std::shared_ptr<models::Caus
     // stage + chunk * stages): this rank's chunks take theirs.
     const int V = static_cast<int>(pipe_->layers.size());
     COLOSSAL_CHECK_INPUT(static_cast<int>(ckpt.size()) == V, "hybrid: num_ckpt_layers_per_stage='",
-                         options_.num_ckpt_layers_per_stage, "' has ", ckpt.size(),
-                         " entries for ", V, " virtual stages (pp_size x num_model_chunks)");
+                         options_.num_ckpt_layers_per_stage, "' has ", ckpt.size(), " entries for ",
+                         V, " virtual stages (pp_size x num_model_chunks)");
     std::vector<int64_t> per_chunk;
-    for (int v : pipeline::rank_virtual_stages(V, pp, rank,
-                                               pipe_->placement == pipeline::Placement::V))
+    for (int v :
+         pipeline::rank_virtual_stages(V, pp, rank, pipe_->placement == pipeline::Placement::V))
       per_chunk.push_back(ckpt[static_cast<size_t>(v)]);
     lm->set_activation_checkpointing(nn::CheckpointMode::Full, per_chunk);
   }
@@ -667,20 +667,21 @@ void HybridParallelPlugin::cut_pipeline_stage(const std::shared_ptr<models::Caus
     std::vector<int> along = dims_->mesh().group_ranks({dist::Axis::PP});
     std::vector<int> members{along.front(), along.back()};
     if (rank == 0 || rank == pp - 1)
-      pipe_->embedding_group = dims_->pp().new_group(
-          members, "hybrid-tied-embedding-" + std::to_string(members[0]));
+      pipe_->embedding_group =
+          dims_->pp().new_group(members, "hybrid-tied-embedding-" + std::to_string(members[0]));
   }
-  log_info("hybrid: pipeline rank ", rank, " of ", pp, " holds blocks ",
-           [&] {
-             std::string out;
-             for (int64_t c = 0; c < lm->num_chunks(); ++c) {
-               auto [b, e] = lm->chunk_blocks(c);
-               out += (c ? ", " : "") + std::string("[") + std::to_string(b) + ", " +
-                      std::to_string(e) + ")";
-             }
-             return out;
-           }(),
-           lm->holds_tied_copy() ? " + the tied embedding copy" : "");
+  log_info(
+      "hybrid: pipeline rank ", rank, " of ", pp, " holds blocks ",
+      [&] {
+        std::string out;
+        for (int64_t c = 0; c < lm->num_chunks(); ++c) {
+          auto [b, e] = lm->chunk_blocks(c);
+          out += (c ? ", " : "") + std::string("[") + std::to_string(b) + ", " + std::to_string(e) +
+                 ")";
+        }
+        return out;
+      }(),
+      lm->holds_tied_copy() ? " + the tied embedding copy" : "");
 }
 
 const pipeline::Schedule& HybridParallelPlugin::schedule(int microbatches) {
@@ -705,15 +706,13 @@ const pipeline::Schedule& HybridParallelPlugin::schedule(int microbatches) {
   return pipe_->schedules.emplace(microbatches, std::move(s)).first->second;
 }
 
-PipelineOutput HybridParallelPlugin::execute_pipeline(const BatchIterator& data_iter,
-                                                      ModelWrapper& model,
-                                                      const Criterion& criterion,
-                                                      OptimizerWrapper* optimizer,
-                                                      bool return_loss, bool return_outputs,
-                                                      const PipelineStep& step) {
+PipelineOutput HybridParallelPlugin::execute_pipeline(
+    const BatchIterator& data_iter, ModelWrapper& model, const Criterion& criterion,
+    OptimizerWrapper* optimizer, bool return_loss, bool return_outputs, const PipelineStep& step) {
   auto* hm = dynamic_cast<HybridModel*>(&model);
-  COLOSSAL_CHECK(hm && pipe_, "hybrid: execute_pipeline needs a model boosted by this plugin "
-                              "with pp_size > 1");
+  COLOSSAL_CHECK(hm && pipe_,
+                 "hybrid: execute_pipeline needs a model boosted by this plugin "
+                 "with pp_size > 1");
   COLOSSAL_CHECK_INPUT(at::GradMode::is_enabled(),
                        "hybrid: execute_pipeline runs a training step (forward-only pipeline "
                        "steps are not supported); grad mode is off");
@@ -744,10 +743,11 @@ PipelineOutput HybridParallelPlugin::execute_pipeline(const BatchIterator& data_
   for (int64_t m = 0; m < M; ++m)
     mbs.push_back(local_batch(inputs.narrow(0, m * rows, rows).to(dev),
                               targets.narrow(0, m * rows, rows).to(dev)));
-  const bool vocab_head = (lm.lm_head && lm.lm_head->vocab_parallel_head()) ||
-                          (!lm.lm_head && lm.model->embed_tokens &&
-                           lm.model->embed_tokens->vocab_parallel_head());
-  COLOSSAL_CHECK_INPUT(!(return_outputs && vocab_head), "hybrid: return_outputs with a "
+  const bool vocab_head =
+      (lm.lm_head && lm.lm_head->vocab_parallel_head()) ||
+      (!lm.lm_head && lm.model->embed_tokens && lm.model->embed_tokens->vocab_parallel_head());
+  COLOSSAL_CHECK_INPUT(!(return_outputs && vocab_head),
+                       "hybrid: return_outputs with a "
                        "vocab-parallel head (parallel_output) returns no whole logits; set "
                        "parallel_output=false");
   std::vector<at::Tensor> outputs(static_cast<size_t>(M));
@@ -839,7 +839,7 @@ PipelineProfile HybridParallelPlugin::pipeline_profile() {
   double sum[3] = {0, 0, 0};
   int count[3] = {0, 0, 0};
   for (const auto& t : exec.last_timings()) {
-    const int k = t.instr.op == pipeline::Op::F                                    ? 0
+    const int k = t.instr.op == pipeline::Op::F                                     ? 0
                   : t.instr.op == pipeline::Op::B || t.instr.op == pipeline::Op::BW ? 1
                   : t.instr.op == pipeline::Op::W                                   ? 2
                                                                                     : -1;

@@ -142,9 +142,9 @@ struct HybridOptions {
 
 // The last pipeline step, measured and simulated (HybridParallelPlugin::pipeline_profile).
 struct PipelineProfile {
-  pipeline::Costs costs;         // per-rank mean F, B, W seconds (BW counted as B, W = 0)
-  double measured = 0;           // the step's wall time (the slowest pipeline rank), seconds
-  pipeline::SimResult simulated; // the schedule simulated with `costs`
+  pipeline::Costs costs;          // per-rank mean F, B, W seconds (BW counted as B, W = 0)
+  double measured = 0;            // the step's wall time (the slowest pipeline rank), seconds
+  pipeline::SimResult simulated;  // the schedule simulated with `costs`
 };
 
 // What a rank holds, in bytes (HybridParallelPlugin::memory_report): measured from the tensors.
