@@ -64,7 +64,7 @@ for phase in "$@"; do
     ;&
   build)
     step build
-    if ! TARGETS="colossal_cli test_kernels test_kernels_cuda test_model_cuda test_vocab_ce_cuda test_gemini_1rank test_zero_1rank test_pipeline_stages bench_kernels" BUILD=$BUILD \
+    if ! TARGETS="colossal_cli test_kernels test_kernels_cuda test_model_cuda test_vocab_ce_cuda test_gemini_1rank test_zero_1rank test_pipeline_stages test_pipeline_executor bench_kernels" BUILD=$BUILD \
          scripts/device_build.sh -DCOLOSSAL_WERROR=OFF > "$LOGS/build.log" 2>&1; then
       tail -40 "$LOGS/build.log"; exit 1
     fi
@@ -91,6 +91,11 @@ for phase in "$@"; do
          > "$LOGS/test_pipeline_stages_cuda.log" 2>&1; then
       note "PASS test_pipeline_stages *Cuda: $(grep -E 'PASSED|SKIPPED' "$LOGS/test_pipeline_stages_cuda.log" | head -2 | tr '\n' ' ')"
     else note "FAIL test_pipeline_stages *Cuda"; grep -E -A6 "Failure|error" "$LOGS/test_pipeline_stages_cuda.log" | head -30; fi
+    # The pipeline interpreter on one rank: two chunks of a real model through the fused kernels.
+    if timeout 300 "$C" run --nproc_per_node 1 --master_port 0 "$BUILD/tests/pipeline/test_pipeline_executor" \
+         > "$LOGS/test_pipeline_executor_cuda.log" 2>&1; then
+      note "PASS test_pipeline_executor (1 rank, cuda): $(grep -E 'PASSED|SKIPPED' "$LOGS/test_pipeline_executor_cuda.log" | head -2 | tr '\n' ' ')"
+    else note "FAIL test_pipeline_executor (1 rank, cuda)"; grep -E -A6 "Failure|error" "$LOGS/test_pipeline_executor_cuda.log" | head -30; fi
     [ "$phase" = ktests ] && continue
     step kernel micro-benchmarks
     timeout 400 "$BUILD/bench/bench_kernels" --json "$OUT/bench_kernels.json" > "$LOGS/bench_kernels.log" 2>&1

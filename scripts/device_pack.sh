@@ -8,7 +8,7 @@ B=${1:-build}
 rm -rf build-carry
 mkdir -p build-carry/tests/kernels build-carry/tests/zero build-carry/tests/pipeline build-carry/bench
 for f in colossal tests/kernels/test_kernels tests/kernels/test_kernels_cuda tests/kernels/test_model_cuda tests/kernels/test_vocab_ce_cuda \
-         tests/zero/test_gemini_1rank tests/zero/test_zero_1rank tests/pipeline/test_pipeline_stages \
+         tests/zero/test_gemini_1rank tests/zero/test_zero_1rank tests/pipeline/test_pipeline_stages tests/pipeline/test_pipeline_executor \
          bench/bench_kernels; do
   cp "$B/$f" "build-carry/$f"
   strip --strip-unneeded "build-carry/$f"

@@ -548,7 +548,9 @@ TEST(Hybrid, NamedErrors) {
   };
   HybridOptions pp;
   pp.pp_size = 2;
-  EXPECT_NE(message([&] { pp.degrees(world); }).find("pipeline parallelism is not available yet"),
+  EXPECT_NE(message([&] {
+              pp.degrees(world);
+            }).find("needs exactly one of num_microbatches and microbatch_size"),
             std::string::npos);
   HybridOptions tp3;
   tp3.tp_size = 3;

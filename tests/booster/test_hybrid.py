@@ -80,7 +80,7 @@ def test_half_precision_trains(work, single, precision, extra):
 
 
 @pytest.mark.parametrize("nproc,extra,message", [
-    (2, ["--plugin", "hybrid", "--pp_size", "2"], "pipeline parallelism is not available yet"),
+    (2, ["--plugin", "hybrid", "--pp_size", "2"], "needs exactly one of num_microbatches and microbatch_size"),
     (4, ["--plugin", "hybrid", "--tp", "3"], "not divisible by tp_size * pp_size * sp_size"),
     (4, ["--plugin", "hybrid", "--tp", "4"], "num_attention_heads=6 is not divisible by tp=4"),
     (2, ["--plugin", "hybrid", "--enable_sequence_parallelism", "true"], "needs sequence_parallelism_mode"),

@@ -735,6 +735,16 @@ PipelineOutput HybridParallelPlugin::execute_pipeline(
     M = B / options_.microbatch_size;
   }
   const pipeline::Schedule& sched = schedule(static_cast<int>(M));
+  if (sched.splits_backward()) {
+    // W runs a second backward over the chunk's graph; a recomputed layer's node runs once.
+    for (auto& layer : lm.model->layers->layers)
+      COLOSSAL_CHECK_INPUT(!layer || layer->checkpointing == nn::CheckpointMode::None,
+                           "hybrid: the schedule '", sched.name,
+                           "' splits the backward into B and W, which activation checkpointing "
+                           "does not support (decoder layer ",
+                           layer->self_attn->layer_idx(),
+                           " recomputes); use 1f1b, gpipe or interleaved, or no checkpointing");
+  }
   auto& exec = pipe_->executors[static_cast<int>(M)];
   const at::Device dev = device_of(options_.device);
   // This step's micro-batches, each cut for this rank (sequence shards) as local_batch does.
