@@ -221,7 +221,7 @@ for phase in "$@"; do
     for w in ${H1_WORKLOADS:-w1 w2}; do
       for p in ddp 3d 3d ddp; do
         n=$(ls "$LOGS" | grep -c "^h1_${w}_${p}" || true)
-        extra=""; [ $p = 3d ] && extra="--tp 1 --sp 1 --zero 0"
+        extra=""; [ $p = 3d ] && extra="--tp 1 --sp 1 --pp 1 --zero 0"
         if [ $w = w1 ]; then
           ours "h1_${w}_${p}$n" -c 1b -p $p $extra -b 8 -l 2048 -s ${AB_W1_STEPS:-15} -i 3
         else
