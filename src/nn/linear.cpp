@@ -3,6 +3,7 @@
 #include "colossal/nn/linear.h"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <map>
 #include <memory>
@@ -13,6 +14,7 @@
 #include "colossal/kernels/fused.h"
 #include "colossal/nn/parallel_ops.h"
 #include "colossal/nn/ring_ops.h"
+#include "colossal/pipeline/weight_grad_store.h"
 #include "nn/shard_util.h"
 #include "nn/vocab_head.h"
 
@@ -67,13 +69,66 @@ Linear::Linear(const LinearOptions& o)
   if (has_bias_) register_parameter("bias", at::empty({out_}, o.tensor_options()));
 }
 
+namespace {
+
+// y = x W^T + b whose backward leaves dW to an open pipeline::WeightGradStore (see
+// set_defer_weight_grad); without an open store it is at::linear's backward.
+class DeferrableLinear : public torch::autograd::Function<DeferrableLinear> {
+ public:
+  // (The bias is added outside: a custom function takes no undefined tensor argument.)
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& w) {
+    ctx->save_for_backward({x, w});
+    return at::linear(x, w);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_out) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor x = saved[0], w = saved[1];
+    const at::Tensor dy = grad_out[0];
+    const int64_t out = w.size(0), in = w.size(1);
+    at::Tensor dx = at::matmul(dy, w);
+    auto weight_grad = [dy, x, out, in] {
+      return dy.reshape({-1, out}).t().mm(x.reshape({-1, in}));
+    };
+    at::Tensor dw;
+    if (pipeline::WeightGradStore* store = pipeline::WeightGradStore::active()) {
+      // Accumulated as autograd's AccumulateGrad would: the first gradient is stored, later ones
+      // added. `w` is the leaf parameter itself (Linear defers only then).
+      at::Tensor leaf = w;
+      store->push([leaf, weight_grad]() mutable {
+        at::NoGradGuard ng;
+        at::Tensor g = weight_grad();
+        if (leaf.grad().defined()) {
+          leaf.mutable_grad().add_(g);
+        } else {
+          leaf.mutable_grad() = g;
+        }
+      });
+    } else {
+      dw = weight_grad();
+    }
+    return {dx, dw};
+  }
+};
+
+}  // namespace
+
 at::Tensor Linear::local_linear(const at::Tensor& x, bool with_bias) const {
   return with_bias && has_bias_ ? at::linear(x, weight(), param("bias")) : at::linear(x, weight());
 }
 
+at::Tensor Linear::matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) const {
+  if (defer_weight_grad_ && w.is_leaf() && w.requires_grad() && at::GradMode::is_enabled())
+    return b.defined() ? DeferrableLinear::apply(x, w) + b : DeferrableLinear::apply(x, w);
+  return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
+}
+
 at::Tensor Linear::forward(const at::Tensor& x) {
   ForwardScope scope(*this);
-  if (!shard_spec_ || !shard_spec_->communicates()) return local_linear(x, true);
+  if (!shard_spec_ || !shard_spec_->communicates())
+    return defer_weight_grad_ ? matmul(x, weight(), has_bias_ ? param("bias") : at::Tensor())
+                              : local_linear(x, true);
   const ShardSpec& s = *shard_spec_;
   const auto mode = s.sequence_parallel;
   at::Tensor w = weight(), b = has_bias_ ? param("bias") : at::Tensor();
@@ -90,7 +145,7 @@ at::Tensor Linear::forward(const at::Tensor& x) {
       at::Tensor in = mode == SequenceParallelMode::SplitGather
                           ? gather_from_sequence(x, s.group, 1)
                           : copy_to_region(x, s.group);
-      y = b.defined() ? at::linear(in, w, b) : at::linear(in, w);
+      y = matmul(in, w, b);
     }
     // A vocabulary head with parallel_output=false: the whole output, padding cut.
     return s.gather_output ? gather_vocab(y, s, full_out_) : y;
@@ -99,7 +154,7 @@ at::Tensor Linear::forward(const at::Tensor& x) {
   if (mode == SequenceParallelMode::Ring) {
     y = ring_linear_reduce_scatter(x, w, s.group, 1);
   } else {
-    y = at::linear(x, w);
+    y = matmul(x, w, at::Tensor());
     y = mode == SequenceParallelMode::SplitGather ? reduce_scatter_sequence(y, s.group, 1)
                                                   : reduce_from_region(y, s.group);
   }
@@ -124,7 +179,8 @@ at::Tensor Linear::vocab_parallel_loss(const at::Tensor& hidden, const at::Tenso
 }
 
 bool Linear::fusable() const {
-  return typeid(*this) == typeid(Linear) && !(shard_spec_ && shard_spec_->communicates());
+  return typeid(*this) == typeid(Linear) && !defer_weight_grad_ &&
+         !(shard_spec_ && shard_spec_->communicates());
 }
 
 void Linear::shard(const ShardSpec& spec) {
@@ -186,7 +242,9 @@ int64_t Linear::replication(const std::string& name) const {
 }
 
 bool Linear::fusable_column_shard() const {
-  if (typeid(*this) != typeid(Linear) || !shard_spec_ || !shard_spec_->communicates()) return false;
+  if (typeid(*this) != typeid(Linear) || defer_weight_grad_ || !shard_spec_ ||
+      !shard_spec_->communicates())
+    return false;
   const ShardSpec& s = *shard_spec_;
   return s.kind == ShardSpec::Kind::Column && !s.gather_output && s.pad_multiple == 1 &&
          s.replicas == 1 && !replica_group_.valid() &&

@@ -9,6 +9,7 @@
 #include <set>
 
 #include "colossal/core/error.h"
+#include "colossal/pipeline/weight_grad_store.h"
 
 namespace colossal::pipeline {
 
@@ -61,7 +62,8 @@ struct Executor::Slot {
   at::Tensor loss;
   at::Tensor grad_out;  // gradient of y (undefined at the last virtual stage: ones)
   dist::Work grad_out_work;
-  at::Tensor grad_in;  // gradient of x, for SendB / the previous chunk
+  at::Tensor grad_in;                         // gradient of x, for SendB / the previous chunk
+  std::unique_ptr<WeightGradStore> deferred;  // B's weight-gradient GEMMs, run by W
   bool forwarded = false, b_done = false, freed = false;
 };
 
@@ -192,27 +194,45 @@ std::vector<at::Tensor> Executor::run() {
         if (v < V - 1) sl.grad_out_work.wait();
         started = seconds_since(t0);
         COLOSSAL_CHECK(sl.y.defined(), "pipeline: ", to_string(in), " before its forward");
-        if (v > 0) {
+        if (options_.weight_grad_store) {
+          // The whole backward with the store open: deferring layers leave their dW GEMMs for W.
+          sl.deferred = std::make_unique<WeightGradStore>();
+          if (sl.y.requires_grad()) {
+            WeightGradStore::Scope open(*sl.deferred);
+            std::vector<at::Tensor> grads;
+            if (v < V - 1) grads.push_back(sl.grad_out);
+            torch::autograd::backward({sl.y}, grads);
+          }
+          if (v > 0) sl.grad_in = sl.x.grad().defined() ? sl.x.grad() : at::zeros_like(sl.x);
+          sl.y = at::Tensor();
+          sl.x = at::Tensor();
+          sl.grad_out = at::Tensor();
+        } else if (v > 0) {
           std::vector<at::Tensor> grads;
           if (v < V - 1) grads.push_back(sl.grad_out);
           auto g = torch::autograd::grad({sl.y}, {sl.x}, grads, /*retain_graph=*/true,
                                          /*create_graph=*/false, /*allow_unused=*/true);
           sl.grad_in = g[0].defined() ? g[0] : at::zeros_like(sl.x);
-          hand_back(in.mb, v, sl);
         }
+        if (v > 0) hand_back(in.mb, v, sl);
         sl.b_done = true;
         break;
       }
       case Op::W: {
         COLOSSAL_CHECK(sl.b_done, "pipeline: ", to_string(in), " before its B");
-        std::vector<at::Tensor> params;
-        for (auto& p : stage_.parameters(in.chunk))
-          if (p.requires_grad()) params.push_back(p);
-        if (!params.empty() && sl.y.requires_grad()) {
-          std::vector<at::Tensor> grads;
-          if (v < V - 1) grads.push_back(sl.grad_out);
-          torch::autograd::backward({sl.y}, grads, /*retain_graph=*/false,
-                                    /*create_graph=*/false, params);
+        if (options_.weight_grad_store) {
+          if (sl.deferred) sl.deferred->run();
+          sl.deferred.reset();
+        } else {
+          std::vector<at::Tensor> params;
+          for (auto& p : stage_.parameters(in.chunk))
+            if (p.requires_grad()) params.push_back(p);
+          if (!params.empty() && sl.y.requires_grad()) {
+            std::vector<at::Tensor> grads;
+            if (v < V - 1) grads.push_back(sl.grad_out);
+            torch::autograd::backward({sl.y}, grads, /*retain_graph=*/false,
+                                      /*create_graph=*/false, params);
+          }
         }
         free_slot(sl);
         break;

@@ -100,14 +100,27 @@ class Linear : public Module {
                                  const FusedCEOptions& opts);
   const LinearOptions& options() const { return options_; }
 
+  // Zero-bubble pipelines: while a pipeline::WeightGradStore is open during backward, this
+  // layer's dW = dy^T x GEMM is pushed there (run later by the schedule's W) instead of being
+  // computed in place; the input and bias gradients are computed at once. Off by default; set by
+  // the hybrid plugin on a stage whose schedule splits the backward. Not for a replicated head
+  // (its weight's gradient is summed over the sharing ranks inside autograd) or the ring mode
+  // (chunked GEMMs): those compute dW at once. A deferring layer is never fused with siblings.
+  void set_defer_weight_grad(bool defer) { defer_weight_grad_ = defer; }
+  bool defer_weight_grad() const { return defer_weight_grad_; }
+
  protected:
   // x W^T (+ b) over this rank's storage, no communication: what a derived layer wraps.
   at::Tensor local_linear(const at::Tensor& x, bool with_bias) const;
+  // x w^T + b (b may be undefined), with dW deferred to an open weight-gradient store when this
+  // layer defers and `w` is its own leaf parameter (not a region copy of a replicated head).
+  at::Tensor matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) const;
 
  private:
   LinearOptions options_;
   int64_t in_, out_, full_in_, full_out_, padded_out_;
   bool has_bias_;
+  bool defer_weight_grad_ = false;
   dist::Communicator replica_group_;  // replicated heads: the ranks sharing this rank's head
 };
 

@@ -9,11 +9,12 @@
 // micro-batch's loss (already divided by the number of micro-batches by the caller's forward);
 // its backward starts from scale_loss(loss) (fp16 loss scaling).
 // Backward. BW(m, c) is one autograd backward from the output with the received gradient: the
-// parameters accumulate their .grad and the input's gradient is handed back. B(m, c) computes only
-// the input's gradient (torch::autograd::grad, graph kept); W(m, c) then runs backward from the
-// same output into the chunk's parameters only. W re-walks the input-gradient chain above each
-// weight (autograd has no per-GEMM split), so it costs more than a weight GEMM; what the split
-// buys here is the schedule's order (a W may fill a bubble), not fewer FLOPs.
+// parameters accumulate their .grad and the input's gradient is handed back. B and W split it
+// (ExecutorOptions::weight_grad_store): with the store, B is the whole backward with a
+// WeightGradStore open, so layers that defer (nn::Linear::set_defer_weight_grad, what the hybrid
+// plugin sets for split schedules) leave their dW = dy^T x GEMMs for W, which runs exactly those;
+// without it (any stage), B is autograd::grad into the input (graph kept) and W a second backward
+// into the chunk's parameters, which re-walks the input-gradient chain above each weight.
 // Point-to-point. Consecutive Send/Recv instructions are posted as one batch
 // (Communicator::batch_p2p, asynchronously: a received tensor is waited for only by the compute
 // that reads it, sends only at the end of the step). The first message of each channel (kind,
@@ -53,7 +54,14 @@ struct StageFunctions {
 struct ExecutorOptions {
   bool enable_metadata_cache = true;  // ColossalAI's name
   bool record_timings = false;        // keep per-instruction wall times (last_timings())
-  at::Device device = at::kCPU;       // where received tensors are allocated
+  // How B and W split the backward. true: B runs the whole backward with a WeightGradStore open
+  // (layers that defer, nn::Linear::set_defer_weight_grad, leave their dW GEMMs there) and W
+  // runs the stored GEMMs: W costs exactly the weight GEMMs, and everything else, including the
+  // parameters no layer defers, gets its gradient in B. false: B is autograd::grad into the
+  // input (graph kept) and W a second backward into the chunk's parameters, which works for any
+  // stage but re-walks the input-gradient chain above each weight.
+  bool weight_grad_store = false;
+  at::Device device = at::kCPU;  // where received tensors are allocated
 };
 
 // One executed instruction's wall time (seconds from the start of the step).

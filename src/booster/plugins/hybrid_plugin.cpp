@@ -24,6 +24,7 @@
 #include "colossal/models/llama/costs.h"
 #include "colossal/models/llama/model.h"
 #include "colossal/models/llama/plan.h"
+#include "colossal/nn/linear.h"
 #include "colossal/nn/module.h"
 #include "colossal/nn/plan.h"
 #include "colossal/nn/sequence_parallel.h"
@@ -798,6 +799,18 @@ PipelineOutput HybridParallelPlugin::execute_pipeline(
     eo.enable_metadata_cache = options_.enable_metadata_cache;
     eo.device = dev;
     eo.record_timings = true;
+    if (sched.splits_backward()) {
+      // ZB's W = the weight GEMMs: every linear of the stage defers its dW to the schedule's W,
+      // except one whose weight carries a gradient hook of this plugin (a tp-whole parameter
+      // under split_gather, summed over tp as autograd accumulates it).
+      std::set<const void*> hooked;
+      for (auto& [p, h] : hm->grad_hooks) hooked.insert(p.unsafeGetTensorImpl());
+      for (auto& m : lm.modules(/*include_self=*/false))
+        if (auto* linear = dynamic_cast<nn::Linear*>(m.get()))
+          if (!hooked.count(linear->weight().unsafeGetTensorImpl()))
+            linear->set_defer_weight_grad(true);
+      eo.weight_grad_store = true;
+    }
     exec = std::make_unique<pipeline::Executor>(sched, dims_->pp(), fns, eo);
   } else {
     exec->set_stage(fns);
