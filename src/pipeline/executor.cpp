@@ -255,6 +255,7 @@ std::vector<at::Tensor> Executor::run() {
     };
     std::vector<Pending> delayed;
     std::set<int> delayed_links;  // peers whose later receives in this batch wait too
+    std::set<std::pair<int, int>> meta_this_batch;  // channels whose metadata this batch brings
     for (const Instr& in : batch) {
       Slot& sl = slot(in.mb, in.chunk);
       const int v = s.virtual_stage(rank_, in.chunk);
@@ -285,14 +286,17 @@ std::vector<at::Tensor> Executor::run() {
         keep.push_back(t);
       } else {
         auto it = recv_meta.find(channel);
-        if (!options_.enable_metadata_cache || it == recv_meta.end()) {
+        const bool meta_in_batch = meta_this_batch.count(channel) > 0;
+        if (!options_.enable_metadata_cache || (it == recv_meta.end() && !meta_in_batch)) {
+          meta_this_batch.insert(channel);
           at::Tensor m =
               at::empty({kMetaLen}, at::TensorOptions(at::kLong).device(options_.device));
           meta_ops.push_back(dist::P2POp::recv(m, peer));
           delayed.push_back({&sl, !fwd, peer, channel, m});
           delayed_links.insert(peer);
           recv_meta.erase(channel);
-        } else if (delayed_links.count(peer)) {
+        } else if (meta_in_batch || delayed_links.count(peer)) {
+          // (A later message of a channel whose metadata arrives in this batch reuses it.)
           delayed.push_back({&sl, !fwd, peer, channel, at::Tensor()});
         } else {
           at::Tensor buf = at::empty(it->second.sizes,

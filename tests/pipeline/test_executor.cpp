@@ -52,8 +52,8 @@ at::Tensor micro_target(int mb) {
   return at::randn({kRows, kDim});
 }
 
-void run_style(const ScheduleOptions& so, bool cache) {
-  Schedule s = make_schedule(so);
+void run_schedule(const Schedule& s, bool cache) {
+  const ScheduleOptions so{s.name, s.stages, s.microbatches, s.chunks};  // for the messages
   const int V = s.virtual_stages(), M = s.microbatches;
   Toy ref(V), toy(V);
   // Reference: one process, every micro-batch through all blocks, loss mean / M.
@@ -119,13 +119,28 @@ void run_style(const ScheduleOptions& so, bool cache) {
 TEST(Executor, EveryStyleEqualsOneProcess) {
   const int S = dist::world_size();
   for (bool cache : {true, false}) {
-    run_style({"gpipe", S, 4, 1}, cache);
-    run_style({"1f1b", S, S, 1}, cache);
-    run_style({"1f1b", S, 2 * S + 1, 1}, cache);
-    run_style({"interleaved", S, 2 * S, 2}, cache);
-    run_style({"zbh1", S, 2 * S, 1}, cache);
-    run_style({"zbv", S, 2 * S, 2}, cache);
+    auto run_style = [&](const ScheduleOptions& so) { run_schedule(make_schedule(so), cache); };
+    run_style({"gpipe", S, 4, 1});
+    run_style({"1f1b", S, S, 1});
+    run_style({"1f1b", S, 2 * S + 1, 1});
+    run_style({"interleaved", S, 2 * S, 2});
+    run_style({"zbh1", S, 2 * S, 1});
+    run_style({"zbv", S, 2 * S, 2});
   }
+}
+
+// A user's table whose batches hold two messages of one channel (both of GPipe's forwards
+// leave in one batch, both backwards come back in one): the second reuses the metadata the first
+// brings in the same batch.
+TEST(Executor, TwoMessagesOfOneChannelInOneBatch) {
+  if (dist::world_size() != 2) GTEST_SKIP() << "a 2-stage table";
+  const Schedule s = parse_schedule_table(
+      "# stages=2 microbatches=2 chunks=1 placement=loop name=batched\n"
+      "0,F,0,0\n0,F,1,0\n0,SendF,0,0\n0,SendF,1,0\n0,RecvB,1,0\n0,RecvB,0,0\n"
+      "0,BW,1,0\n0,BW,0,0\n"
+      "1,RecvF,0,0\n1,RecvF,1,0\n1,F,0,0\n1,F,1,0\n1,BW,1,0\n1,BW,0,0\n"
+      "1,SendB,1,0\n1,SendB,0,0\n");
+  for (bool cache : {true, false}) run_schedule(s, cache);
 }
 
 // A boundary of another dtype and rank: the metadata describes whatever the stage sends.
