@@ -171,12 +171,6 @@ void BenchConfig::validate() const {
 
 namespace {
 
-// Whether the model's output head is sharded over the vocabulary (lm_head column-sharded, or the
-// tied embedding vocab-sharded, over a group): forward then returns sharded logits.
-bool vocab_parallel_head(const models::CausalLM& m) {
-  if (m.lm_head) return m.lm_head->vocab_parallel_head();
-  return m.model && m.model->embed_tokens && m.model->embed_tokens->vocab_parallel_head();
-}
 // Restricts scaled_dot_product_attention to one backend (process-wide ATen switches); "auto"
 // restores ATen's own choice. A backend that cannot serve the shapes makes SDPA throw.
 void set_sdpa_backend(const std::string& name) {
@@ -441,7 +435,7 @@ at::Tensor BenchLoop::forward_backward(const at::Tensor& ids, const at::Tensor& 
   at::Tensor loss;
   // A head sharded over the vocabulary returns sharded logits: its loss is always the
   // vocab-parallel one (one chunk of every token without fused_ce).
-  if (c_.fused_ce || vocab_parallel_head(*model_)) {
+  if (c_.fused_ce || model_->vocab_parallel_head()) {
     loss = model_->forward_loss(lb.inputs, lb.targets, c_.fused_ce ? c_.ce_chunk_tokens : 0, fo);
   } else {
     at::Tensor logits = model_->forward(lb.inputs, fo);

@@ -97,13 +97,6 @@ void TrainConfig::validate() const {
 
 namespace {
 
-// Whether the model's output head is sharded over the vocabulary (lm_head column-sharded, or the
-// tied embedding vocab-sharded, over a group): forward then returns sharded logits.
-bool vocab_parallel_head(const models::CausalLM& m) {
-  if (m.lm_head) return m.lm_head->vocab_parallel_head();
-  return m.model && m.model->embed_tokens && m.model->embed_tokens->vocab_parallel_head();
-}
-
 namespace fs = std::filesystem;
 
 std::string step_dir_name(int64_t step) {
@@ -400,7 +393,7 @@ Trainer::StepStats Trainer::train_step() {
     at::Tensor loss;
     // A head sharded over the vocabulary (the tensor-parallel plan's) returns sharded logits:
     // its loss is always the vocab-parallel one (one chunk of every token without fused_ce).
-    const bool vocab_head = vocab_parallel_head(*model_);
+    const bool vocab_head = model_->vocab_parallel_head();
     if (c_.fused_ce || vocab_head) {
       loss = model_->forward_loss(lb.inputs, lb.targets, c_.fused_ce ? c_.ce_chunk_tokens : 0, fo) /
              static_cast<double>(A);

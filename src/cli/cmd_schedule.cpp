@@ -109,29 +109,7 @@ int run_schedule(int argc, char** argv) {
     std::printf("%5d  %16d  %.6g\n", k, r.peak_activations[k], r.busy[k]);
 
   if (!svg.empty()) write_file("svg", svg, pp::timeline_svg(s, r));
-  if (!html.empty()) {
-    // The SVG inline (without its XML declaration) above the listing.
-    const std::string picture = pp::timeline_svg(s, r);
-    auto escape = [](const std::string& text) {
-      std::string out;
-      for (char ch : text) {
-        if (ch == '<')
-          out += "&lt;";
-        else if (ch == '>')
-          out += "&gt;";
-        else if (ch == '&')
-          out += "&amp;";
-        else
-          out += ch;
-      }
-      return out;
-    };
-    const std::string esc = escape(pp::describe(s));
-    write_file("html", html,
-               "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>" + escape(s.name) +
-                   " schedule</title></head><body>\n" + picture.substr(picture.find("<svg")) +
-                   "<pre>" + esc + "</pre>\n</body></html>\n");
-  }
+  if (!html.empty()) write_file("html", html, pp::timeline_html(s, r));
   if (!csv.empty()) write_file("csv", csv, pp::to_csv(s));
   if (!json.empty()) write_file("json", json, pp::to_json(s));
   return 0;

@@ -95,9 +95,6 @@ void Executor::set_stage(StageFunctions stage) {
   stage_ = std::move(stage);
 }
 
-bool Executor::holds_first() const {
-  return schedule_.holder(0).first == rank_;
-}
 bool Executor::holds_last() const {
   return schedule_.holder(schedule_.virtual_stages() - 1).first == rank_;
 }

@@ -106,4 +106,11 @@ std::string timeline_svg(const Schedule& s, const SimResult& r) {
   return os.str();
 }
 
+std::string timeline_html(const Schedule& s, const SimResult& r) {
+  const std::string picture = timeline_svg(s, r);  // inline: without its XML declaration
+  return "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>" + escape(s.name) +
+         " schedule</title></head><body>\n" + picture.substr(picture.find("<svg")) + "<pre>" +
+         escape(describe(s)) + "</pre>\n</body></html>\n";
+}
+
 }  // namespace colossal::pipeline

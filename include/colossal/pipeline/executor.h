@@ -88,8 +88,7 @@ class Executor {
 
   const Schedule& schedule() const { return schedule_; }
   int rank() const { return rank_; }
-  bool holds_first() const;  // this rank holds virtual stage 0
-  bool holds_last() const;   // ... V-1 (where the loss is)
+  bool holds_last() const;  // this rank holds the last virtual stage (where the loss is)
   const std::vector<InstrTiming>& last_timings() const { return timings_; }
   double last_run_seconds() const { return run_seconds_; }  // wall time of the last run()
   // Most micro-batch chunks alive at once during the last run (F done, not yet freed).

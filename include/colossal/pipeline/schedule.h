@@ -144,6 +144,8 @@ SimResult simulate(const Schedule& s, const Costs& costs);
 // Timeline picture (SVG): one row per rank, a box per compute (F, B, W, BW coloured apart,
 // labelled with micro-batch and chunk), the time axis, and the step time and bubble in the title.
 std::string timeline_svg(const Schedule& s, const SimResult& r);
+// The same picture inline in a standalone HTML page, above the schedule's listing (describe()).
+std::string timeline_html(const Schedule& s, const SimResult& r);
 
 // Text forms. A table file is CSV (`rank,op,mb,chunk` per line in each rank's order, with
 // header lines `# stages=4 microbatches=8 chunks=1 placement=loop name=mine`) or JSON

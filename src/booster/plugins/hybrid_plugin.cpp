@@ -754,9 +754,7 @@ PipelineOutput HybridParallelPlugin::execute_pipeline(
   for (int64_t m = 0; m < M; ++m)
     mbs.push_back(local_batch(inputs.narrow(0, m * rows, rows).to(dev),
                               targets.narrow(0, m * rows, rows).to(dev)));
-  const bool vocab_head =
-      (lm.lm_head && lm.lm_head->vocab_parallel_head()) ||
-      (!lm.lm_head && lm.model->embed_tokens && lm.model->embed_tokens->vocab_parallel_head());
+  const bool vocab_head = lm.vocab_parallel_head();
   COLOSSAL_CHECK_INPUT(!(return_outputs && vocab_head),
                        "hybrid: return_outputs with a "
                        "vocab-parallel head (parallel_output) returns no whole logits; set "
@@ -787,9 +785,12 @@ PipelineOutput HybridParallelPlugin::execute_pipeline(
                                            at::Reduction::Mean, -100);
     return loss * w;
   };
-  std::vector<at::Tensor> params;
-  for (auto& [name, p] : plugins::trainable(model.module())) params.push_back(p);
-  fns.parameters = [&params](int) { return params; };
+  // Asked only by W without the weight-gradient store (never on this plugin's schedules).
+  fns.parameters = [&model](int) {
+    std::vector<at::Tensor> params;
+    for (auto& [name, p] : plugins::trainable(model.module())) params.push_back(p);
+    return params;
+  };
   if (optimizer && optimizer->scaler()) {
     const double scale = optimizer->loss_scale();
     fns.scale_loss = [scale](const at::Tensor& loss) { return loss * scale; };

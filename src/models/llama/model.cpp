@@ -220,6 +220,11 @@ const at::Tensor& CausalLM::head_weight() const {
   return model->embed_tokens->weight();
 }
 
+bool CausalLM::vocab_parallel_head() const {
+  if (lm_head) return lm_head->vocab_parallel_head();
+  return model && model->embed_tokens && model->embed_tokens->vocab_parallel_head();
+}
+
 void CausalLM::check_tied_head() const {
   const at::Tensor& w = head_weight();
   // A vocab-sharded embedding holds a slice of the rows: its product would be a slice of the

@@ -214,6 +214,10 @@ class CausalLM : public nn::Module {
   // The output projection's weight ([vocab, hidden]): lm_head's, or the embedding's when tied
   // (this rank's rows of the padded vocabulary when the head is vocab-sharded).
   const at::Tensor& head_weight() const;
+  // Whether the output head is sharded over the vocabulary (lm_head column-sharded, or the tied
+  // embedding vocab-sharded, over a group): forward then returns sharded logits and the loss
+  // is the vocab-parallel one.
+  bool vocab_parallel_head() const;
   // Mean cross-entropy of `targets` [B, S] (the next token of each position; ignore_index
   // -100). A vocab-sharded head (see forward) takes the vocab-parallel fused cross-entropy
   // (nn::vocab_parallel_linear_cross_entropy, through the layer, which owns the collectives;
