@@ -118,7 +118,11 @@ void OptionSet::set_from_json(Opt& o, const json::Value& v, const std::string& w
         } else if constexpr (std::is_same_v<T, std::string>) {
           *p = v.as_string(what);
         } else if constexpr (std::is_same_v<T, double>) {
-          *p = v.as_double(what);
+          // TOML has inf and nan; a flag refuses them, and so must a file: an lr of inf is
+          // found otherwise only as a NaN loss after the first step.
+          const double x = v.as_double(what);
+          COLOSSAL_CHECK_INPUT(std::isfinite(x), what, " must be a finite number, got ", x);
+          *p = x;
         } else {
           int64_t x = v.as_int(what);
           if constexpr (std::is_same_v<T, int>) {
@@ -128,7 +132,7 @@ void OptionSet::set_from_json(Opt& o, const json::Value& v, const std::string& w
         }
       },
       o.target);
-  set_[o.name] = true;
+  set_[o.name] = where;
 }
 
 void OptionSet::set_from_string(Opt& o, const std::string& v, const std::string& what) {
@@ -145,8 +149,9 @@ void OptionSet::set_from_string(Opt& o, const std::string& v, const std::string&
           char* end = nullptr;
           errno = 0;
           double x = std::strtod(v.c_str(), &end);
-          COLOSSAL_CHECK_INPUT(!v.empty() && *end == '\0' && errno == 0 && std::isfinite(x), what,
+          COLOSSAL_CHECK_INPUT(!v.empty() && *end == '\0' && errno != ERANGE, what,
                                " expects a number, got '", v, "'");
+          COLOSSAL_CHECK_INPUT(std::isfinite(x), what, " must be a finite number, got '", v, "'");
           *p = x;
         } else {
           char* end = nullptr;
@@ -161,11 +166,23 @@ void OptionSet::set_from_string(Opt& o, const std::string& v, const std::string&
         }
       },
       o.target);
-  set_[o.name] = true;
+  set_[o.name] = what;
 }
 
 void OptionSet::apply(const json::Value& config, const std::string& source) {
   COLOSSAL_CHECK_INPUT(config.is_object(), source, ": expected a table of options");
+  // Where each option was given in this file: one option given
+  // twice (at top level and in its [section], or under two of its names) is an error naming both
+  // places, not whichever the parser happened to read last.
+  std::map<std::string, std::string> given;
+  auto set = [&](Opt& o, const json::Value& v, const std::string& section, const std::string& key) {
+    std::string place = section.empty() ? "at top level" : "in [" + section + "]";
+    if (key != o.name) place += " as '" + key + "'";
+    auto [it, fresh] = given.emplace(o.name, place);
+    COLOSSAL_CHECK_INPUT(fresh, source, ": option ", display_name(o), " is given twice, ",
+                         it->second, " and ", place, "; keep one");
+    set_from_json(o, v, section.empty() ? source : source + " [" + section + "]");
+  };
   for (const auto& [key, value] : config.as_object()) {
     if (value.is_object()) {
       bool known_section = false;
@@ -175,13 +192,13 @@ void OptionSet::apply(const json::Value& config, const std::string& source) {
         Opt* o = find(k2);
         COLOSSAL_CHECK_INPUT(o && o->section == key, source, ": unknown option '", k2, "' in [",
                              key, "]");
-        set_from_json(*o, v2, source);
+        set(*o, v2, key, k2);
       }
       continue;
     }
     Opt* o = find(key);
     COLOSSAL_CHECK_INPUT(o, source, ": unknown option '", key, "'");
-    set_from_json(*o, value, source);
+    set(*o, value, "", key);
   }
 }
 
@@ -231,6 +248,11 @@ std::vector<std::string> OptionSet::apply_flags(const std::vector<std::string>& 
 }
 
 void OptionSet::validate() const {
+  // " (from run.toml [optim] lr)": which file or flag gave the bad value.
+  auto from = [&](const Opt& o) -> std::string {
+    auto it = set_.find(o.name);
+    return it == set_.end() ? std::string(" (the default)") : " (from " + it->second + ")";
+  };
   for (const auto& o : opts_) {
     std::visit(
         [&](auto* p) {
@@ -248,10 +270,12 @@ void OptionSet::validate() const {
             }
           } else if constexpr (!std::is_same_v<T, bool>) {
             double x = static_cast<double>(*p);
+            COLOSSAL_CHECK_INPUT(std::isfinite(x), "option ", display_name(o),
+                                 " must be a finite number, got ", *p, from(o));
             COLOSSAL_CHECK_INPUT(!o.has_min || x >= o.lo, "option ", display_name(o),
-                                 " must be >= ", o.lo, ", got ", *p);
+                                 " must be >= ", o.lo, ", got ", *p, from(o));
             COLOSSAL_CHECK_INPUT(!o.has_max || x <= o.hi, "option ", display_name(o),
-                                 " must be <= ", o.hi, ", got ", *p);
+                                 " must be <= ", o.hi, ", got ", *p, from(o));
           }
         },
         o.target);

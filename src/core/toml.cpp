@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -422,10 +423,16 @@ json::Value parse(std::string_view text, std::string_view source) {
 }
 
 json::Value parse_file(const std::string& path) {
+  // A folder opens as a stream that reads nothing: it would be an empty config (every option
+  // its default) instead of the file the user meant.
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw InputError(str("TOML file ", path, " is a folder, not a file"));
   std::ifstream f(path, std::ios::binary);
   if (!f) throw InputError(str("cannot open TOML file ", path, ": ", std::strerror(errno)));
   std::ostringstream ss;
   ss << f.rdbuf();
+  if (f.bad()) throw InputError(str("cannot read TOML file ", path, ": ", std::strerror(errno)));
   return parse(ss.str(), path);
 }
 

@@ -1,7 +1,11 @@
 #include <gtest/gtest.h>
 
+#include <functional>
+
 #include "colossal/core/error.h"
 #include "colossal/core/options.h"
+#include "colossal/core/toml.h"
+#include "common/temp_dir.h"
 
 namespace {
 struct Cfg {
@@ -106,4 +110,83 @@ TEST(Options, AliasesReachTheSameField) {
   }
   EXPECT_THROW(o.apply_flags({"-q", "1"}), colossal::InputError);
   EXPECT_THROW(o.alias("lr", "-s"), colossal::Error);  // taken by steps
+}
+
+namespace {
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const colossal::InputError& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+}  // namespace
+
+// A file passes exactly the checks a flag does: TOML's inf and nan are refused for every
+// floating option, naming the option and the file (and so are flags); validate() names where a
+// value out of range came from.
+TEST(Options, NonFiniteRefusedFromFileAndFlags) {
+  for (const char* value : {"inf", "-inf", "nan", "+inf"}) {
+    Cfg c;
+    auto o = c.options();
+    const std::string toml = std::string("[optim]\nlr = ") + value + "\n";
+    const std::string msg =
+        error_of([&] { o.apply(colossal::toml::parse(toml, "run.toml"), "run.toml"); });
+    EXPECT_NE(msg.find("run.toml [optim]: option 'lr' must be a finite number"), std::string::npos)
+        << value << ": " << msg;
+    EXPECT_DOUBLE_EQ(c.lr, 3e-4);
+    const std::string top = std::string("lr = ") + value + "\n";
+    EXPECT_NE(error_of([&] {
+                o.apply(colossal::toml::parse(top, "top.toml"), "top.toml");
+              }).find("top.toml: option 'lr' must be a finite number"),
+              std::string::npos);
+    const std::string flag = error_of([&] { o.apply_flags({"--lr", value}); });
+    EXPECT_NE(flag.find("flag --lr must be a finite number"), std::string::npos) << flag;
+  }
+  Cfg c;
+  auto o = c.options();
+  o.apply(colossal::toml::parse("[optim]\nlr = -1.0\n", "run.toml"), "run.toml");
+  const std::string msg = error_of([&] { o.validate(); });
+  EXPECT_NE(msg.find("'lr' must be >= 0, got -1 (from run.toml [optim])"), std::string::npos)
+      << msg;
+}
+
+// The same option at top level and in its [section] (or under two of its names) of one file is
+// an error naming both places, not resolved by the order the parser reads them.
+TEST(Options, OptionGivenTwiceInOneFileIsAnError) {
+  Cfg c;
+  auto o = c.options();
+  std::string msg = error_of([&] {
+    o.apply(colossal::toml::parse("lr = 0.1\n[optim]\nlr = 0.2\n", "run.toml"), "run.toml");
+  });
+  EXPECT_NE(msg.find("run.toml: option 'lr' is given twice, at top level and in [optim]"),
+            std::string::npos)
+      << msg;
+  Cfg c2;
+  auto o2 = c2.options();
+  o2.alias("steps", "num_steps");
+  msg = error_of([&] {
+    o2.apply(colossal::toml::parse("num_steps = 3\n[train]\nsteps = 4\n", "run.toml"), "run.toml");
+  });
+  EXPECT_NE(msg.find("is given twice, at top level as 'num_steps' and in [train]"),
+            std::string::npos)
+      << msg;
+  // Two files (or a file and a flag) still layer: the later one wins.
+  Cfg c3;
+  auto o3 = c3.options();
+  o3.apply(colossal::toml::parse("lr = 0.1\n", "a.toml"), "a.toml");
+  o3.apply(colossal::toml::parse("[optim]\nlr = 0.2\n", "b.toml"), "b.toml");
+  o3.apply_flags({"--lr", "0.3"});
+  EXPECT_DOUBLE_EQ(c3.lr, 0.3);
+}
+
+// --config <folder> is a named error, not an empty config (every option its default).
+TEST(Options, ConfigFolderIsAnError) {
+  colossal::tests::TempDir tmp;
+  const std::string dir = tmp.path().string();
+  const std::string msg = error_of([&] { colossal::toml::parse_file(dir); });
+  EXPECT_NE(msg.find(dir + " is a folder, not a file"), std::string::npos) << msg;
+  const std::string missing = error_of([&] { colossal::toml::parse_file(dir + "/none.toml"); });
+  EXPECT_NE(missing.find("cannot open TOML file"), std::string::npos) << missing;
 }

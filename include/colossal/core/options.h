@@ -40,7 +40,9 @@ class OptionSet {
   // is decided later, e.g. "bf16 on cuda, fp32 on cpu").
   OptionSet& default_text(const std::string& name, const std::string& text);
 
-  // A config object (parsed TOML or JSON). Unknown keys/sections are errors naming `source`.
+  // A config object (parsed TOML or JSON). Unknown keys/sections, non-finite numbers and an
+  // option given twice in it (top level and its [section], or two of its names) are errors
+  // naming `source`.
   void apply(const json::Value& config, const std::string& source);
   // Flags: --name value | --name=value | -a value (a short alias) | --flag (bools; also
   // --flag true|false, and without allow_rest any word after a bool flag is its value, so
@@ -48,7 +50,8 @@ class OptionSet {
   // when allow_rest; otherwise an unknown flag is an error.
   std::vector<std::string> apply_flags(const std::vector<std::string>& args,
                                        bool allow_rest = false);
-  // Checks min/max/choices of every option (call after apply/apply_flags).
+  // Checks min/max/choices and finiteness of every option (call after apply/apply_flags); the
+  // message names the file or flag the value came from.
   void validate() const;
   bool was_set(const std::string& name) const;  // by file or flag (any of its names)
   std::string help() const;
@@ -74,7 +77,7 @@ class OptionSet {
   static std::string display_name(const Opt& o);  // "'name'" or "'name' (-w, --warmup_ratio)"
   OptionSet& add_opt(Opt o);
   std::vector<Opt> opts_;
-  std::map<std::string, bool> set_;
+  std::map<std::string, std::string> set_;  // option -> where it was set ("flag --lr")
 };
 
 }  // namespace colossal
