@@ -335,6 +335,8 @@ std::shared_ptr<models::CausalLM> build_model(const BenchConfig& c, const at::De
   COLOSSAL_CHECK_INPUT(c.seq_len <= cfg.max_position_embeddings, "-l ", c.seq_len,
                        " exceeds the model's max_position_embeddings ",
                        cfg.max_position_embeddings);
+  // init_parameters materialises every parameter on `device` in fp32.
+  models::check_fits_memory(cfg, device, 4, "model " + c.model);
   auto model = std::make_shared<models::CausalLM>(cfg, at::TensorOptions().device(at::kMeta));
   nn::InitOptions io;
   io.seed = static_cast<uint64_t>(c.seed);

@@ -265,6 +265,8 @@ void Trainer::build_model() {
   } else {
     models::ModelConfig cfg = fs::exists(c_.model) ? models::ModelConfig::from_file(c_.model)
                                                    : models::ModelConfig::preset(c_.model);
+    // Every rank builds the whole model on the host in fp32 before the plugin places it.
+    models::check_fits_memory(cfg, at::Device(at::kCPU), 4, "model " + c_.model);
     model_ = std::make_shared<models::CausalLM>(cfg);
     nn::InitOptions io;
     io.seed = static_cast<uint64_t>(c_.seed);

@@ -44,6 +44,8 @@ std::shared_ptr<models::CausalLM> load_pretrained(const std::string& dir,
   auto topts = at::TensorOptions()
                    .device(opts.device.value_or(at::Device(at::kCPU)))
                    .dtype(opts.dtype.value_or(at::kFloat));
+  models::check_fits_memory(cfg, topts.device(), static_cast<int64_t>(topts.dtype().itemsize()),
+                            cfg_path);
   auto model = std::make_shared<models::CausalLM>(cfg, topts);
   TensorList tensors = load_state_dict(dir);
   if (cfg.tie_word_embeddings) {

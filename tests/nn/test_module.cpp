@@ -3,12 +3,14 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <string>
 #include <vector>
 
 #include "colossal/core/error.h"
 #include "colossal/models/llama/model.h"
 #include "colossal/nn/init.h"
+#include "common/temp_dir.h"
 
 using namespace colossal;
 using namespace colossal::nn;
@@ -335,4 +337,99 @@ TEST(Config, RejectsWhatWeDoNotImplement) {
   ModelConfig q2 = ModelConfig::from_json(q.to_json());
   EXPECT_EQ(q2.layer_sliding, q.layer_sliding);
   EXPECT_EQ(q2.sliding_window, q.sliding_window);
+}
+
+// Impossible sizes and constants in a config.json are InputErrors naming the field (a negative
+// layer count was a raw std::vector length error; eps or theta of 0 trained NaN), and
+// from_file names the file.
+TEST(Config, ImpossibleValuesNameTheField) {
+  auto error_of = [](const std::string& fields) -> std::string {
+    try {
+      ModelConfig::from_json(json::parse(R"({"model_type": "llama", )" + fields + "}"));
+    } catch (const InputError& e) {
+      return e.what();
+    }
+    return "(no error)";
+  };
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"("num_hidden_layers": -1)", "num_hidden_layers must be positive, got -1"},
+      {R"("num_hidden_layers": 0)", "num_hidden_layers must be positive, got 0"},
+      {R"("hidden_size": 0)", "hidden_size must be positive, got 0"},
+      {R"("hidden_size": -64)", "hidden_size must be positive, got -64"},
+      {R"("num_attention_heads": 0)", "num_attention_heads must be positive, got 0"},
+      {R"("num_key_value_heads": -2)", "num_key_value_heads must be positive, got -2"},
+      {R"("intermediate_size": 0)", "intermediate_size must be positive, got 0"},
+      {R"("vocab_size": 0)", "vocab_size must be positive, got 0"},
+      {R"("max_position_embeddings": 0)", "max_position_embeddings must be positive, got 0"},
+      {R"("hidden_size": 100, "num_attention_heads": 32)",
+       "hidden_size (100) must be a multiple of num_attention_heads (32)"},
+      {R"("num_attention_heads": 32, "num_key_value_heads": 5)",
+       "num_attention_heads (32) must be a multiple of num_key_value_heads (5)"},
+      {R"("rms_norm_eps": 0)", "rms_norm_eps must be a positive finite number, got 0"},
+      {R"("rms_norm_eps": -1e-6)", "rms_norm_eps must be a positive finite number"},
+      {R"("rope_theta": 0)", "rope_theta must be a positive finite number, got 0"},
+      {R"("rope_parameters": {"rope_type": "default", "rope_theta": -5.0})",
+       "rope_theta must be a positive finite number, got -5"},
+      {R"("rope_scaling": {"type": "linear", "factor": 0.0})",
+       "rope factor must be a positive finite number, got 0"},
+      {R"("hidden_size": 4000000000, "num_attention_heads": 1, "head_dim": 128,
+          "intermediate_size": 4000000000, "vocab_size": 4000000000)",
+       "parameter count overflows"},
+  };
+  for (const auto& [fields, needle] : cases) {
+    const std::string msg = error_of(fields);
+    EXPECT_NE(msg.find(needle), std::string::npos) << fields << " -> " << msg;
+  }
+  EXPECT_EQ(error_of(R"("hidden_size": 96, "num_attention_heads": 4, "head_dim": 32)"),
+            "(no error)");  // an explicit head_dim need not divide hidden_size
+  // from_file names the file; a folder is an error of its own.
+  tests::TempDir tmp;
+  const std::string dir = tmp.path().string();
+  const std::string path = tmp.file("config.json");
+  {
+    std::ofstream f(path);
+    f << R"({"model_type": "llama", "num_hidden_layers": -1})";
+  }
+  try {
+    ModelConfig::from_file(path);
+    ADD_FAILURE() << "num_hidden_layers -1 accepted";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find(path + ": num_hidden_layers must be positive, got -1"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(ModelConfig::from_file(dir), InputError);
+}
+
+// parameter_count matches the built model's, and a model larger than memory is refused with
+// the byte count before anything is allocated.
+TEST(Config, ParameterCountAndMemoryCheck) {
+  for (const char* name : {"tiny", "1b", "7b", "70b"}) {
+    ModelConfig c = ModelConfig::preset(name);
+    EXPECT_EQ(parameter_count(c),
+              count_parameters(CausalLM(c, at::TensorOptions().device(at::kMeta))))
+        << name;
+  }
+  ModelConfig biased = small_config();
+  biased.qkv_bias = biased.o_bias = biased.mlp_bias = true;
+  biased.tie_word_embeddings = true;
+  EXPECT_EQ(parameter_count(biased),
+            count_parameters(CausalLM(biased, at::TensorOptions().device(at::kMeta))));
+  EXPECT_NO_THROW(check_fits_memory(small_config(), at::Device(at::kCPU), 4, "tiny"));
+  ModelConfig huge = ModelConfig::preset("tiny");
+  huge.hidden_size = 10000000;
+  huge.num_attention_heads = 10;
+  huge.num_key_value_heads = 10;
+  huge.head_dim = 1000000;
+  try {
+    check_fits_memory(huge, at::Device(at::kCPU), 4, "model huge.json");
+    ADD_FAILURE() << "a model of " << parameter_count(huge) << " parameters fit";
+  } catch (const InputError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(
+        msg.find("model huge.json: " + std::to_string(parameter_count(huge)) + " parameters need "),
+        std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find("MemAvailable"), std::string::npos) << msg;
+  }
 }

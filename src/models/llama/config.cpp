@@ -1,8 +1,15 @@
 // config.json parsing and writing for llama / mistral / qwen2, and the benchmark presets.
 #include "colossal/models/llama/config.h"
 
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
 #include <set>
+#include <sstream>
 
+#include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
 
 namespace colossal::models {
@@ -115,10 +122,93 @@ void ModelConfig::validate() const {
   COLOSSAL_CHECK_INPUT(static_cast<int64_t>(layer_sliding.size()) == num_hidden_layers,
                        "config: layer_types has ", layer_sliding.size(),
                        " entries but num_hidden_layers is ", num_hidden_layers);
+  // A zero or non-finite epsilon divides by zero in every RMSNorm, a zero theta makes every
+  // rotary frequency 0 or NaN: both train NaN from step 1 instead of failing here.
+  auto pos_finite = [](const char* name, double v) {
+    COLOSSAL_CHECK_INPUT(std::isfinite(v) && v > 0, "config: ", name,
+                         " must be a positive finite number, got ", v);
+  };
+  pos_finite("rms_norm_eps", rms_norm_eps);
+  pos_finite("rope_theta", rope.theta);
+  COLOSSAL_CHECK_INPUT(std::isfinite(initializer_range) && initializer_range >= 0,
+                       "config: initializer_range must be a finite number >= 0, got ",
+                       initializer_range);
+  if (rope.type != "default") pos_finite("rope factor", rope.factor);
   if (rope.type == "llama3") {
+    pos_finite("rope low_freq_factor", rope.low_freq_factor);
+    pos_finite("rope high_freq_factor", rope.high_freq_factor);
     COLOSSAL_CHECK_INPUT(rope.high_freq_factor != rope.low_freq_factor,
                          "config: llama3 rope needs high_freq_factor != low_freq_factor");
   }
+  // Sizes whose parameter count does not fit an int64 (no machine holds them anyway).
+  COLOSSAL_CHECK_INPUT(parameter_count(*this) > 0,
+                       "config: the model's parameter count overflows "
+                       "(hidden_size ",
+                       hidden_size, ", intermediate_size ", intermediate_size,
+                       ", num_hidden_layers ", num_hidden_layers, ", vocab_size ", vocab_size, ")");
+}
+
+int64_t parameter_count(const ModelConfig& c) {
+  // Counted in long double: absurd sizes overflow int64 and are reported as -1.
+  using F = long double;
+  const F h = c.hidden_size, q = F(c.num_attention_heads) * c.head_dim, kv = c.kv_dim(),
+          f = c.intermediate_size, v = c.vocab_size;
+  const F attn = h * q + 2 * h * kv + q * h + (c.qkv_bias ? q + 2 * kv : 0) + (c.o_bias ? h : 0);
+  const F mlp = 3 * h * f + (c.mlp_bias ? 2 * f + h : 0);
+  const F layer = attn + mlp + 2 * h;
+  const F total = F(c.num_hidden_layers) * layer + v * h * (c.tie_word_embeddings ? 1 : 2) + h;
+  if (!(total < F(INT64_MAX))) return -1;
+  return static_cast<int64_t>(total);
+}
+
+namespace {
+// Memory a model of `bytes` can use on `device`: the device's total for cuda (what else runs
+// there is unknown here), MemAvailable (/proc/meminfo) for the host; 0 when unknown.
+int64_t memory_for(const at::Device& device, std::string* what) {
+  if (device.is_cuda()) {
+    auto devices = cuda_devices();
+    const size_t i = device.has_index() ? static_cast<size_t>(device.index()) : 0;
+    if (i >= devices.size()) return 0;
+    *what = str("the memory of CUDA device ", i, " (", devices[i].name, ")");
+    return devices[i].total_memory;
+  }
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  int64_t kib = 0;
+  std::string unit;
+  while (f >> key >> kib >> unit) {
+    if (key == "MemAvailable:") {
+      *what = "the host's available memory (MemAvailable)";
+      return kib * 1024;
+    }
+  }
+  return 0;
+}
+// "2400046280000000 bytes (2.18e+03 TiB)": the exact count and a readable size.
+std::string bytes_text(long double bytes) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(0) << bytes << " bytes (" << std::defaultfloat
+     << std::setprecision(3);
+  if (bytes >= 1024.0L * 1024 * 1024 * 1024)
+    os << static_cast<double>(bytes / (1024.0L * 1024 * 1024 * 1024)) << " TiB)";
+  else
+    os << static_cast<double>(bytes / (1024.0L * 1024 * 1024)) << " GiB)";
+  return os.str();
+}
+}  // namespace
+
+void check_fits_memory(const ModelConfig& c, const at::Device& device, int64_t bytes_per_param,
+                       const std::string& what) {
+  const int64_t n = parameter_count(c);
+  COLOSSAL_CHECK_INPUT(n > 0, what, ": the parameter count overflows int64 (hidden_size ",
+                       c.hidden_size, ", num_hidden_layers ", c.num_hidden_layers, ")");
+  std::string where;
+  const int64_t avail = memory_for(device, &where);
+  if (avail <= 0) return;  // unknown: the allocator will say
+  const long double bytes = static_cast<long double>(n) * bytes_per_param;
+  COLOSSAL_CHECK_INPUT(bytes <= static_cast<long double>(avail), what, ": ", n, " parameters need ",
+                       bytes_text(bytes), " at ", bytes_per_param, " bytes each, but ", where,
+                       " is ", bytes_text(avail), "; choose smaller sizes in the model config");
 }
 
 ModelConfig ModelConfig::from_json(const json::Value& j) {
@@ -141,13 +231,28 @@ ModelConfig ModelConfig::from_json(const json::Value& j) {
   c.num_hidden_layers = get_int(j, "num_hidden_layers", 32);
   c.num_attention_heads = get_int(j, "num_attention_heads", 32);
   c.num_key_value_heads = get_int(j, "num_key_value_heads", mistral ? 8 : c.num_attention_heads);
-  COLOSSAL_CHECK_INPUT(c.num_attention_heads > 0,
-                       "config.json: num_attention_heads must be positive");
-  c.head_dim = get_int(j, "head_dim", c.hidden_size / c.num_attention_heads);
   c.max_position_embeddings = get_int(j, "max_position_embeddings",
                                       mistral ? 4096 * 32
                                       : qwen2 ? 32768
                                               : 2048);
+  // Sizes are checked before anything is derived from them: a negative num_hidden_layers would
+  // otherwise first reach std::vector (layer_sliding) as a raw length error.
+  for (auto [key, v] : {std::pair{"vocab_size", c.vocab_size},
+                        {"hidden_size", c.hidden_size},
+                        {"intermediate_size", c.intermediate_size},
+                        {"num_hidden_layers", c.num_hidden_layers},
+                        {"num_attention_heads", c.num_attention_heads},
+                        {"num_key_value_heads", c.num_key_value_heads},
+                        {"max_position_embeddings", c.max_position_embeddings}}) {
+    COLOSSAL_CHECK_INPUT(v > 0, "config.json: ", key, " must be positive, got ", v);
+  }
+  const json::Value* hd = j.find("head_dim");
+  if (!hd || hd->is_null()) {
+    COLOSSAL_CHECK_INPUT(c.hidden_size % c.num_attention_heads == 0, "config.json: hidden_size (",
+                         c.hidden_size, ") must be a multiple of num_attention_heads (",
+                         c.num_attention_heads, ") when head_dim is not given");
+  }
+  c.head_dim = get_int(j, "head_dim", c.hidden_size / c.num_attention_heads);
   c.rms_norm_eps = get_double(j, "rms_norm_eps", 1e-6);
   c.initializer_range = get_double(j, "initializer_range", 0.02);
   c.tie_word_embeddings = get_bool(j, "tie_word_embeddings", false);
@@ -215,7 +320,22 @@ ModelConfig ModelConfig::from_json(const json::Value& j) {
 }
 
 ModelConfig ModelConfig::from_file(const std::string& path) {
-  return from_json(json::parse_file(path));
+  std::error_code ec;
+  COLOSSAL_CHECK_INPUT(!std::filesystem::is_directory(path, ec), "model config ", path,
+                       " is a folder, not a config.json (an HF model folder is --init)");
+  try {
+    return from_json(json::parse_file(path));
+  } catch (const InputError& e) {
+    // The messages say "config.json: <field>"; name the file the user gave instead.
+    std::string msg = e.what();
+    for (const char* prefix : {"config.json: ", "config: "}) {
+      if (msg.rfind(prefix, 0) == 0) {
+        msg = msg.substr(std::strlen(prefix));
+        break;
+      }
+    }
+    throw InputError(str(path, ": ", msg));
+  }
 }
 
 json::Value ModelConfig::to_json() const {

@@ -58,6 +58,15 @@ struct ModelConfig {
   static std::vector<std::string> preset_names();
 };
 
+// Parameters of the whole model (embedding, layers, norms, head unless tied); -1 when the count
+// overflows int64.
+int64_t parameter_count(const ModelConfig& cfg);
+// Before allocating: an InputError naming `what` and the byte count when the parameters, at
+// `bytes_per_param` bytes each, exceed the memory of `device` (cuda: the device's total; cpu:
+// the host's MemAvailable). Absurd sizes fail here, not as a raw allocator message.
+void check_fits_memory(const ModelConfig& cfg, const at::Device& device, int64_t bytes_per_param,
+                       const std::string& what);
+
 // Inverse rotary frequencies of this model (nn::rope_inv_freq of cfg.rotary()).
 at::Tensor rope_inv_freq(const ModelConfig& cfg, std::optional<int64_t> seq_len = std::nullopt);
 
