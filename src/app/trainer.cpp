@@ -286,6 +286,14 @@ void Trainer::build_data() {
   COLOSSAL_CHECK_INPUT(dataset_->num_samples() >= 1, c_.data, " holds ", file->size(),
                        " tokens: too few for one sample of seq_len ", c_.seq_len, " (needs ",
                        c_.seq_len + 1, ")");
+  // The whole file once, now: an id past the vocabulary would otherwise surface only when its
+  // batch comes up (check_tokens), possibly hours in and without its position.
+  const int64_t vocab = model_->config().vocab_size;
+  const int64_t bad = file->first_at_or_above(vocab);
+  COLOSSAL_CHECK_INPUT(bad < 0, c_.data, ": token id ", bad < 0 ? 0 : file->token(bad),
+                       " at position ", bad, " (of ", file->size(),
+                       " tokens) is outside the model's vocabulary (vocab_size ", vocab,
+                       "); was the file made with another tokenizer?");
 }
 
 // AdamW; weight decay on matrices only.

@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -138,6 +139,43 @@ int64_t TokenFile::token(int64_t i) const {
   const unsigned char* p = data_ + i * width_;
   if (width_ == 2) return static_cast<int64_t>(p[0] | (p[1] << 8));
   return static_cast<int64_t>(static_cast<uint32_t>(read_i32(p)));
+}
+
+namespace {
+// First index in [0, n) of a token >= limit, or -1. Chunks are reduced to their maximum first
+// (a loop the compiler vectorises); only a chunk holding a bad id is searched element-wise.
+template <class T>
+int64_t first_at_or_above_impl(const unsigned char* data, int64_t n, T limit) {
+  constexpr int64_t kChunk = 1 << 16;
+  for (int64_t start = 0; start < n; start += kChunk) {
+    const int64_t len = std::min(kChunk, n - start);
+    const unsigned char* p = data + start * static_cast<int64_t>(sizeof(T));
+    T hi = 0;
+    for (int64_t i = 0; i < len; ++i) {
+      T v;
+      std::memcpy(&v, p + i * static_cast<int64_t>(sizeof(T)), sizeof(T));
+      hi = v > hi ? v : hi;
+    }
+    if (hi < limit) continue;
+    for (int64_t i = 0; i < len; ++i) {
+      T v;
+      std::memcpy(&v, p + i * static_cast<int64_t>(sizeof(T)), sizeof(T));
+      if (v >= limit) return start + i;
+    }
+  }
+  return -1;
+}
+}  // namespace
+
+int64_t TokenFile::first_at_or_above(int64_t limit) const {
+  if (limit <= 0) return ntokens_ > 0 ? 0 : -1;
+  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "token files are little-endian");
+  if (width_ == 2) {
+    if (limit > 0xFFFF) return -1;  // no uint16 reaches it
+    return first_at_or_above_impl<uint16_t>(data_, ntokens_, static_cast<uint16_t>(limit));
+  }
+  if (limit > 0xFFFFFFFFLL) return -1;
+  return first_at_or_above_impl<uint32_t>(data_, ntokens_, static_cast<uint32_t>(limit));
 }
 
 at::Tensor TokenFile::slice(int64_t start, int64_t len) const {

@@ -96,6 +96,34 @@ TEST(TokenFile, CorruptAndShortFilesAreClearErrors) {
   EXPECT_THROW(token_format_from_string("u8"), InputError);
 }
 
+// The load-time vocabulary check: the first position of an id >= the limit, in every format,
+// across chunk boundaries, at the first and last token; -1 when all fit.
+TEST(TokenFile, FirstAtOrAboveFindsTheFirstBadPosition) {
+  TempDir d;
+  const int64_t n = 200003;  // several scan chunks and a ragged tail
+  for (auto fmt :
+       {TokenFormat::RawU16, TokenFormat::RawU32, TokenFormat::LlmcGpt2, TokenFormat::LlmcLlama3}) {
+    const bool wide = fmt == TokenFormat::RawU32 || fmt == TokenFormat::LlmcLlama3;
+    for (int64_t pos : {int64_t{0}, int64_t{65535}, int64_t{65536}, int64_t{131077}, n - 1}) {
+      std::vector<int64_t> t = tokens(n, 999);
+      t[pos] = 1000;
+      if (pos + 7 < n) t[pos + 7] = 60000;  // a later, larger one is not the first
+      const std::string path = d.file("v" + std::to_string(pos) + ".bin");
+      write_token_file(path, t, fmt);
+      TokenFile f(path, fmt);
+      EXPECT_EQ(f.first_at_or_above(1000), pos) << to_string(fmt) << " at " << pos;
+      EXPECT_EQ(f.token(pos), 1000);
+      EXPECT_EQ(f.first_at_or_above(60001), -1);
+      EXPECT_EQ(f.first_at_or_above(wide ? 70000 : 65536), -1);
+      EXPECT_EQ(f.first_at_or_above(0), 0);
+    }
+  }
+  write_token_file(d.file("big.u32"), {5, 4294967295LL, 7}, TokenFormat::RawU32);
+  TokenFile big(d.file("big.u32"), TokenFormat::RawU32);
+  EXPECT_EQ(big.first_at_or_above(128256), 1);
+  EXPECT_EQ(big.first_at_or_above(int64_t{1} << 40), -1);
+}
+
 TEST(TokenDataset, SamplesAreShiftedWindows) {
   TempDir d;
   auto t = tokens(1001, 60000);

@@ -44,6 +44,10 @@ class TokenFile {
   int64_t size() const { return ntokens_; }
   int bytes_per_token() const { return width_; }
   int64_t token(int64_t i) const;
+  // The first position whose token is >= `limit` (a vocabulary size), or -1 when none is: one
+  // pass over the mapped file (GB/s), so a bad id is named at load with its position rather
+  // than when its batch comes up hours into a run.
+  int64_t first_at_or_above(int64_t limit) const;
   // tokens[start, start+len) as an int64 CPU tensor (a copy).
   at::Tensor slice(int64_t start, int64_t len) const;
 
