@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -13,6 +14,7 @@
 #include "colossal/checkpoint/pretrained.h"
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
+#include "colossal/models/llama/config.h"
 #include "colossal/models/llama/model.h"
 
 namespace {
@@ -60,6 +62,18 @@ int run_generate(int argc, char** argv) {
   const int64_t max_new = args.i64("max-new-tokens");
   COLOSSAL_CHECK_INPUT(max_new >= 0, "--max-new-tokens must be >= 0, got ", max_new);
   std::vector<int64_t> ids = parse_ids(args.str("prompt-ids"));
+
+  // Positions past max_position_embeddings are outside what the model was trained for: refuse
+  // (there is no option to stop at the limit instead) before the weights are read.
+  const std::filesystem::path cfg_path = std::filesystem::path(args.str("model")) / "config.json";
+  if (std::filesystem::is_regular_file(cfg_path)) {
+    const auto mc = colossal::models::ModelConfig::from_file(cfg_path.string());
+    const int64_t room = mc.max_position_embeddings - static_cast<int64_t>(ids.size());
+    COLOSSAL_CHECK_INPUT(
+        max_new <= room, "--prompt-ids (", ids.size(), " tokens) + --max-new-tokens (", max_new,
+        ") positions exceed the model's max_position_embeddings (", mc.max_position_embeddings,
+        ", ", cfg_path.string(), "); use a shorter prompt or fewer new tokens");
+  }
 
   colossal::checkpoint::PretrainedOptions po;
   po.device = at::Device(device == "cuda" ? at::kCUDA : at::kCPU);
