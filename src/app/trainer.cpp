@@ -760,8 +760,10 @@ void Trainer::write_metrics_line(const std::string& line) {
 void Trainer::check_finite_step(int64_t done, const StepStats& st) {
   OptimizerWrapper& opt = *boosted_.optimizer;
   bool bad = !std::isfinite(st.loss) || !std::isfinite(opt.last_grad_norm());
-  // fp16: an overflow skip is bad only when the scale cannot back off any further.
-  if (!st.stepped && opt.scaler()) bad = opt.loss_scale() <= opt.scaler()->options().min_scale;
+  // fp16: an overflow skip (a non-finite gradient norm) is bad only when the loss itself is not
+  // finite or the scale cannot back off any further.
+  if (!st.stepped && opt.scaler())
+    bad = !std::isfinite(st.loss) || opt.loss_scale() <= opt.scaler()->options().min_scale;
   if (!bad) {
     nonfinite_run_ = 0;
     return;

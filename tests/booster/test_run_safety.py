@@ -197,6 +197,15 @@ def test_diverging_run_stops_and_never_saves_nan(work, tmp_path):
     assert sorted(os.listdir(b / "ckpt")) == [".lock", "latest", "step-00000002"]
 
 
+def test_fp16_run_with_non_finite_losses_stops(work, tmp_path):
+    # fp16: overflow skips while the scale backs off are normal; steps whose loss itself is not
+    # finite count (here from step 2 on).
+    p = train(work, tmp_path, 30, ["--plugin", "ddp", "--precision", "fp16", "--initial_scale", "16",
+                                   "--lr", "1e30", "--max_nonfinite_steps", "3"], ok=False)
+    assert p.returncode == 1 and "training diverged: 3 consecutive steps" in p.stderr, p.stderr[-2000:]
+    assert steps_of(tmp_path) == [1, 2, 3, 4]
+
+
 def wait_for_metrics(proc, out, timeout=60):
     t0 = time.time()
     while not steps_of(out):
@@ -205,13 +214,14 @@ def wait_for_metrics(proc, out, timeout=60):
         time.sleep(0.02)
 
 
-def test_sigusr1_saves_and_exits(work, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGINT])
+def test_signal_saves_and_exits(work, tmp_path, sig):
     with open(tmp_path / "log", "w") as log:
         proc = subprocess.Popen(args(work, tmp_path, 100000, []), stdout=log, stderr=log, env=ENV)
         wait_for_metrics(proc, tmp_path)
-        proc.send_signal(signal.SIGUSR1)
+        proc.send_signal(sig)
         rc = proc.wait(timeout=60)
-    assert rc == 128 + signal.SIGUSR1, (tmp_path / "log").read_text()[-2000:]
+    assert rc == 128 + sig, (tmp_path / "log").read_text()[-2000:]
     n = steps_of(tmp_path)[-1]
     assert latest(tmp_path) == f"step-{n:08d}" and n < 100000
 
