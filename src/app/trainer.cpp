@@ -797,13 +797,19 @@ int Trainer::agreed_stop_signal() const {
   return sig;
 }
 
-// Whether every parameter (this rank's, then all ranks') is finite: a checkpoint of a diverged
-// model must never become `latest`.
+// Whether every parameter this rank holds (then on all ranks) is finite: a checkpoint of a
+// diverged model must never become `latest`. (A step whose gradients are not finite is skipped
+// by the optimizer wrapper, so only finite updates reach the weights: what can break them is an
+// update out of range, which this catches.)
 bool Trainer::model_is_finite() const {
   std::vector<at::Tensor> bad;
-  for (const auto& p : model_->parameters(true))
-    if (p.defined() && p.numel() > 0)
-      bad.push_back(at::isfinite(p.detach()).all().logical_not().to(at::kCPU));
+  for (const auto& p : model_->parameters(true)) {
+    if (!p.defined() || p.numel() == 0 || !p.has_storage()) continue;
+    // Gemini points the parameters of chunks it has released at an expanded NaN placeholder
+    // (one element of storage): their values live in the chunks, not there.
+    if (p.storage().nbytes() < static_cast<size_t>(p.numel()) * p.element_size()) continue;
+    bad.push_back(at::isfinite(p.detach()).all().logical_not().to(at::kCPU));
+  }
   double any = bad.empty() ? 0.0 : at::stack(bad).any().item<bool>() ? 1.0 : 0.0;
   if (distributed_ && dist::world_size() > 1) {
     at::Tensor t = at::full({1}, any, at::kDouble);
