@@ -226,6 +226,22 @@ def test_signal_saves_and_exits(work, tmp_path, sig):
     assert latest(tmp_path) == f"step-{n:08d}" and n < 100000
 
 
+def test_second_signal_stops_at_once(work, tmp_path):
+    # Two signals delivered together (held back by SIGSTOP, then released): one handler asks for
+    # the save, the other finds that asked already and takes the signal's default action. (Kept
+    # from before: a second Ctrl-C never waits for a save.)
+    with open(tmp_path / "log", "w") as log:
+        proc = subprocess.Popen(args(work, tmp_path, 100000, []), stdout=log, stderr=log, env=ENV)
+        wait_for_metrics(proc, tmp_path)
+        proc.send_signal(signal.SIGSTOP)
+        proc.send_signal(signal.SIGUSR1)
+        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGCONT)
+        rc = proc.wait(timeout=60)
+    assert rc in (-signal.SIGINT, -signal.SIGUSR1), (rc, (tmp_path / "log").read_text()[-2000:])
+    assert not (tmp_path / "ckpt" / "latest").exists()
+
+
 def test_sigterm_saves_on_every_rank_and_resumes_bitwise(work, tmp_path):
     stopped = tmp_path / "stopped"
     stopped.mkdir()
