@@ -18,6 +18,7 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <system_error>
 #include <vector>
@@ -287,7 +288,9 @@ class Trainer {
   std::shared_ptr<optim::AdamW> build_optimizer() const;
   void check_tokens(const at::Tensor& inputs, const at::Tensor& targets) const;
   void prepare_save_dir();
-  void claim_save_dir();                          // rank 0's part of prepare_save_dir
+  void claim_save_dir();  // rank 0's part of prepare_save_dir
+  void delete_old_run();  // rank 0, --overwrite: right before step 1
+  void on_rank0_shared(const std::function<void()>& fn, const std::string& what);
   int64_t resume(const std::string& checkpoint);  // returns the step it continues from
   void check_resume_config(const std::string& dir, const json::Value& state) const;
   void apply_new_hyperparameters(const std::vector<optim::GroupOptions>& groups,
@@ -318,6 +321,7 @@ class Trainer {
   std::FILE* metrics_ = nullptr;
   bool bar_ = false;
   std::unique_ptr<RunDirLock> lock_;  // rank 0: save_dir is this job's from before step 1 to exit
+  std::string old_run_;               // rank 0: what --overwrite deletes (empty: nothing)
   int64_t nonfinite_run_ = 0;         // consecutive non-finite steps so far
 };
 
@@ -421,10 +425,16 @@ std::shared_ptr<optim::AdamW> Trainer::build_optimizer() const {
 void Trainer::prepare_save_dir() {
   if (c_.save_dir.empty()) return;
   probe_writable_dir(c_.save_dir, "save_dir");
+  on_rank0_shared([&] { claim_save_dir(); }, str("option 'save_dir' (", c_.save_dir, ")"));
+}
+
+// Runs `fn` on rank 0 and shares whether it threw: rank 0 rethrows, the others stop with an
+// error pointing at rank 0's (rather than at their next collective with a rank that is gone).
+void Trainer::on_rank0_shared(const std::function<void()>& fn, const std::string& what) {
   std::exception_ptr failed;
   if (rank0_) {
     try {
-      claim_save_dir();
+      fn();
     } catch (...) {
       failed = std::current_exception();
     }
@@ -433,17 +443,16 @@ void Trainer::prepare_save_dir() {
     at::Tensor t = at::full({1}, failed ? 1.0 : 0.0, at::kDouble);
     dist::world_cpu().all_reduce(t, dist::ReduceOp::Max);
     if (!rank0_ && t.item<double>() != 0.0)
-      throw InputError(str("option 'save_dir' (", c_.save_dir,
-                           ") was refused by rank 0 (its "
-                           "error says why)"));
+      throw InputError(str(what, ": rank 0 failed (its error says why)"));
   }
   if (failed) std::rethrow_exception(failed);
 }
 
 // The lock, the leftovers of interrupted saves, and the rule for a folder that holds a run: a
 // resume of that run continues it; a fresh run is refused unless --overwrite, which deletes the
-// old run's checkpoints here, before step 1 (keeping them until the first save would leave two
-// runs' steps side by side, and a resume could pick the old run's newer step).
+// old run's checkpoints before step 1 (delete_old_run: after everything else has been built, so
+// a run that fails to start loses nothing). Keeping them until the first save instead would
+// leave two runs' steps side by side, and a resume could pick the old run's newer step.
 void Trainer::claim_save_dir() {
   const std::string& dir = c_.save_dir;
   lock_ = std::make_unique<RunDirLock>(dir);
@@ -456,13 +465,17 @@ void Trainer::claim_save_dir() {
     if (same_folder(run, dir)) return;
   }
   std::vector<StepDir> steps = complete_steps(dir);
-  std::string what = steps.empty()
-                         ? std::string("a latest file or step folders")
-                         : str(steps.size(), " checkpoint(s), the newest ", steps.back().name);
-  COLOSSAL_CHECK_INPUT(c_.overwrite, "option 'save_dir' (", dir, ") already holds a run (", what,
-                       "): resume it with --resume ", dir,
+  old_run_ = steps.empty() ? std::string("a latest file or step folders")
+                           : str(steps.size(), " checkpoint(s), the newest ", steps.back().name);
+  COLOSSAL_CHECK_INPUT(c_.overwrite, "option 'save_dir' (", dir, ") already holds a run (",
+                       old_run_, "): resume it with --resume ", dir,
                        ", choose another save_dir, or pass --overwrite to delete it and start "
                        "over");
+}
+
+void Trainer::delete_old_run() {
+  if (old_run_.empty()) return;
+  const std::string& dir = c_.save_dir;
   std::error_code ec;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
@@ -471,7 +484,8 @@ void Trainer::claim_save_dir() {
     if (!checkpoint::remove_tree(dir + "/" + name, &err))
       throw Error(str("--overwrite: cannot remove ", dir, "/", name, ": ", err));
   }
-  log_warn("--overwrite: deleted the previous run in ", dir, " (", what, ")");
+  log_warn("--overwrite: deleted the previous run in ", dir, " (", old_run_, ")");
+  old_run_.clear();
 }
 
 int64_t Trainer::resume(const std::string& checkpoint) {
@@ -881,6 +895,7 @@ TrainResult Trainer::run() {
              to_string(plugin_->precision()), ", global batch ", G_, " x ", c_.seq_len, " tokens, ",
              c_.steps, " steps");
   }
+  if (!c_.save_dir.empty()) on_rank0_shared([&] { delete_old_run(); }, "--overwrite");
   open_metrics();
   bar_ = rank0_ && draw_progress_bar();
 

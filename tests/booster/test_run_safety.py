@@ -106,6 +106,11 @@ def test_used_save_dir_needs_overwrite(work, tmp_path):
     assert p.returncode == 2 and "already holds a run" in p.stderr and "--overwrite" in p.stderr, p.stderr[-2000:]
     assert latest(tmp_path) == "step-00000003"  # untouched
     assert steps_of(tmp_path) == [1, 2, 3]
+    # --overwrite deletes the old run only once everything else is built: a run that cannot
+    # start (seq_len past the model's positions) leaves it.
+    p = train(work, tmp_path, 2, ["--overwrite", "--seq_len", "100"], ok=False)
+    assert p.returncode == 2 and "max_position_embeddings" in p.stderr, p.stderr[-2000:]
+    assert latest(tmp_path) == "step-00000003"
     train(work, tmp_path, 2, ["--overwrite"])
     assert latest(tmp_path) == "step-00000002"
     assert sorted(os.listdir(tmp_path / "ckpt")) == [".lock", "latest", "step-00000002"]
