@@ -322,7 +322,8 @@ class Trainer {
   bool bar_ = false;
   std::unique_ptr<RunDirLock> lock_;  // rank 0: save_dir is this job's from before step 1 to exit
   std::string old_run_;               // rank 0: what --overwrite deletes (empty: nothing)
-  int64_t nonfinite_run_ = 0;         // consecutive non-finite steps so far
+  mutable json::Value data_fingerprint_;  // of c_.data, read once (null until then)
+  int64_t nonfinite_run_ = 0;             // consecutive non-finite steps so far
 };
 
 Trainer::Trainer(const TrainConfig& c, const json::Value& config_json)
@@ -842,7 +843,8 @@ void Trainer::write_trainer_state(const std::string& path, int64_t step) const {
   st.set("seq_len", c_.seq_len);
   st.set("sampler", boosted_.dataloader->state_dict());
   st.set("config", config_json_);
-  st.set("data", data_fingerprint(c_.data));
+  if (data_fingerprint_.is_null()) data_fingerprint_ = data_fingerprint(c_.data);
+  st.set("data", data_fingerprint_);
   write_text_atomic(path + "/trainer_state.json", st.dump(2));
   checkpoint::TensorList rng{{"cpu", Accelerator::cpu().get_rng_state()}};
   if (device_.is_cuda()) rng.emplace_back("cuda", Accelerator::cuda().get_rng_state().to(at::kCPU));
