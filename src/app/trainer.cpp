@@ -65,6 +65,10 @@ void TrainConfig::register_options(OptionSet& s) {
            "loss by chunked fused linear + cross-entropy (no full logits)")
       .add("train", "ce_chunk_tokens", &ce_chunk_tokens,
            "tokens per chunk of the fused cross-entropy")
+      .add("train", "max_nonfinite_steps", &max_nonfinite_steps,
+           "stop with an error after N consecutive steps whose loss or gradient norm is not "
+           "finite (fp16 overflow skips count only with a non-finite loss or the loss scale at "
+           "its floor) (0: never)")
       .add("optim", "lr", &lr, "peak learning rate")
       .add("optim", "schedule", &schedule, "learning-rate schedule",
            {"constant", "linear", "cosine"})
@@ -88,10 +92,7 @@ void TrainConfig::register_options(OptionSet& s) {
            "a fresh run into a save_dir that holds a run: delete its checkpoints and start over "
            "(refused without it)")
       .add("checkpoint", "keep_last", &keep_last,
-           "keep only the newest N checkpoints in save_dir (0: keep all)")
-      .add("train", "max_nonfinite_steps", &max_nonfinite_steps,
-           "stop with an error after N consecutive steps with a non-finite loss or gradient norm "
-           "(fp16: with the loss scale at its floor) (0: never)");
+           "keep only the newest N checkpoints in save_dir (0: keep all)");
   s.min("seq_len", 1)
       .min("micro_batch", 1)
       .min("accumulation", 1)
