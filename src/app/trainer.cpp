@@ -3,7 +3,6 @@
 #include "colossal/app/trainer.h"
 
 #include <ATen/ATen.h>
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
