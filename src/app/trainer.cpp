@@ -5,13 +5,24 @@
 #include <ATen/ATen.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <exception>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <iterator>
+#include <system_error>
+#include <vector>
 
+#include "colossal/app/run_dir.h"
 #include "colossal/booster/booster.h"
 #include "colossal/checkpoint/atomic.h"
 #include "colossal/checkpoint/pretrained.h"
@@ -53,6 +64,10 @@ void TrainConfig::register_options(OptionSet& s) {
            "loss by chunked fused linear + cross-entropy (no full logits)")
       .add("train", "ce_chunk_tokens", &ce_chunk_tokens,
            "tokens per chunk of the fused cross-entropy")
+      .add("train", "max_nonfinite_steps", &max_nonfinite_steps,
+           "stop with an error after N consecutive steps whose loss or gradient norm is not "
+           "finite (fp16 overflow skips count only with a non-finite loss or the loss scale at "
+           "its floor) (0: never)")
       .add("optim", "lr", &lr, "peak learning rate")
       .add("optim", "schedule", &schedule, "learning-rate schedule",
            {"constant", "linear", "cosine"})
@@ -70,7 +85,13 @@ void TrainConfig::register_options(OptionSet& s) {
       .add("checkpoint", "resume", &resume,
            "continue from a checkpoint folder (a step-N/ or a save_dir)")
       .add("checkpoint", "metrics_file", &metrics_file,
-           "append one JSON line per optimizer step (rank 0)");
+           "append one JSON line per optimizer step (rank 0); lines after the step a run starts "
+           "from (0, or the resumed step) are dropped first")
+      .add("checkpoint", "overwrite", &overwrite,
+           "a fresh run into a save_dir that holds a run: delete its checkpoints and start over "
+           "(refused without it)")
+      .add("checkpoint", "keep_last", &keep_last,
+           "keep only the newest N checkpoints in save_dir (0: keep all)");
   s.min("seq_len", 1)
       .min("micro_batch", 1)
       .min("accumulation", 1)
@@ -84,6 +105,7 @@ void TrainConfig::register_options(OptionSet& s) {
       .min("weight_decay", 0);
   s.min("beta1", 0).max("beta1", 0.999999).min("beta2", 0).max("beta2", 0.99999999).min("eps", 0);
   s.min("max_grad_norm", 0).min("save_every", 0).min("ce_chunk_tokens", 1);
+  s.min("keep_last", 0).min("max_nonfinite_steps", 0);
 }
 
 void TrainConfig::validate() const {
@@ -92,6 +114,10 @@ void TrainConfig::validate() const {
                        steps, ")");
   COLOSSAL_CHECK_INPUT(save_every == 0 || !save_dir.empty(),
                        "option 'save_every' needs 'save_dir'");
+  COLOSSAL_CHECK_INPUT(keep_last == 0 || !save_dir.empty(), "option 'keep_last' needs 'save_dir'");
+  COLOSSAL_CHECK_INPUT(!overwrite || resume.empty(),
+                       "options 'overwrite' and 'resume' contradict each other: overwrite starts "
+                       "a fresh run, resume continues one");
   plugin.validate();
 }
 
@@ -99,36 +125,105 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string step_dir_name(int64_t step) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "step-%08lld", static_cast<long long>(step));
-  return buf;
-}
-
 void write_text_atomic(const std::string& path, const std::string& text) {
   checkpoint::write_file_atomic(
       path, [&](int fd) { checkpoint::write_all(fd, text.data(), text.size(), path); });
 }
 
-std::string read_text(const std::string& path) {
-  std::ifstream f(path);
-  COLOSSAL_CHECK_INPUT(f, "cannot read ", path);
-  std::string s((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
-  return s;
+// SIGTERM / SIGUSR1 (what schedulers send before a kill) and SIGINT ask for a checkpoint at the
+// next step boundary: the handler only records the signal; the loop agrees on it across ranks
+// (a MAX all-reduce per step, ranks get the signal at slightly different times), saves and
+// exits with 128 + signo. A second signal (a second Ctrl-C) stops at once: the default action.
+volatile std::sig_atomic_t g_stop_signal = 0;
+
+void on_stop_signal(int sig) {
+  if (g_stop_signal != 0) {
+    std::signal(sig, SIG_DFL);
+    std::raise(sig);
+    return;
+  }
+  g_stop_signal = sig;
 }
 
-// A step folder, or a save_dir whose `latest` names one.
-std::string resolve_checkpoint(const std::string& dir) {
-  if (fs::exists(dir + "/trainer_state.json")) return dir;
-  if (fs::exists(dir + "/latest")) {
-    std::string step = dir + "/" + read_text(dir + "/latest");
-    COLOSSAL_CHECK_INPUT(fs::exists(step + "/trainer_state.json"), "checkpoint ", step,
-                         " (named by ", dir, "/latest) has no trainer_state.json");
-    return step;
+const int kStopSignals[] = {SIGTERM, SIGUSR1, SIGINT};
+
+// Installs on_stop_signal for the life of the loop; the previous handlers come back after it.
+class StopSignals {
+ public:
+  StopSignals() {
+    g_stop_signal = 0;
+    struct sigaction sa {};
+    sa.sa_handler = on_stop_signal;
+    sa.sa_flags = SA_RESTART;  // collectives and writes in flight carry on
+    sigemptyset(&sa.sa_mask);
+    for (size_t i = 0; i < std::size(kStopSignals); ++i)
+      ::sigaction(kStopSignals[i], &sa, &old_[i]);
   }
-  throw InputError(
-      str("resume: ", dir, " is not a training checkpoint (no trainer_state.json and no latest)"));
+  ~StopSignals() {
+    for (size_t i = 0; i < std::size(kStopSignals); ++i)
+      ::sigaction(kStopSignals[i], &old_[i], nullptr);
+  }
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+
+ private:
+  struct sigaction old_[std::size(kStopSignals)]{};
+};
+
+const char* stop_signal_name(int sig) {
+  switch (sig) {
+    case SIGTERM:
+      return "SIGTERM";
+    case SIGUSR1:
+      return "SIGUSR1";
+    case SIGINT:
+      return "SIGINT";
+    default:
+      return "a signal";
+  }
+}
+
+// What identifies the token file beyond its path: its size and an FNV-1a hash of its first and
+// last MiB (a changed, regenerated or different file with the same name is caught; reading 2 MiB
+// costs nothing next to a run).
+json::Value data_fingerprint(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  COLOSSAL_CHECK_INPUT(f, "option 'data': cannot read ", path);
+  f.seekg(0, std::ios::end);
+  const int64_t size = static_cast<int64_t>(f.tellg());
+  const int64_t piece = 1 << 20;
+  uint64_t h = 1469598103934665603ull;
+  std::vector<char> buf;
+  for (int64_t off : {int64_t{0}, std::max<int64_t>(0, size - piece)}) {
+    buf.resize(static_cast<size_t>(std::min(piece, size)));
+    f.seekg(off);
+    f.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+    COLOSSAL_CHECK_INPUT(f, "option 'data': cannot read ", path);
+    for (char ch : buf) h = (h ^ static_cast<unsigned char>(ch)) * 1099511628211ull;
+  }
+  char hex[32];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
+  json::Value v = json::Value::object();
+  v.set("size", size);
+  v.set("fnv1a_head_tail", std::string(hex));
+  return v;
+}
+
+// An option's value for a message: numbers in their shortest exact form (0.003, not JSON's
+// 0.0030000000000000001).
+std::string show(const json::Value& v) {
+  if (v.is_number() && !v.is_int()) {
+    char buf[64];
+    auto r = std::to_chars(buf, buf + sizeof buf, v.as_double());
+    return std::string(buf, r.ptr);
+  }
+  return v.dump();
+}
+
+bool same_folder(const std::string& a, const std::string& b) {
+  std::error_code ea, eb;
+  fs::path pa = fs::weakly_canonical(a, ea), pb = fs::weakly_canonical(b, eb);
+  return !ea && !eb && pa == pb;
 }
 
 std::string human_count(double x) {
@@ -192,10 +287,23 @@ class Trainer {
   void build_data();
   std::shared_ptr<optim::AdamW> build_optimizer() const;
   void check_tokens(const at::Tensor& inputs, const at::Tensor& targets) const;
+  void prepare_save_dir();
+  void claim_save_dir();  // rank 0's part of prepare_save_dir
+  void delete_old_run();  // rank 0, --overwrite: right before step 1
+  void on_rank0_shared(const std::function<void()>& fn, const std::string& what);
   int64_t resume(const std::string& checkpoint);  // returns the step it continues from
+  void check_resume_config(const std::string& dir, const json::Value& state) const;
+  void apply_new_hyperparameters(const std::vector<optim::GroupOptions>& groups,
+                                 const json::Value& base_lrs);
+  void open_metrics();
+  void write_metrics_line(const std::string& line);
   StepStats train_step();
   void log_step(int64_t done, const StepStats& st, double elapsed);
+  void check_finite_step(int64_t done, const StepStats& st);
+  int agreed_stop_signal() const;
+  bool model_is_finite() const;
   std::string save(int64_t step);
+  void write_trainer_state(const std::string& path, int64_t step) const;
 
   const TrainConfig& c_;
   const json::Value& config_json_;
@@ -212,6 +320,10 @@ class Trainer {
   double run_seconds_ = 0;
   std::FILE* metrics_ = nullptr;
   bool bar_ = false;
+  std::unique_ptr<RunDirLock> lock_;  // rank 0: save_dir is this job's from before step 1 to exit
+  std::string old_run_;               // rank 0: what --overwrite deletes (empty: nothing)
+  mutable json::Value data_fingerprint_;  // of c_.data, read once (null until then)
+  int64_t nonfinite_run_ = 0;             // consecutive non-finite steps so far
 };
 
 Trainer::Trainer(const TrainConfig& c, const json::Value& config_json)
@@ -219,6 +331,7 @@ Trainer::Trainer(const TrainConfig& c, const json::Value& config_json)
       config_json_(config_json),
       distributed_(dist::is_initialized()),
       rank0_(!distributed_ || dist::rank() == 0) {
+  prepare_save_dir();
   build_model();
   // The run's layout: the hybrid plugin's degrees (tp, pp, sp from its options, dp the rest,
   // checked against the model's heads and layers), every rank data parallel for the other
@@ -316,9 +429,81 @@ std::shared_ptr<optim::AdamW> Trainer::build_optimizer() const {
   return adamw;
 }
 
+// Before step 1 (before the model is even built): every rank writes into the staging folder of
+// a save (pipeline stages write their own files), so every rank checks that it can write there;
+// rank 0 then takes the folder for this job. Rank 0's verdict is shared, so the other ranks stop
+// with it rather than at their first collective with a rank that is gone.
+void Trainer::prepare_save_dir() {
+  if (c_.save_dir.empty()) return;
+  probe_writable_dir(c_.save_dir, "save_dir");
+  on_rank0_shared([&] { claim_save_dir(); }, str("option 'save_dir' (", c_.save_dir, ")"));
+}
+
+// Runs `fn` on rank 0 and shares whether it threw: rank 0 rethrows, the others stop with an
+// error pointing at rank 0's (rather than at their next collective with a rank that is gone).
+void Trainer::on_rank0_shared(const std::function<void()>& fn, const std::string& what) {
+  std::exception_ptr failed;
+  if (rank0_) {
+    try {
+      fn();
+    } catch (...) {
+      failed = std::current_exception();
+    }
+  }
+  if (distributed_ && dist::world_size() > 1) {
+    at::Tensor t = at::full({1}, failed ? 1.0 : 0.0, at::kDouble);
+    dist::world_cpu().all_reduce(t, dist::ReduceOp::Max);
+    if (!rank0_ && t.item<double>() != 0.0)
+      throw InputError(str(what, ": rank 0 failed (its error says why)"));
+  }
+  if (failed) std::rethrow_exception(failed);
+}
+
+// The lock, the leftovers of interrupted saves, and the rule for a folder that holds a run: a
+// resume of that run continues it; a fresh run is refused unless --overwrite, which deletes the
+// old run's checkpoints before step 1 (delete_old_run: after everything else has been built, so
+// a run that fails to start loses nothing). Keeping them until the first save instead would
+// leave two runs' steps side by side, and a resume could pick the old run's newer step.
+void Trainer::claim_save_dir() {
+  const std::string& dir = c_.save_dir;
+  lock_ = std::make_unique<RunDirLock>(dir);
+  for (const auto& name : remove_stale_temporaries(dir))
+    log_info("removed ", dir, "/", name, ", left by an interrupted save");
+  if (!holds_run(dir)) return;
+  if (!c_.resume.empty()) {
+    const bool step_folder = fs::exists(c_.resume + "/trainer_state.json");
+    const std::string run = step_folder ? fs::path(c_.resume).parent_path().string() : c_.resume;
+    if (same_folder(run, dir)) return;
+  }
+  std::vector<StepDir> steps = complete_steps(dir);
+  old_run_ = steps.empty() ? std::string("a latest file or step folders")
+                           : str(steps.size(), " checkpoint(s), the newest ", steps.back().name);
+  COLOSSAL_CHECK_INPUT(c_.overwrite, "option 'save_dir' (", dir, ") already holds a run (",
+                       old_run_, "): resume it with --resume ", dir,
+                       ", choose another save_dir, or pass --overwrite to delete it and start "
+                       "over");
+}
+
+void Trainer::delete_old_run() {
+  if (old_run_.empty()) return;
+  const std::string& dir = c_.save_dir;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name != "latest" && name.rfind("step-", 0) != 0) continue;
+    std::string err;
+    if (!checkpoint::remove_tree(dir + "/" + name, &err))
+      throw Error(str("--overwrite: cannot remove ", dir, "/", name, ": ", err));
+  }
+  log_warn("--overwrite: deleted the previous run in ", dir, " (", old_run_, ")");
+  old_run_.clear();
+}
+
 int64_t Trainer::resume(const std::string& checkpoint) {
   const int64_t S = c_.seq_len;
-  std::string dir = resolve_checkpoint(checkpoint);
+  std::string why;
+  std::string dir = resolve_checkpoint(checkpoint, &why);
+  if (!why.empty() && rank0_) log_warn("resume: ", why);
   json::Value state = json::parse_file(dir + "/trainer_state.json");
   int64_t ck_g = state.at("global_batch").as_int("global_batch"),
           ck_s = state.at("seq_len").as_int("seq_len");
@@ -326,9 +511,17 @@ int64_t Trainer::resume(const std::string& checkpoint) {
                        " was trained with global batch ", ck_g, " x seq_len ", ck_s,
                        ", this run uses ", G_, " x ", S,
                        " (micro_batch * ranks * accumulation must match to continue the same run)");
+  check_resume_config(dir, state);
+  // The optimizer's hyper-parameters as this run's options set them: the checkpoint's
+  // optimizer state restores its own (per group), and the options win (check_resume_config
+  // said which differ).
+  std::vector<optim::GroupOptions> groups;
+  for (const auto& g : boosted_.optimizer->optimizer().param_groups()) groups.push_back(g.options);
+  json::Value base_lrs = boosted_.lr_scheduler->state_dict().at("base_lrs");
   booster_->load_model(*boosted_.model, dir + "/model", /*strict=*/true, boosted_.optimizer.get());
   booster_->load_optimizer(*boosted_.optimizer, dir);
   booster_->load_lr_scheduler(*boosted_.lr_scheduler, dir + "/scheduler.json");
+  apply_new_hyperparameters(groups, base_lrs);
   boosted_.dataloader->load_state_dict(state.at("sampler"));
   // RNG state (nothing in this loop draws from it today, but dropout and custom models may).
   if (fs::exists(dir + "/rng.safetensors")) {
@@ -342,6 +535,84 @@ int64_t Trainer::resume(const std::string& checkpoint) {
                        ", beyond steps ", c_.steps);
   log_info("resumed from ", dir, " at step ", start);
   return start;
+}
+
+// This run's options against the ones the checkpoint recorded. The rule, per option:
+// - what defines the sample stream and the model (model, init, data and its format, seq_len,
+//   shuffle, seed) must match: a resume with another one is not a continuation of that run, so
+//   it is refused, naming every difference (train a new run with --init to start from its
+//   weights). The data file is identified by size and content fingerprint: the same file at
+//   another path is fine, another file (or a changed one) at the same path is not.
+// - everything else (the optimizer and schedule: lr, weight_decay, betas, eps, max_grad_norm,
+//   schedule, warmup, min_lr_ratio, steps; the layout and plugin, as long as the global batch
+//   matches, checked above; logging and saving) takes this run's value, and each difference is
+//   printed.
+void Trainer::check_resume_config(const std::string& dir, const json::Value& state) const {
+  const json::Value* old_config = state.find("config");
+  if (!old_config || !old_config->is_object()) {
+    if (rank0_)
+      log_warn("resume: ", dir, " records no config; the options of this run are not checked");
+    return;
+  }
+  static const char* const kMustMatch[] = {"model",   "init",    "data", "data_format",
+                                           "seq_len", "shuffle", "seed"};
+  static const char* const kNotCompared[] = {"resume", "overwrite"};
+  auto in = [](const auto& list, const std::string& name) {
+    return std::find(std::begin(list), std::end(list), name) != std::end(list);
+  };
+  std::vector<std::string> refused, applied;
+  for (const auto& [section, opts] : config_json_.as_object()) {
+    const json::Value* old_section = old_config->find(section);
+    if (!opts.is_object() || !old_section || !old_section->is_object()) continue;
+    for (const auto& [name, now] : opts.as_object()) {
+      const json::Value* was = old_section->find(name);
+      if (!was || *was == now || in(kNotCompared, name)) continue;
+      std::string d = str(name, ": ", show(*was), " in the checkpoint, ", show(now), " now");
+      if (name == "data") {
+        // Another path to the same bytes is the same data.
+        const json::Value* fp = state.find("data");
+        if (fp && *fp == data_fingerprint(c_.data)) {
+          applied.push_back(d + " (the same content)");
+          continue;
+        }
+      }
+      (in(kMustMatch, name) ? refused : applied).push_back(d);
+    }
+  }
+  const json::Value* old_data = old_config->find("data");
+  const json::Value* old_path =
+      old_data && old_data->is_object() ? old_data->find("data") : nullptr;
+  const json::Value* fp = state.find("data");
+  if (fp && old_path && old_path->is_string() && old_path->as_string() == c_.data) {
+    json::Value now = data_fingerprint(c_.data);
+    if (!(*fp == now))
+      refused.push_back(str("data: ", c_.data, " has changed since the checkpoint (", fp->dump(),
+                            " then, ", now.dump(), " now)"));
+  }
+  if (!refused.empty()) {
+    std::string list;
+    for (const auto& r : refused) list += "\n  " + r;
+    throw InputError(str("resume: ", dir,
+                         " belongs to a run with other data or another model; --resume continues "
+                         "the same run (start a new one, e.g. with --init <hf folder>). "
+                         "Differences:",
+                         list));
+  }
+  if (rank0_)
+    for (const auto& a : applied) log_warn("resume: option ", a, ": using the new value");
+}
+
+// After the checkpoint's optimizer and scheduler states are loaded: each group's
+// hyper-parameters and the schedule's base lrs as this run's options built them.
+void Trainer::apply_new_hyperparameters(const std::vector<optim::GroupOptions>& groups,
+                                        const json::Value& base_lrs) {
+  auto& now = boosted_.optimizer->optimizer().param_groups();
+  COLOSSAL_CHECK(now.size() == groups.size(), "resume: the optimizer has ", now.size(),
+                 " param groups after loading, ", groups.size(), " before");
+  for (size_t i = 0; i < now.size(); ++i) now[i].options = groups[i];
+  json::Value sched = boosted_.lr_scheduler->state_dict();
+  sched.set("base_lrs", base_lrs);
+  boosted_.lr_scheduler->load_state_dict(sched);  // applies base_lr * factor(step) to each group
 }
 
 void Trainer::check_tokens(const at::Tensor& inputs, const at::Tensor& targets) const {
@@ -450,9 +721,7 @@ void Trainer::log_step(int64_t done, const StepStats& st, double elapsed) {
     m.set("elapsed_s", elapsed);
     m.set("skipped", !st.stepped);
     m.set("loss_scale", opt.loss_scale());
-    std::string line = m.dump() + "\n";
-    std::fputs(line.c_str(), metrics_);
-    std::fflush(metrics_);
+    write_metrics_line(m.dump() + "\n");
   }
   double eta =
       run_seconds_ / static_cast<double>(done - start_) * static_cast<double>(c_.steps - done);
@@ -465,8 +734,141 @@ void Trainer::log_step(int64_t done, const StepStats& st, double elapsed) {
   }
 }
 
-// A training checkpoint in save_dir/step-N (staged, then renamed) and `latest` naming it.
+// Rank 0. The metrics file describes this run: lines after the step it starts from (0, or the
+// resumed step: written after that checkpoint by a run that died) are dropped, by writing the
+// kept lines to a new file renamed over it, so a resumed run's steps are not there twice.
+void Trainer::open_metrics() {
+  if (!rank0_ || c_.metrics_file.empty()) return;
+  const std::string& path = c_.metrics_file;
+  std::error_code ec;
+  if (fs::is_regular_file(path, ec)) {
+    std::ifstream f(path);
+    COLOSSAL_CHECK_INPUT(f, "option 'metrics_file' (", path,
+                         "): cannot read it: ", std::strerror(errno));
+    std::string kept, line;
+    int64_t dropped = 0;
+    while (std::getline(f, line)) {
+      bool keep = false;
+      try {
+        json::Value m = json::parse(line);
+        keep = m.is_object() && m.contains("step") && m.at("step").as_int("step") <= start_;
+      } catch (const std::exception&) {
+        keep = false;  // a line cut by a crash
+      }
+      if (keep)
+        kept += line + "\n";
+      else
+        ++dropped;
+    }
+    if (dropped > 0) {
+      write_text_atomic(path, kept);
+      log_warn("metrics file ", path, ": dropped ", dropped, " line(s) after step ", start_,
+               " (from an earlier or interrupted run)");
+    }
+  }
+  metrics_ = std::fopen(path.c_str(), "a");
+  COLOSSAL_CHECK_INPUT(metrics_, "option 'metrics_file' (", path,
+                       "): cannot open it: ", std::strerror(errno));
+}
+
+// Every line is flushed and checked: a full disk or a broken file stops the run at once,
+// naming the file, rather than cutting the record silently.
+void Trainer::write_metrics_line(const std::string& line) {
+  if (std::fputs(line.c_str(), metrics_) < 0 || std::fflush(metrics_) != 0)
+    throw Error(str("cannot write the metrics file ", c_.metrics_file, ": ", std::strerror(errno)));
+}
+
+// A step is non-finite when its loss or gradient norm is inf/nan (fp32 and bf16 then skip the
+// update, logged, and the run would go on learning nothing), except an fp16 step that the loss
+// scaler skipped while it still had room to back off (warm-up overflows are normal); with the
+// scale at its floor a skip counts. After max_nonfinite_steps in a row the run stops.
+void Trainer::check_finite_step(int64_t done, const StepStats& st) {
+  OptimizerWrapper& opt = *boosted_.optimizer;
+  bool bad = !std::isfinite(st.loss) || !std::isfinite(opt.last_grad_norm());
+  // fp16: an overflow skip (a non-finite gradient norm) is bad only when the loss itself is not
+  // finite or the scale cannot back off any further.
+  if (!st.stepped && opt.scaler())
+    bad = !std::isfinite(st.loss) || opt.loss_scale() <= opt.scaler()->options().min_scale;
+  if (!bad) {
+    nonfinite_run_ = 0;
+    return;
+  }
+  ++nonfinite_run_;
+  if (nonfinite_run_ == 1 && rank0_)
+    log_warn("step ", done, ": loss ", st.loss, ", grad norm ", opt.last_grad_norm(),
+             st.stepped ? "" : str(", skipped at loss scale ", opt.loss_scale()), ": not finite");
+  if (c_.max_nonfinite_steps > 0 && nonfinite_run_ >= c_.max_nonfinite_steps) {
+    std::string latest;
+    if (!c_.save_dir.empty() && fs::exists(c_.save_dir + "/latest"))
+      latest = str("; ", c_.save_dir, "/latest still names the last finite checkpoint");
+    throw Error(str("training diverged: ", nonfinite_run_,
+                    " consecutive steps with a non-finite loss or gradient norm (steps ",
+                    done - nonfinite_run_ + 1, "-", done, ", last loss ", st.loss, ", grad norm ",
+                    opt.last_grad_norm(), "); stopped by max_nonfinite_steps ",
+                    c_.max_nonfinite_steps, latest,
+                    ". Lower the lr, raise warmup or clip gradients (max_grad_norm)"));
+  }
+}
+
+// The stop signal as every rank sees it: the MAX over the ranks of what each has received, so
+// all of them stop (and save) at the same step.
+int Trainer::agreed_stop_signal() const {
+  int sig = g_stop_signal;
+  if (distributed_ && dist::world_size() > 1) {
+    at::Tensor t = at::full({1}, static_cast<double>(sig), at::kDouble);
+    dist::world_cpu().all_reduce(t, dist::ReduceOp::Max);
+    sig = static_cast<int>(t.item<double>());
+  }
+  return sig;
+}
+
+// Whether every parameter this rank holds (then on all ranks) is finite: a checkpoint of a
+// diverged model must never become `latest`. (A step whose gradients are not finite is skipped
+// by the optimizer wrapper, so only finite updates reach the weights: what can break them is an
+// update out of range, which this catches.)
+bool Trainer::model_is_finite() const {
+  std::vector<at::Tensor> bad;
+  for (const auto& p : model_->parameters(true)) {
+    if (!p.defined() || p.numel() == 0 || !p.has_storage()) continue;
+    // Gemini points the parameters of chunks it has released at an expanded NaN placeholder
+    // (one element of storage): their values live in the chunks, not there.
+    if (p.storage().nbytes() < static_cast<size_t>(p.numel()) * p.element_size()) continue;
+    bad.push_back(at::isfinite(p.detach()).all().logical_not().to(at::kCPU));
+  }
+  double any = bad.empty() ? 0.0 : at::stack(bad).any().item<bool>() ? 1.0 : 0.0;
+  if (distributed_ && dist::world_size() > 1) {
+    at::Tensor t = at::full({1}, any, at::kDouble);
+    dist::world_cpu().all_reduce(t, dist::ReduceOp::Max);
+    any = t.item<double>();
+  }
+  return any == 0.0;
+}
+
+// Rank 0: trainer_state.json (with the config and the data's fingerprint, which a resume checks)
+// and the RNG state, into the staging folder `path`.
+void Trainer::write_trainer_state(const std::string& path, int64_t step) const {
+  json::Value st = json::Value::object();
+  st.set("step", step);
+  st.set("global_batch", G_);
+  st.set("seq_len", c_.seq_len);
+  st.set("sampler", boosted_.dataloader->state_dict());
+  st.set("config", config_json_);
+  if (data_fingerprint_.is_null()) data_fingerprint_ = data_fingerprint(c_.data);
+  st.set("data", data_fingerprint_);
+  write_text_atomic(path + "/trainer_state.json", st.dump(2));
+  checkpoint::TensorList rng{{"cpu", Accelerator::cpu().get_rng_state()}};
+  if (device_.is_cuda()) rng.emplace_back("cuda", Accelerator::cuda().get_rng_state().to(at::kCPU));
+  checkpoint::save_safetensors(path + "/rng.safetensors", rng, {{"format", "colossal-rng"}});
+}
+
+// A training checkpoint in save_dir/step-N (staged, then renamed) and `latest` naming it; then
+// --keep_last's pruning. Refused (Error, every rank) when the model is not finite.
 std::string Trainer::save(int64_t step) {
+  if (!model_is_finite()) {
+    throw Error(str("refusing to save step ", step, " to ", c_.save_dir,
+                    ": the model's parameters are not all finite (the run diverged); latest "
+                    "keeps naming the last finite checkpoint"));
+  }
   std::string target = c_.save_dir + "/" + step_dir_name(step);
   std::unique_ptr<checkpoint::StagedDirectory> staged;
   // Every rank writes into the same staging folder (pipeline stages write their own files);
@@ -483,26 +885,19 @@ std::string Trainer::save(int64_t step) {
   booster_->save_optimizer(*boosted_.optimizer, path);
   booster_->save_lr_scheduler(*boosted_.lr_scheduler, path + "/scheduler.json");
   if (rank0_) {
-    json::Value st = json::Value::object();
-    st.set("step", step);
-    st.set("global_batch", G_);
-    st.set("seq_len", c_.seq_len);
-    st.set("sampler", boosted_.dataloader->state_dict());
-    st.set("config", config_json_);
-    write_text_atomic(path + "/trainer_state.json", st.dump(2));
-    checkpoint::TensorList rng{{"cpu", Accelerator::cpu().get_rng_state()}};
-    if (device_.is_cuda())
-      rng.emplace_back("cuda", Accelerator::cuda().get_rng_state().to(at::kCPU));
-    checkpoint::save_safetensors(path + "/rng.safetensors", rng, {{"format", "colossal-rng"}});
+    write_trainer_state(path, step);
     staged->commit();
     write_text_atomic(c_.save_dir + "/latest", step_dir_name(step) + "\n");
     log_info("saved checkpoint ", target);
+    for (const auto& name : prune_steps(c_.save_dir, c_.keep_last))
+      log_info("keep_last ", c_.keep_last, ": removed ", c_.save_dir, "/", name);
   }
   if (distributed_ && dist::world_size() > 1) dist::world_cpu().barrier();
   return target;
 }
 
 TrainResult Trainer::run() {
+  StopSignals stop_signals;
   if (!c_.resume.empty()) start_ = resume(c_.resume);
   if (rank0_) {
     log_info("training ", model_->config().model_type, " (",
@@ -512,10 +907,8 @@ TrainResult Trainer::run() {
              to_string(plugin_->precision()), ", global batch ", G_, " x ", c_.seq_len, " tokens, ",
              c_.steps, " steps");
   }
-  if (rank0_ && !c_.metrics_file.empty()) {
-    metrics_ = std::fopen(c_.metrics_file.c_str(), "a");
-    COLOSSAL_CHECK_INPUT(metrics_, "cannot open metrics file ", c_.metrics_file);
-  }
+  if (!c_.save_dir.empty()) on_rank0_shared([&] { delete_old_run(); }, "--overwrite");
+  open_metrics();
   bar_ = rank0_ && draw_progress_bar();
 
   TrainResult result;
@@ -529,12 +922,33 @@ TrainResult Trainer::run() {
     result.steps_done = done;
     result.last_loss = st.loss;
     log_step(done, st, elapsed);
-    if (!c_.save_dir.empty() && c_.save_every > 0 && done % c_.save_every == 0 && done < c_.steps)
+    check_finite_step(done, st);
+    bool saved = false;
+    if (!c_.save_dir.empty() && c_.save_every > 0 && done % c_.save_every == 0 && done < c_.steps) {
       result.last_checkpoint = save(done);
+      saved = true;
+    }
+    if (done < c_.steps) {
+      if (int sig = agreed_stop_signal(); sig != 0) {
+        if (bar_) std::fputs("\n", stderr);
+        if (rank0_)
+          log_warn("received ", stop_signal_name(sig), ": stopping after step ", done,
+                   c_.save_dir.empty() ? " (no save_dir: nothing saved)" : ", saving first");
+        if (!c_.save_dir.empty() && !saved) result.last_checkpoint = save(done);
+        result.stop_signal = sig;
+        break;
+      }
+    }
   }
-  if (bar_) std::fputs("\n", stderr);
-  if (metrics_) std::fclose(metrics_);
-  metrics_ = nullptr;
+  if (bar_ && result.stop_signal == 0) std::fputs("\n", stderr);
+  if (metrics_) {
+    const bool ok = std::fclose(metrics_) == 0;
+    metrics_ = nullptr;
+    if (!ok)
+      throw Error(
+          str("cannot write the metrics file ", c_.metrics_file, ": ", std::strerror(errno)));
+  }
+  if (result.stop_signal != 0) return result;
   if (!c_.save_dir.empty() && (start_ < c_.steps || c_.resume.empty()))
     result.last_checkpoint = save(c_.steps);
   return result;

@@ -52,12 +52,14 @@ int cmd_train(int argc, char** argv) {
   colossal::dist::Session session;
   auto result = colossal::app::train(cfg, options.to_json());
   if (colossal::dist::rank() == 0) {
-    std::fprintf(stderr, "done: %lld steps, final loss %.4f%s%s\n",
+    std::fprintf(stderr, "%s: %lld steps, final loss %.4f%s%s\n",
+                 result.stop_signal ? "stopped by a signal" : "done",
                  static_cast<long long>(result.steps_done), result.last_loss,
                  result.last_checkpoint.empty() ? "" : ", checkpoint ",
                  result.last_checkpoint.c_str());
   }
-  return 0;
+  // Stopped by SIGTERM/SIGUSR1/SIGINT after saving: the exit code a kill by it would give.
+  return result.stop_signal ? 128 + result.stop_signal : 0;
 }
 
 }  // namespace

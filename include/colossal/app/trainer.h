@@ -55,6 +55,13 @@ struct TrainConfig {
   int64_t save_every = 0;  // optimizer steps; 0: only at the end
   std::string resume;      // a step folder, or a save_dir (its `latest`)
   std::string metrics_file;
+  // A fresh run (no resume) into a save_dir that holds a run is refused unless this is set; then
+  // the old run's step-N folders and `latest` are deleted before step 1.
+  bool overwrite = false;
+  int64_t keep_last = 0;  // after each save, delete step folders older than the newest N (0: none)
+  // Stop (non-zero exit) after this many consecutive steps whose loss or gradient norm is not
+  // finite, or (fp16) whose loss scale sits at its floor while skipping; 0: never stop.
+  int64_t max_nonfinite_steps = 10;
 
   void register_options(OptionSet& set);
   // Cross-option checks (after file + flags); InputError naming the option.
@@ -65,6 +72,9 @@ struct TrainResult {
   int64_t steps_done = 0;
   double last_loss = 0.0;
   std::string last_checkpoint;
+  // SIGTERM / SIGUSR1 / SIGINT stopped the run (after saving at a step boundary): the signal,
+  // whose 128 + signo is the exit code. 0: the run went to its end.
+  int stop_signal = 0;
 };
 
 // Runs the whole training described by `config` on this rank (dist::init() done by the caller,
