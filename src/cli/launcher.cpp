@@ -429,6 +429,8 @@ int launch_local(const LaunchOptions& o) {
     // the socket is closed right before the ranks start (the check it always was).
     store_fd = listen_port(o.master_port, &port);
     if (!program_adopts_store_fd(path)) {
+      log_debug("colossal run: ", path, " does not read COLOSSAL_STORE_FD; port ", port,
+                " is released for rank 0 to bind");
       ::close(store_fd);
       store_fd = -1;
     }

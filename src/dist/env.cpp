@@ -174,9 +174,12 @@ LaunchEnv parse_launch_env(const EnvLookup& env) {
     // Only rank 0 hosts the store; a descriptor leaking to another rank is a launcher bug, not
     // something to work around silently.
     COLOSSAL_CHECK_INPUT(
-        e.rank == 0 && !e.agent_store, "environment variable COLOSSAL_STORE_FD=", *fd,
-        " is set for rank ", e.rank,
+        e.rank == 0, "environment variable COLOSSAL_STORE_FD=", *fd, " is set for rank ", e.rank,
         ", but only rank 0 hosts the store (it is set by `colossal run`; unset it)");
+    COLOSSAL_CHECK_INPUT(!e.agent_store,
+                         "environment variables COLOSSAL_STORE_FD and "
+                         "TORCHELASTIC_USE_AGENT_STORE are both set: the store is either rank "
+                         "0's (colossal run) or torchrun's agent's; unset one");
     e.store_fd = static_cast<int>(*fd);
   }
   return e;

@@ -186,6 +186,9 @@ TEST(LaunchEnv, RendezvousTimeoutAndStoreFd) {
   // Only rank 0 hosts the store.
   expect_input_error(with(two, {{"RANK", "1"}, {"LOCAL_RANK", "1"}, {"COLOSSAL_STORE_FD", "7"}}),
                      "only rank 0");
+  expect_input_error(
+      with(two, {{"COLOSSAL_STORE_FD", "7"}, {"TORCHELASTIC_USE_AGENT_STORE", "True"}}),
+      "TORCHELASTIC_USE_AGENT_STORE");
 }
 
 // COLOSSAL_DIST_TIMEOUT_S (`colossal run --dist_timeout`): "inf" used to pass the check and
