@@ -610,3 +610,26 @@ def test_summary_names_the_first_failure_and_every_cause(tmp_path):
         assert 0 <= i1 and "Connection closed by peer" in summary, summary
         if i0 >= 0:
             assert i1 < i0, summary
+
+
+def test_rank_of_another_job_is_refused_by_the_store():
+    # A rank started by hand (or by another launcher) with job A's MASTER_PORT reaches A's
+    # store: it fails at once, naming the shared port, and job A runs on undisturbed.
+    port = free_port()
+    job = subprocess.Popen([BIN, "run", "--nproc_per_node", "2", "--master_port", str(port),
+                            launcher_rank(), "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), COLOSSAL_RDZV_TIMEOUT_S="20")
+        time.sleep(1.0)  # A's ranks have met
+        t0 = time.time()
+        r = subprocess.run([launcher_rank()], capture_output=True, text=True, timeout=60, env=env)
+        assert r.returncode == 1, r.stderr
+        assert "3 ranks joined a world of 2" in r.stderr, r.stderr
+        assert "another job uses the same MASTER_ADDR/MASTER_PORT" in r.stderr, r.stderr
+        assert time.time() - t0 < 15
+    finally:
+        out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, err
+    assert sorted(out.splitlines()) == ["[rank 0] rank 0 of 2 ok", "[rank 1] rank 1 of 2 ok"]
