@@ -124,39 +124,6 @@ std::string fmt_seconds(double s) {
   return os.str();
 }
 
-int bind_probe(int family, int port, int* bound_port) {
-  int fd = ::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return errno == EAFNOSUPPORT ? 0 : errno;
-  int one = 1;
-  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  int rc = 0;
-  if (family == AF_INET) {
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_ANY);
-    a.sin_port = htons(static_cast<uint16_t>(port));
-    rc = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  } else {
-    ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof one);
-    sockaddr_in6 a{};
-    a.sin6_family = AF_INET6;
-    a.sin6_addr = in6addr_any;
-    a.sin6_port = htons(static_cast<uint16_t>(port));
-    rc = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  }
-  int err = rc == 0 ? 0 : errno;
-  if (rc == 0 && bound_port) {
-    sockaddr_storage ss{};
-    socklen_t len = sizeof ss;
-    ::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
-    *bound_port = family == AF_INET ? ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port)
-                                    : ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port);
-  }
-  ::close(fd);
-  if (err == EADDRNOTAVAIL || err == EAFNOSUPPORT) return 0;  // no IPv6 here: nothing to clash
-  return err;
-}
-
 }  // namespace
 
 std::vector<std::string> parse_hostfile(const std::string& path) {
@@ -269,27 +236,6 @@ std::string shell_quote(const std::string& s) {
   }
   out += "'";
   return out;
-}
-
-int check_port(int port) {
-  COLOSSAL_CHECK_INPUT(port >= 0 && port <= 65535, "--master_port ", port,
-                       " is not a port number (0..65535; 0 picks a free one)");
-  for (int attempt = 0; attempt < 20; ++attempt) {
-    int chosen = port;
-    int err = bind_probe(AF_INET, port, port == 0 ? &chosen : nullptr);
-    if (err == 0) err = bind_probe(AF_INET6, chosen, nullptr);
-    if (err == 0) return chosen;
-    if (port == 0 && err == EADDRINUSE) continue;  // the free IPv4 port is taken on IPv6: again
-    if (err == EADDRINUSE)
-      throw InputError(str("--master_port ", port,
-                           " is already in use on this node; pick another port, or "
-                           "--master_port 0 for a free one (single node)"));
-    if (err == EACCES)
-      throw InputError(str("--master_port ", port,
-                           " needs privileges to bind (ports below 1024); pick a port above 1024"));
-    throw InputError(str("--master_port ", port, " cannot be bound: ", std::strerror(err)));
-  }
-  throw Error("colossal run: found no free port for --master_port 0 after 20 tries");
 }
 
 int listen_port(int port, int* bound_port) {

@@ -44,9 +44,6 @@ std::vector<std::string> filter_hosts(const std::vector<std::string>& hosts,
 std::string resolve_command(const std::string& name);
 // POSIX shell single-quoting.
 std::string shell_quote(const std::string& s);
-// Binds `port` on all interfaces to see that it is free (0: returns a free port). Throws
-// InputError when the port is taken.
-int check_port(int port);
 // Binds and listens on `port` (0: a free one) on all interfaces, IPv6 and IPv4, and returns the
 // close-on-exec socket; *bound_port gets the port. Listening, not only bound, is what keeps a
 // second job's launcher (or store) off the port. Throws InputError when it is taken.
