@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -116,6 +117,22 @@ std::string current_dir() {
   COLOSSAL_CHECK(::getcwd(buf, sizeof buf) != nullptr,
                  "colossal run: cannot read the current directory: ", std::strerror(errno));
   return buf;
+}
+
+// A new job's COLOSSAL_JOB_ID: ranks check it at the rendezvous (src/dist/runtime.cpp).
+std::string new_job_id() {
+  unsigned char b[8] = {};
+  int fd = ::open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  ssize_t n = fd >= 0 ? ::read(fd, b, sizeof b) : -1;
+  if (fd >= 0) ::close(fd);
+  std::ostringstream os;
+  os << std::hex;
+  if (n == static_cast<ssize_t>(sizeof b)) {
+    for (unsigned char c : b) os << (c >> 4) << (c & 15);
+  } else {  // no /dev/urandom: unique enough on this host
+    os << ::getpid() << "-" << ::time(nullptr);
+  }
+  return os.str();
 }
 
 std::string fmt_seconds(double s) {
@@ -382,13 +399,14 @@ int launch_local(const LaunchOptions& o) {
     }
   }
   std::vector<std::string> base;
-  bool has_omp = false, has_unbuffered = false, has_tty = false;
+  bool has_omp = false, has_unbuffered = false, has_tty = false, has_job_id = false;
   for (char** e = environ; *e; ++e) {
     std::string name = env_name(*e);
     if (rank_vars().count(name)) continue;
     has_omp |= name == "OMP_NUM_THREADS";
     has_unbuffered |= name == "PYTHONUNBUFFERED";
     has_tty |= name == "COLOSSAL_TTY";
+    has_job_id |= name == "COLOSSAL_JOB_ID";
     if (name == "COLOSSAL_STORE_FD") continue;  // ours, for rank 0 only
     if (name == "COLOSSAL_RDZV_TIMEOUT_S" && o.rdzv_timeout_s) continue;
     if (name == "COLOSSAL_DIST_TIMEOUT_S" && o.dist_timeout_s) continue;
@@ -400,6 +418,9 @@ int launch_local(const LaunchOptions& o) {
   // Ranks write into pipes, where Python would buffer whole blocks; at a terminal (torchrun's
   // default) it writes lines. Keep the interactive behaviour: logs appear as they happen.
   if (!has_unbuffered) base.push_back("PYTHONUNBUFFERED=1");
+  // A job id lets a rank that reaches another job's store on this port fail at once. Nodes
+  // started one by one cannot agree on a random one: there only the user's COLOSSAL_JOB_ID.
+  if (!has_job_id && nnodes == 1) base.push_back("COLOSSAL_JOB_ID=" + new_job_id());
   if (o.rdzv_timeout_s) base.push_back("COLOSSAL_RDZV_TIMEOUT_S=" + fmt_seconds(*o.rdzv_timeout_s));
   if (o.dist_timeout_s) base.push_back("COLOSSAL_DIST_TIMEOUT_S=" + fmt_seconds(*o.dist_timeout_s));
   if (!has_omp && o.nproc_per_node > 1) {
@@ -483,6 +504,8 @@ int launch_fan_out(const LaunchOptions& o) {
 
   std::string env_part;
   for (const auto& kv : forwarded_env()) env_part += " " + shell_quote(kv);
+  if (const char* id = std::getenv("COLOSSAL_JOB_ID"); !id || !*id)
+    env_part += " COLOSSAL_JOB_ID=" + new_job_id();  // the same on every host
   std::string cd = "cd " + shell_quote(current_dir());
   std::string bin = shell_quote(self_exe());
   std::string cmd_part;

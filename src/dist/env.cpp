@@ -168,6 +168,16 @@ LaunchEnv parse_launch_env(const EnvLookup& env) {
   }
   if (const char* t = env("COLOSSAL_RDZV_TIMEOUT_S"))
     e.rdzv_timeout_s = parse_seconds_var("COLOSSAL_RDZV_TIMEOUT_S", t);
+  if (const char* id = env("COLOSSAL_JOB_ID")) {
+    std::string v(id);
+    bool ok = !v.empty() && v.size() <= 128 &&
+              v.find_first_not_of(
+                  "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+                  "-_.:") == std::string::npos;
+    COLOSSAL_CHECK_INPUT(ok, "environment variable COLOSSAL_JOB_ID='", v,
+                         "' must be 1 to 128 letters, digits or -_.:");
+    e.job_id = v;
+  }
   if (auto fd = get_int(env, "COLOSSAL_STORE_FD", e.source.c_str())) {
     COLOSSAL_CHECK_INPUT(*fd >= 3, "environment variable COLOSSAL_STORE_FD=", *fd,
                          " is not a socket descriptor (it is set by `colossal run`; unset it)");

@@ -159,9 +159,33 @@ void wait_for_store(const LaunchEnv& env, Clock::time_point deadline) {
 
 // Every rank counts itself in and waits for the others, saying every few seconds how many are
 // there; rank 0's store would otherwise wait silently (and clients not at all).
-void wait_for_ranks(c10d::Store& store, const LaunchEnv& env, Clock::time_point deadline) {
+//
+// Two jobs on one port: `colossal run` gives each job an id (COLOSSAL_JOB_ID) that rank 0 puts
+// in the store, and a rank of another job leaves before it counts itself in, so the job that
+// owns the store never notices. Without ids, a rank whose own count exceeds the world is the
+// one too many and fails; the ranks counted before it go on.
+void wait_for_ranks(c10d::Store& store, const LaunchEnv& env, bool server,
+                    Clock::time_point deadline) {
+  const std::string job_key = "colossal/rdzv/job_id";
+  if (server) {
+    store.set(job_key, std::vector<uint8_t>(env.job_id.begin(), env.job_id.end()));
+  } else if (!env.job_id.empty() && !env.agent_store) {
+    auto v = store.get(job_key);  // rank 0 sets it first thing; waits up to the store timeout
+    std::string theirs(v.begin(), v.end());
+    if (!theirs.empty() && theirs != env.job_id)
+      throw DistError(str("rendezvous at ", env.master_addr, ":", env.master_port, ": rank ",
+                          env.rank, " reached the store of another job (job id ", theirs,
+                          ", this rank's ", env.job_id,
+                          "): two jobs use the same MASTER_ADDR/MASTER_PORT; give each its own "
+                          "--master_port"));
+  }
   const std::string key = "colossal/rdzv/joined";
-  int64_t joined = store.add(key, 1);
+  int64_t mine = store.add(key, 1);
+  if (mine > env.world_size)
+    throw DistError(str("rendezvous at ", env.master_addr, ":", env.master_port, ": rank ",
+                        env.rank, " is rank number ", mine, " to join a world of ", env.world_size,
+                        "; another job uses the same MASTER_ADDR/MASTER_PORT"));
+  int64_t joined = mine;
   auto t0 = Clock::now(), next_message = t0 + kWaitMessageEvery;
   while (joined < env.world_size) {
     auto now = Clock::now();
@@ -172,7 +196,6 @@ void wait_for_ranks(c10d::Store& store, const LaunchEnv& env, Clock::time_point 
                           env.master_addr, ":", env.master_port, " (rank ", env.rank,
                           "); are all ranks started, with the same WORLD_SIZE? (the limit is "
                           "colossal run --rdzv_timeout / COLOSSAL_RDZV_TIMEOUT_S)"));
-    if (joined > env.world_size) break;  // reported below
     if (now >= next_message) {
       log_warn("dist: rank ", env.rank, " waiting for the other ranks: ", joined, " of ",
                env.world_size, " joined (",
@@ -183,11 +206,6 @@ void wait_for_ranks(c10d::Store& store, const LaunchEnv& env, Clock::time_point 
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     joined = store.add(key, 0);
   }
-  // More ranks than WORLD_SIZE met here: another job's ranks share this store.
-  if (joined > env.world_size)
-    throw DistError(str("rendezvous at ", env.master_addr, ":", env.master_port, ": ", joined,
-                        " ranks joined a world of ", env.world_size,
-                        "; another job uses the same MASTER_ADDR/MASTER_PORT"));
 }
 
 }  // namespace
@@ -259,7 +277,7 @@ void init(const LaunchEnv& env, const InitOptions& options) {
     }
     try {
       store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
-      wait_for_ranks(*store, env, deadline);
+      wait_for_ranks(*store, env, so.isServer, deadline);
       store->setTimeout(timeout);  // from here on the store serves collectives' set-up
     } catch (const DistError&) {
       throw;

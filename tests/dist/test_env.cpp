@@ -180,6 +180,9 @@ TEST(LaunchEnv, RendezvousTimeoutAndStoreFd) {
   EXPECT_EQ(parse(with(two, {{"COLOSSAL_RDZV_TIMEOUT_S", "2.5"}})).rdzv_timeout_s, 2.5);
   for (const char* bad : {"0", "-1", "inf", "nan", "1e300", "5s", "", " 5"})
     expect_input_error(with(two, {{"COLOSSAL_RDZV_TIMEOUT_S", bad}}), "COLOSSAL_RDZV_TIMEOUT_S");
+  EXPECT_EQ(parse(with(two, {{"COLOSSAL_JOB_ID", "a1-b2"}})).job_id, "a1-b2");
+  expect_input_error(with(two, {{"COLOSSAL_JOB_ID", ""}}), "COLOSSAL_JOB_ID");
+  expect_input_error(with(two, {{"COLOSSAL_JOB_ID", "a b"}}), "COLOSSAL_JOB_ID");
   EXPECT_EQ(parse(with(two, {{"COLOSSAL_STORE_FD", "7"}})).store_fd, 7);
   expect_input_error(with(two, {{"COLOSSAL_STORE_FD", "1"}}), "COLOSSAL_STORE_FD=1");
   expect_input_error(with(two, {{"COLOSSAL_STORE_FD", "7x"}}), "COLOSSAL_STORE_FD");

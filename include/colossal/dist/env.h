@@ -26,6 +26,9 @@ struct LaunchEnv {
   // (COLOSSAL_STORE_FD), so no other job can take the port between the launcher's check and the
   // store's bind; -1: rank 0 binds MASTER_PORT itself.
   int store_fd = -1;
+  // Names the job (COLOSSAL_JOB_ID, set by `colossal run`): a rank that reaches the store of a
+  // job with another id fails at once instead of joining it. Empty: not checked.
+  std::string job_id;
   std::string source = "default";  // "torchrun", "openmpi", "slurm" or "default" (no variables)
 };
 
