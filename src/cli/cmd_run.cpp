@@ -23,7 +23,10 @@ int cmd_run(int argc, char** argv) {
          "WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set for each.\n"
          "Output lines are prefixed with the rank; if one rank fails, the others are stopped.\n"
          "Multi-node: run it on every node with --nnodes M --node_rank R --master_addr A, or\n"
-         "once with --hostfile/--host (ssh; set COLOSSAL_SSH to use another ssh program).");
+         "once with --hostfile/--host (ssh; set COLOSSAL_SSH to use another ssh program).\n"
+         "A node starts at most 4 x max(CPU cores, GPUs) ranks (--allow_oversubscribe for more).\n"
+         "Rank 0 of a colossal program takes over the launcher's listening socket on\n"
+         "--master_port, so two jobs cannot race for one port: the second is refused.");
   a.option("nproc_per_node", "ranks to start on each node", "", true)
       .option("nnodes", "number of nodes (default: 1, or every selected host)")
       .option("num_nodes", "same as --nnodes (ColossalAI's name)")
@@ -37,6 +40,14 @@ int cmd_run(int argc, char** argv) {
       .option("master_port", "rendezvous port on the master (0: a free one, single node)", "29500")
       .option("ssh_port", "ssh port of the hosts")
       .option("grace_period", "seconds between SIGTERM and SIGKILL when stopping ranks", "5")
+      .option("rdzv_timeout",
+              "seconds the ranks may take to meet (reach rank 0's store, all join) before they "
+              "fail (default: COLOSSAL_RDZV_TIMEOUT_S, else 300)")
+      .option("dist_timeout",
+              "seconds a collective may wait for the other ranks before it fails (default: "
+              "COLOSSAL_DIST_TIMEOUT_S, else 1800)")
+      .flag("allow_oversubscribe",
+            "start more than 4 x max(CPU cores, GPUs) ranks on a node (refused without it)")
       .flag("stop_on_stdin_eof",
             "stop when stdin closes (set on remote launchers by the ssh fan-out)")
       .rest("command", "the program each rank runs, and its arguments");
@@ -67,6 +78,9 @@ int cmd_run(int argc, char** argv) {
   o.master_port = to_int(a, "master_port");
   if (a.given("ssh_port")) o.ssh_port = to_int(a, "ssh_port");
   o.grace_period_s = a.f64("grace_period");
+  if (a.given("rdzv_timeout")) o.rdzv_timeout_s = a.f64("rdzv_timeout");
+  if (a.given("dist_timeout")) o.dist_timeout_s = a.f64("dist_timeout");
+  o.allow_oversubscribe = a.on("allow_oversubscribe");
   o.stop_on_stdin_eof = a.on("stop_on_stdin_eof");
   o.command = a.rest_args();
   return launch(std::move(o));

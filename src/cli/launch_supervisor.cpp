@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -36,6 +37,36 @@ int g_signal_pipe[2] = {-1, -1};
 
 void on_signal(int sig) {
   int saved = errno;
+  unsigned char b = static_cast<unsigned char>(sig);
+  [[maybe_unused]] ssize_t n = ::write(g_signal_pipe[1], &b, 1);
+  errno = saved;
+}
+
+// When each child exited, taken in the SIGCHLD handler: the main loop may reap two ranks in one
+// pass (one failed, the other then lost its connection to it), and the summary must blame the
+// one that died first. A pending SIGCHLD keeps the first child's siginfo, so the earliest exit
+// is always recorded; a child without an entry gets the time it was reaped.
+struct ExitRecord {
+  pid_t pid;
+  int64_t ns;
+};
+constexpr int kMaxExitRecords = 4096;
+ExitRecord g_exits[kMaxExitRecords];
+std::atomic<int> g_n_exits{0};
+
+int64_t now_ns() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);  // async-signal-safe, and steady_clock's clock
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+void on_sigchld(int sig, siginfo_t* info, void*) {
+  int saved = errno;
+  int i = g_n_exits.load(std::memory_order_relaxed);
+  if (info && i < kMaxExitRecords) {
+    g_exits[i] = {info->si_pid, now_ns()};
+    g_n_exits.store(i + 1, std::memory_order_release);
+  }
   unsigned char b = static_cast<unsigned char>(sig);
   [[maybe_unused]] ssize_t n = ::write(g_signal_pipe[1], &b, 1);
   errno = saved;
@@ -101,6 +132,7 @@ struct Stream {
   int out_fd = 1;
   const std::string* prefix = nullptr;
   std::string buf;
+  std::string* last_line = nullptr;  // stderr: the last non-blank line, for the summary
 };
 
 constexpr size_t kMaxLine = 64 * 1024;  // longer lines are relayed in pieces of this size
@@ -124,6 +156,11 @@ void emit_lines(Stream& s, bool flush_partial) {
     }
     line.assign(*s.prefix);
     line.append(s.buf, start, end - start);
+    if (s.last_line) {
+      size_t b = s.buf.find_first_not_of(" \t", start);
+      if (b != std::string::npos && b < end)
+        s.last_line->assign(s.buf, b, std::min<size_t>(end - b, 400));
+    }
     line.push_back(nl == end ? term : '\n');
     write_all(s.out_fd, line.data(), line.size());
     start = nl == end ? end + 1 : end;
@@ -138,6 +175,9 @@ struct Proc {
   int status = 0;
   int stdin_fd = -1;  // write end held by the launcher
   Stream out, err;
+  int64_t exit_ns = 0;        // CLOCK_MONOTONIC
+  bool after_stop = false;    // exited after the launcher began stopping the job
+  std::string last_err_line;  // what it said last on stderr
 };
 
 std::string describe_status(int status) {
@@ -192,6 +232,7 @@ void spawn(Proc& p, pid_t launcher_pid, int devnull) {
     ::dup2(in[0] >= 0 ? in[0] : devnull, 0);
     ::dup2(out[1], 1);
     ::dup2(err[1], 2);
+    if (p.w->inherit_fd >= 0) ::fcntl(p.w->inherit_fd, F_SETFD, 0);  // keep it across exec
     ::execve(path, argv.data(), envp.data());
     const char msg[] = "colossal run: exec failed for ";
     [[maybe_unused]] ssize_t n = ::write(2, msg, sizeof msg - 1);
@@ -203,6 +244,9 @@ void spawn(Proc& p, pid_t launcher_pid, int devnull) {
   ::close(out[1]);
   ::close(err[1]);
   if (in[0] >= 0) ::close(in[0]);
+  // Handed over: from now on only the worker holds it (a later worker must not inherit it, and
+  // it must go away with the worker).
+  if (p.w->inherit_fd >= 0) ::close(p.w->inherit_fd);
   p.pid = pid;
   p.alive = true;
   p.stdin_fd = in[1];
@@ -212,6 +256,7 @@ void spawn(Proc& p, pid_t launcher_pid, int devnull) {
   p.err.fd = err[0];
   p.err.out_fd = 2;
   p.err.prefix = &p.w->prefix;
+  p.err.last_line = &p.last_err_line;
 }
 
 void kill_group(const Proc& p, int sig) {
@@ -243,8 +288,12 @@ int supervise(const std::vector<Worker>& workers, const SuperviseOptions& opts) 
   sigemptyset(&sa.sa_mask);
   sa.sa_flags = SA_RESTART;
   for (int sig : kForwarded) ::sigaction(sig, &sa, nullptr);
-  sa.sa_flags = SA_RESTART | SA_NOCLDSTOP;
-  ::sigaction(SIGCHLD, &sa, nullptr);
+  struct sigaction sc {};
+  sc.sa_sigaction = on_sigchld;
+  sigemptyset(&sc.sa_mask);
+  sc.sa_flags = SA_RESTART | SA_NOCLDSTOP | SA_SIGINFO;
+  g_n_exits.store(0);
+  ::sigaction(SIGCHLD, &sc, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
   sigset_t block, old;
   sigemptyset(&block);
@@ -302,7 +351,8 @@ int supervise(const std::vector<Worker>& workers, const SuperviseOptions& opts) 
   std::vector<pollfd> fds;
   std::vector<Stream*> streams;
   while (true) {
-    // Reap.
+    // Reap everything that exited, then look at it in the order the processes died.
+    std::vector<Proc*> exited;
     for (auto& p : procs) {
       if (!p.alive) continue;
       int st = 0;
@@ -310,6 +360,18 @@ int supervise(const std::vector<Worker>& workers, const SuperviseOptions& opts) 
       if (r != p.pid) continue;
       p.alive = false;
       p.status = st;
+      p.exit_ns = now_ns();
+      int n = std::min(g_n_exits.load(std::memory_order_acquire), kMaxExitRecords);
+      for (int i = 0; i < n; ++i)
+        if (g_exits[i].pid == p.pid) p.exit_ns = std::min(p.exit_ns, g_exits[i].ns);
+      p.after_stop = stopping;
+      exited.push_back(&p);
+    }
+    std::stable_sort(exited.begin(), exited.end(),
+                     [](const Proc* a, const Proc* b) { return a->exit_ns < b->exit_ns; });
+    for (Proc* pp : exited) {
+      Proc& p = *pp;
+      int st = p.status;
       bool ok = WIFEXITED(st) && WEXITSTATUS(st) == 0;
       if (!ok && !stopping) {
         failure = str(p.w->label, " (pid ", p.pid, ") ", describe_status(st));
@@ -443,7 +505,48 @@ int supervise(const std::vector<Worker>& workers, const SuperviseOptions& opts) 
   g_signal_pipe[0] = g_signal_pipe[1] = -1;
 
   if (!failure.empty()) {
-    log_error("colossal run: job failed: ", failure);
+    // Every process that failed on its own, by exit time: the first is the cause, the others
+    // usually its consequences (a peer's "connection closed"); those the launcher stopped
+    // (killed by its signal, or exiting with 128 + it) are only counted.
+    std::vector<const Proc*> failed;
+    int n_stopped = 0;
+    for (const auto& p : procs) {
+      bool ok = WIFEXITED(p.status) && WEXITSTATUS(p.status) == 0;
+      if (ok) continue;
+      bool by_stop =
+          p.after_stop && ((WIFSIGNALED(p.status) &&
+                            (WTERMSIG(p.status) == SIGTERM || WTERMSIG(p.status) == SIGKILL)) ||
+                           (WIFEXITED(p.status) && WEXITSTATUS(p.status) == 128 + SIGTERM));
+      if (by_stop) {
+        ++n_stopped;
+        continue;
+      }
+      failed.push_back(&p);
+    }
+    std::stable_sort(failed.begin(), failed.end(),
+                     [](const Proc* a, const Proc* b) { return a->exit_ns < b->exit_ns; });
+    auto cause = [](const Proc& p) {
+      std::string c = str(p.w->label, " (pid ", p.pid, ") ", describe_status(p.status));
+      if (!p.last_err_line.empty()) c += ": " + p.last_err_line;
+      return c;
+    };
+    if (!failed.empty()) {
+      const Proc& first = *failed.front();
+      exit_code = exit_code_of(first.status);
+      log_error("colossal run: job failed: ", cause(first),
+                failed.size() > 1 ? " (first to fail)" : "");
+      if (failed.size() > 1) {
+        for (const Proc* p : failed)
+          log_error("colossal run:   +", (p->exit_ns - first.exit_ns) / 1000000,
+                    " ms: ", cause(*p));
+      }
+    } else {
+      log_error("colossal run: job failed: ", failure);
+    }
+    if (n_stopped > 0)
+      log_error("colossal run:   ", n_stopped,
+                n_stopped == 1 ? " other process was" : " other processes were",
+                " stopped by the launcher");
     return exit_code != 0 ? exit_code : 1;
   }
   if (stop_signal) {

@@ -2,18 +2,26 @@
 // starting a job: ranks on this node, or one `colossal run` per host over ssh (fan-out).
 #include "cli/launcher.h"
 
+#include <dirent.h>
+#include <fcntl.h>
+#include <netdb.h>
 #include <netinet/in.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <string_view>
 
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
@@ -111,43 +119,26 @@ std::string current_dir() {
   return buf;
 }
 
+// A new job's COLOSSAL_JOB_ID: ranks check it at the rendezvous (src/dist/runtime.cpp).
+std::string new_job_id() {
+  unsigned char b[8] = {};
+  int fd = ::open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  ssize_t n = fd >= 0 ? ::read(fd, b, sizeof b) : -1;
+  if (fd >= 0) ::close(fd);
+  std::ostringstream os;
+  os << std::hex;
+  if (n == static_cast<ssize_t>(sizeof b)) {
+    for (unsigned char c : b) os << (c >> 4) << (c & 15);
+  } else {  // no /dev/urandom: unique enough on this host
+    os << ::getpid() << "-" << ::time(nullptr);
+  }
+  return os.str();
+}
+
 std::string fmt_seconds(double s) {
   std::ostringstream os;
   os << s;
   return os.str();
-}
-
-int bind_probe(int family, int port, int* bound_port) {
-  int fd = ::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return errno == EAFNOSUPPORT ? 0 : errno;
-  int one = 1;
-  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  int rc = 0;
-  if (family == AF_INET) {
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_ANY);
-    a.sin_port = htons(static_cast<uint16_t>(port));
-    rc = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  } else {
-    ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof one);
-    sockaddr_in6 a{};
-    a.sin6_family = AF_INET6;
-    a.sin6_addr = in6addr_any;
-    a.sin6_port = htons(static_cast<uint16_t>(port));
-    rc = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  }
-  int err = rc == 0 ? 0 : errno;
-  if (rc == 0 && bound_port) {
-    sockaddr_storage ss{};
-    socklen_t len = sizeof ss;
-    ::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
-    *bound_port = family == AF_INET ? ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port)
-                                    : ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port);
-  }
-  ::close(fd);
-  if (err == EADDRNOTAVAIL || err == EAFNOSUPPORT) return 0;  // no IPv6 here: nothing to clash
-  return err;
 }
 
 }  // namespace
@@ -264,25 +255,112 @@ std::string shell_quote(const std::string& s) {
   return out;
 }
 
-int check_port(int port) {
+int listen_port(int port, int* bound_port) {
   COLOSSAL_CHECK_INPUT(port >= 0 && port <= 65535, "--master_port ", port,
                        " is not a port number (0..65535; 0 picks a free one)");
-  for (int attempt = 0; attempt < 20; ++attempt) {
-    int chosen = port;
-    int err = bind_probe(AF_INET, port, port == 0 ? &chosen : nullptr);
-    if (err == 0) err = bind_probe(AF_INET6, chosen, nullptr);
-    if (err == 0) return chosen;
-    if (port == 0 && err == EADDRINUSE) continue;  // the free IPv4 port is taken on IPv6: again
+  auto fail = [&](int err) -> int {
     if (err == EADDRINUSE)
       throw InputError(str("--master_port ", port,
-                           " is already in use on this node; pick another port, or "
-                           "--master_port 0 for a free one (single node)"));
+                           " is already in use on this node (another job's store?); pick another "
+                           "port, or --master_port 0 for a free one (single node)"));
     if (err == EACCES)
       throw InputError(str("--master_port ", port,
                            " needs privileges to bind (ports below 1024); pick a port above 1024"));
     throw InputError(str("--master_port ", port, " cannot be bound: ", std::strerror(err)));
+  };
+  // One dual-stack IPv6 socket covers IPv4 too, like the store's own bind; IPv4 alone where the
+  // host has no IPv6.
+  for (int family : {AF_INET6, AF_INET}) {
+    int fd = ::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      if (errno == EAFNOSUPPORT && family == AF_INET6) continue;
+      fail(errno);
+    }
+    int one = 1, zero = 0;
+    // SO_REUSEADDR lets a port in TIME_WAIT from the previous job be bound; two binds of the
+    // same port then both succeed, but only one listen() does (the other gets EADDRINUSE).
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    int rc;
+    if (family == AF_INET6) {
+      ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);
+      sockaddr_in6 a{};
+      a.sin6_family = AF_INET6;
+      a.sin6_addr = in6addr_any;
+      a.sin6_port = htons(static_cast<uint16_t>(port));
+      rc = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+    } else {
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_addr.s_addr = htonl(INADDR_ANY);
+      a.sin_port = htons(static_cast<uint16_t>(port));
+      rc = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+    }
+    if (rc == 0) rc = ::listen(fd, 1024);
+    if (rc != 0) {
+      int err = errno;
+      ::close(fd);
+      if (family == AF_INET6 && (err == EADDRNOTAVAIL || err == EAFNOSUPPORT)) continue;
+      fail(err);
+    }
+    sockaddr_storage ss{};
+    socklen_t len = sizeof ss;
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
+    *bound_port = family == AF_INET ? ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port)
+                                    : ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port);
+    return fd;
   }
-  throw Error("colossal run: found no free port for --master_port 0 after 20 tries");
+  throw Error("colossal run: this host has neither IPv6 nor IPv4 sockets");
+}
+
+int max_local_ranks() {
+  int cores = 0;
+  cpu_set_t set;
+  if (::sched_getaffinity(0, sizeof set, &set) == 0) cores = CPU_COUNT(&set);
+  if (cores <= 0) cores = static_cast<int>(::sysconf(_SC_NPROCESSORS_ONLN));
+  int gpus = 0;
+  // The driver lists every GPU of the host here; no CUDA runtime needed in the launcher.
+  if (DIR* d = ::opendir("/proc/driver/nvidia/gpus")) {
+    while (dirent* e = ::readdir(d))
+      if (e->d_name[0] != '.') ++gpus;
+    ::closedir(d);
+  }
+  return 4 * std::max({cores, gpus, 1});
+}
+
+bool program_adopts_store_fd(const std::string& path) {
+  // The variable's name is in the read-only data of every program linking colossal's
+  // distributed runtime (src/dist/env.cpp), and in no interpreter or shell script that does not
+  // mention it. Read in pieces; a name split across two pieces is caught by the overlap.
+  static constexpr std::string_view kMarker = "COLOSSAL_STORE_FD";
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  std::string buf;
+  std::vector<char> chunk(1 << 20);
+  bool found = false;
+  while (!found) {
+    ssize_t n = ::read(fd, chunk.data(), chunk.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    buf.append(chunk.data(), static_cast<size_t>(n));
+    found = buf.find(kMarker) != std::string::npos;
+    buf.erase(0, buf.size() > kMarker.size() ? buf.size() - kMarker.size() : 0);
+  }
+  ::close(fd);
+  return found;
+}
+
+void check_master_addr(const std::string& addr, const std::string& flag) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  int rc = ::getaddrinfo(addr.c_str(), nullptr, &hints, &res);
+  if (res) ::freeaddrinfo(res);
+  // EAI_AGAIN (DNS not answering now) is left to the ranks, which retry until the rendezvous
+  // timeout; a name that does not exist is refused before anything starts.
+  COLOSSAL_CHECK_INPUT(rc == 0 || rc == EAI_AGAIN, flag, " '", addr,
+                       "' cannot be resolved: ", ::gai_strerror(rc),
+                       "; give the address or host name of the node that runs rank 0");
 }
 
 namespace {
@@ -298,18 +376,40 @@ int launch_local(const LaunchOptions& o) {
                        nnodes, " give every node the same --master_port");
   COLOSSAL_CHECK_INPUT(o.ssh_port < 0, "--ssh_port needs --hostfile or --host");
   std::string path = resolve_command(o.command[0]);
+  // Products in 64 bits: --nnodes 2147483647 must not wrap WORLD_SIZE into a small number.
+  int64_t world64 = static_cast<int64_t>(o.nproc_per_node) * nnodes;
+  COLOSSAL_CHECK_INPUT(world64 <= INT_MAX, "--nproc_per_node ", o.nproc_per_node, " x --nnodes ",
+                       nnodes, " = ", world64, " ranks is more than a job can have (", INT_MAX,
+                       ")");
+  int world = static_cast<int>(world64);
+  check_master_addr(o.master_addr, "--master_addr");
   int port = o.master_port;
-  if (node_rank == 0) port = check_port(o.master_port);
-
-  int world = o.nproc_per_node * nnodes;
+  int store_fd = -1;
+  if (node_rank == 0) {
+    // The launcher binds the port and keeps listening on it until rank 0's store takes the
+    // socket over (COLOSSAL_STORE_FD): no other job can slip in between a check and the
+    // store's own bind. A program that cannot take it over binds the port itself, so for it
+    // the socket is closed right before the ranks start (the check it always was).
+    store_fd = listen_port(o.master_port, &port);
+    if (!program_adopts_store_fd(path)) {
+      log_debug("colossal run: ", path, " does not read COLOSSAL_STORE_FD; port ", port,
+                " is released for rank 0 to bind");
+      ::close(store_fd);
+      store_fd = -1;
+    }
+  }
   std::vector<std::string> base;
-  bool has_omp = false, has_unbuffered = false, has_tty = false;
+  bool has_omp = false, has_unbuffered = false, has_tty = false, has_job_id = false;
   for (char** e = environ; *e; ++e) {
     std::string name = env_name(*e);
     if (rank_vars().count(name)) continue;
     has_omp |= name == "OMP_NUM_THREADS";
     has_unbuffered |= name == "PYTHONUNBUFFERED";
     has_tty |= name == "COLOSSAL_TTY";
+    has_job_id |= name == "COLOSSAL_JOB_ID";
+    if (name == "COLOSSAL_STORE_FD") continue;  // ours, for rank 0 only
+    if (name == "COLOSSAL_RDZV_TIMEOUT_S" && o.rdzv_timeout_s) continue;
+    if (name == "COLOSSAL_DIST_TIMEOUT_S" && o.dist_timeout_s) continue;
     base.push_back(*e);
   }
   // The ranks' stderr is a pipe; tell them whether the person watching has a terminal, so rank
@@ -318,6 +418,11 @@ int launch_local(const LaunchOptions& o) {
   // Ranks write into pipes, where Python would buffer whole blocks; at a terminal (torchrun's
   // default) it writes lines. Keep the interactive behaviour: logs appear as they happen.
   if (!has_unbuffered) base.push_back("PYTHONUNBUFFERED=1");
+  // A job id lets a rank that reaches another job's store on this port fail at once. Nodes
+  // started one by one cannot agree on a random one: there only the user's COLOSSAL_JOB_ID.
+  if (!has_job_id && nnodes == 1) base.push_back("COLOSSAL_JOB_ID=" + new_job_id());
+  if (o.rdzv_timeout_s) base.push_back("COLOSSAL_RDZV_TIMEOUT_S=" + fmt_seconds(*o.rdzv_timeout_s));
+  if (o.dist_timeout_s) base.push_back("COLOSSAL_DIST_TIMEOUT_S=" + fmt_seconds(*o.dist_timeout_s));
   if (!has_omp && o.nproc_per_node > 1) {
     // Like torchrun: N ranks each using every core would oversubscribe the machine.
     base.push_back("OMP_NUM_THREADS=1");
@@ -345,6 +450,10 @@ int launch_local(const LaunchOptions& o) {
     w.env.push_back("MASTER_ADDR=" + o.master_addr);
     w.env.push_back(str("MASTER_PORT=", port));
     w.prefix = str("[rank ", rank, "] ");
+    if (rank == 0 && store_fd >= 0) {
+      w.inherit_fd = store_fd;
+      w.env.push_back(str("COLOSSAL_STORE_FD=", store_fd));
+    }
     workers.push_back(std::move(w));
   }
   log_debug("colossal run: node ", node_rank, "/", nnodes, ": starting ranks ",
@@ -372,6 +481,9 @@ int launch_fan_out(const LaunchOptions& o) {
     hosts.resize(static_cast<size_t>(o.nnodes));
   }
   int nnodes = static_cast<int>(hosts.size());
+  int64_t world = static_cast<int64_t>(o.nproc_per_node) * nnodes;
+  COLOSSAL_CHECK_INPUT(world <= INT_MAX, "--nproc_per_node ", o.nproc_per_node, " x ", nnodes,
+                       " hosts = ", world, " ranks is more than a job can have (", INT_MAX, ")");
   COLOSSAL_CHECK_INPUT(o.master_port != 0 || nnodes == 1,
                        "--master_port 0 (a free port) works on a single node only; give a port "
                        "that is free on the first host");
@@ -392,6 +504,8 @@ int launch_fan_out(const LaunchOptions& o) {
 
   std::string env_part;
   for (const auto& kv : forwarded_env()) env_part += " " + shell_quote(kv);
+  if (const char* id = std::getenv("COLOSSAL_JOB_ID"); !id || !*id)
+    env_part += " COLOSSAL_JOB_ID=" + new_job_id();  // the same on every host
   std::string cd = "cd " + shell_quote(current_dir());
   std::string bin = shell_quote(self_exe());
   std::string cmd_part;
@@ -399,11 +513,13 @@ int launch_fan_out(const LaunchOptions& o) {
 
   std::vector<Worker> workers;
   for (int i = 0; i < nnodes; ++i) {
-    std::string remote =
-        str(cd, " && exec env", env_part, " ", bin, " run --nproc_per_node ", o.nproc_per_node,
-            " --nnodes ", nnodes, " --node_rank ", i, " --master_addr ", shell_quote(master),
-            " --master_port ", o.master_port, " --grace_period ", fmt_seconds(o.grace_period_s),
-            " --stop_on_stdin_eof --", cmd_part);
+    std::string remote = str(
+        cd, " && exec env", env_part, " ", bin, " run --nproc_per_node ", o.nproc_per_node,
+        " --nnodes ", nnodes, " --node_rank ", i, " --master_addr ", shell_quote(master),
+        " --master_port ", o.master_port, " --grace_period ", fmt_seconds(o.grace_period_s),
+        o.rdzv_timeout_s ? " --rdzv_timeout " + fmt_seconds(*o.rdzv_timeout_s) : "",
+        o.dist_timeout_s ? " --dist_timeout " + fmt_seconds(*o.dist_timeout_s) : "",
+        o.allow_oversubscribe ? " --allow_oversubscribe" : "", " --stop_on_stdin_eof --", cmd_part);
     // One argv string, which Linux caps at 128 KiB (MAX_ARG_STRLEN), here and on the host.
     COLOSSAL_CHECK_INPUT(remote.size() < 120 * 1024, "colossal run: the command for host ",
                          hosts[i], " is ", remote.size(),
@@ -439,8 +555,22 @@ int launch(LaunchOptions o) {
                        " must be at least 1");
   COLOSSAL_CHECK_INPUT(o.master_port >= 0 && o.master_port <= 65535, "--master_port ",
                        o.master_port, " is not a port number (0..65535; 0 picks a free one)");
-  COLOSSAL_CHECK_INPUT(o.grace_period_s >= 0, "--grace_period ", o.grace_period_s,
-                       " must not be negative");
+  // Checked before anything is forked: each rank is a process with its own memory, and
+  // --nproc_per_node 100000 would fork until the OOM killer acts. Each node checks its own
+  // limit (in a fan-out, the remote launchers do).
+  if (!o.allow_oversubscribe && o.hostfile.empty() && o.host.empty()) {
+    int limit = max_local_ranks();
+    COLOSSAL_CHECK_INPUT(o.nproc_per_node <= limit, "--nproc_per_node ", o.nproc_per_node,
+                         " is more than this node can run (", limit,
+                         " = 4 x max(CPU cores, GPUs)); start fewer ranks, or give "
+                         "--allow_oversubscribe to start them anyway");
+  }
+  COLOSSAL_CHECK_INPUT(o.grace_period_s >= 0 && std::isfinite(o.grace_period_s), "--grace_period ",
+                       o.grace_period_s, " must be a non-negative number");
+  for (auto [name, v] : {std::pair{"--rdzv_timeout", o.rdzv_timeout_s},
+                         std::pair{"--dist_timeout", o.dist_timeout_s}})
+    COLOSSAL_CHECK_INPUT(!v || (std::isfinite(*v) && *v > 0 && *v <= 1e9), name, " ", *v,
+                         " must be a positive number of seconds (at most 1e9)");
   COLOSSAL_CHECK_INPUT(!o.master_addr.empty(), "--master_addr must not be empty");
   COLOSSAL_CHECK_INPUT(o.include.empty() || o.exclude.empty(),
                        "--include and --exclude are mutually exclusive; give only one");

@@ -4,6 +4,7 @@
 // poll, signals): nothing here needs LibTorch.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -18,10 +19,14 @@ struct LaunchOptions {
   std::string include, exclude;
   std::string master_addr = "127.0.0.1";
   bool master_addr_given = false;
-  int master_port = 29500;         // 0: pick a free port (single node only)
-  int ssh_port = -1;               // -1: ssh's default
-  double grace_period_s = 5.0;     // SIGTERM -> SIGKILL when stopping ranks
-  bool stop_on_stdin_eof = false;  // set by the fan-out on remote launchers
+  int master_port = 29500;      // 0: pick a free port (single node only)
+  int ssh_port = -1;            // -1: ssh's default
+  double grace_period_s = 5.0;  // SIGTERM -> SIGKILL when stopping ranks
+  // Not given: the ranks use COLOSSAL_RDZV_TIMEOUT_S (else 300 s) and COLOSSAL_DIST_TIMEOUT_S
+  // (else 30 min) from the environment.
+  std::optional<double> rdzv_timeout_s, dist_timeout_s;
+  bool allow_oversubscribe = false;  // skip the per-node rank limit (max_local_ranks())
+  bool stop_on_stdin_eof = false;    // set by the fan-out on remote launchers
   std::vector<std::string> command;
 };
 
@@ -39,9 +44,19 @@ std::vector<std::string> filter_hosts(const std::vector<std::string>& hosts,
 std::string resolve_command(const std::string& name);
 // POSIX shell single-quoting.
 std::string shell_quote(const std::string& s);
-// Binds `port` on all interfaces to see that it is free (0: returns a free port). Throws
-// InputError when the port is taken.
-int check_port(int port);
+// Binds and listens on `port` (0: a free one) on all interfaces, IPv6 and IPv4, and returns the
+// close-on-exec socket; *bound_port gets the port. Listening, not only bound, is what keeps a
+// second job's launcher (or store) off the port. Throws InputError when it is taken.
+int listen_port(int port, int* bound_port);
+// Ranks one node may start without --allow_oversubscribe: 4 x max(CPU cores this process may
+// use, GPUs of the host). More ranks than that only thrash (or exhaust memory and pids).
+int max_local_ranks();
+// Whether the program at `path` reads COLOSSAL_STORE_FD (it links colossal's distributed
+// runtime): only such a rank 0 is handed the listening socket; any other program binds
+// MASTER_PORT itself and would find it taken.
+bool program_adopts_store_fd(const std::string& path);
+// getaddrinfo on `addr`; throws InputError naming `flag` when it does not resolve.
+void check_master_addr(const std::string& addr, const std::string& flag);
 
 // Runs the job; returns the launcher's exit code (0 when every rank exited 0).
 int launch(LaunchOptions opts);
@@ -55,6 +70,9 @@ struct Worker {
   std::vector<std::string> env;   // the full environment, "K=V"
   std::string prefix;             // put before each output line ("[rank 3] "), may be empty
   bool stdin_pipe = false;        // stdin is a pipe the launcher holds (closed to stop the worker)
+  // A descriptor the worker inherits under the same number (rank 0's store socket); the
+  // launcher's copy is closed once the worker is started. -1: none.
+  int inherit_fd = -1;
 };
 
 struct SuperviseOptions {
@@ -65,7 +83,9 @@ struct SuperviseOptions {
 // Starts every worker in its own process group and relays its stdout/stderr line by line.
 // When one exits non-zero or dies from a signal, or the launcher gets SIGINT/SIGTERM/SIGHUP,
 // the others are stopped (the signal, or SIGTERM / stdin closed, then SIGKILL after the grace
-// period). Returns 0, the first failing worker's exit code, or 128 + signal number.
+// period). Returns 0, the first failing worker's exit code, or 128 + signal number. The summary
+// names the worker that failed first by exit time, with the last line it wrote to stderr, and
+// the cause of every other worker that failed.
 int supervise(const std::vector<Worker>& workers, const SuperviseOptions& opts);
 
 }  // namespace colossal::cli

@@ -12,6 +12,7 @@
 
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
+#include "colossal/dist/env.h"
 #include "dist/backend_factory.h"
 #include "dist/communicator_impl.h"
 
@@ -42,12 +43,9 @@ bool backend_available(Backend b) {
 std::chrono::milliseconds default_timeout() {
   const char* v = std::getenv("COLOSSAL_DIST_TIMEOUT_S");
   if (!v) return std::chrono::minutes(30);
-  char* end = nullptr;
-  double s = std::strtod(v, &end);
-  COLOSSAL_CHECK_INPUT(end != v && *end == '\0' && s > 0,
-                       "environment variable COLOSSAL_DIST_TIMEOUT_S='", v,
-                       "' is not a positive number of seconds");
-  return std::chrono::milliseconds(static_cast<int64_t>(s * 1000.0));
+  // `colossal run --dist_timeout` sets it; "inf" or 1e300 would overflow the milliseconds.
+  return std::chrono::milliseconds(
+      static_cast<int64_t>(parse_seconds_var("COLOSSAL_DIST_TIMEOUT_S", v) * 1000.0));
 }
 
 // ---- Work -------------------------------------------------------------------------------------

@@ -3,7 +3,10 @@
 // MASTER_ADDR/MASTER_PORT so all launchers meet the same TCPStore.
 #include "colossal/dist/env.h"
 
+#include <cctype>
 #include <cerrno>
+#include <climits>
+#include <cmath>
 #include <cstdlib>
 #include <optional>
 
@@ -12,17 +15,23 @@
 namespace colossal::dist {
 namespace {
 
+// Strict: optional '-', then decimal digits, nothing else (no spaces, '+', hex or suffix), and
+// within int: strtoll alone would take "4x" as 4, and a cast would wrap 4294967297 to 1.
 std::optional<long long> get_int(const EnvLookup& env, const char* name, const char* source) {
   const char* v = env(name);
   if (!v) return std::nullopt;
   std::string s(v);
   COLOSSAL_CHECK_INPUT(!s.empty(), "environment variable ", name, " is set but empty (", source,
                        " launch); set it to an integer or unset it");
+  size_t digits = s[0] == '-' ? 1 : 0;
+  bool ok = s.size() > digits && s.find_first_not_of("0123456789", digits) == std::string::npos;
+  COLOSSAL_CHECK_INPUT(ok, "environment variable ", name, "='", s, "' is not an integer (", source,
+                       " launch)");
   errno = 0;
   char* end = nullptr;
   long long x = std::strtoll(s.c_str(), &end, 10);
-  COLOSSAL_CHECK_INPUT(errno == 0 && end && *end == '\0', "environment variable ", name, "='", s,
-                       "' is not an integer (", source, " launch)");
+  COLOSSAL_CHECK_INPUT(errno == 0 && x >= INT_MIN && x <= INT_MAX, "environment variable ", name,
+                       "='", s, "' is out of range (", source, " launch; at most ", INT_MAX, ")");
   return x;
 }
 
@@ -42,14 +51,28 @@ std::optional<long long> slurm_tasks_per_node(const EnvLookup& env) {
     char* end = nullptr;
     errno = 0;
     long long x = std::strtoll(v, &end, 10);
-    COLOSSAL_CHECK_INPUT(errno == 0 && end != v && x > 0, "environment variable ", name, "='", v,
-                         "' does not start with a positive task count");
+    COLOSSAL_CHECK_INPUT(errno == 0 && end != v && x > 0 && x <= INT_MAX, "environment variable ",
+                         name, "='", v, "' does not start with a positive task count");
     return x;
   }
   return std::nullopt;
 }
 
 }  // namespace
+
+double parse_seconds_var(const char* name, const char* value) {
+  std::string s(value);
+  char* end = nullptr;
+  errno = 0;
+  double x = s.empty() || std::isspace(static_cast<unsigned char>(s[0]))
+                 ? -1
+                 : std::strtod(s.c_str(), &end);
+  // The upper bound keeps milliseconds in int64 and the value meaningful (about 30 years).
+  COLOSSAL_CHECK_INPUT(end && *end == '\0' && errno == 0 && std::isfinite(x) && x > 0 && x <= 1e9,
+                       "environment variable ", name, "='", s,
+                       "' is not a positive number of seconds");
+  return x;
+}
 
 LaunchEnv parse_launch_env(const EnvLookup& env) {
   LaunchEnv e;
@@ -142,6 +165,32 @@ LaunchEnv parse_launch_env(const EnvLookup& env) {
     COLOSSAL_CHECK_INPUT(*port >= 1 && *port <= 65535, "environment variable MASTER_PORT=", *port,
                          " is not a TCP port (1..65535)");
     e.master_port = static_cast<int>(*port);
+  }
+  if (const char* t = env("COLOSSAL_RDZV_TIMEOUT_S"))
+    e.rdzv_timeout_s = parse_seconds_var("COLOSSAL_RDZV_TIMEOUT_S", t);
+  if (const char* id = env("COLOSSAL_JOB_ID")) {
+    std::string v(id);
+    bool ok = !v.empty() && v.size() <= 128 &&
+              v.find_first_not_of(
+                  "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+                  "-_.:") == std::string::npos;
+    COLOSSAL_CHECK_INPUT(ok, "environment variable COLOSSAL_JOB_ID='", v,
+                         "' must be 1 to 128 letters, digits or -_.:");
+    e.job_id = v;
+  }
+  if (auto fd = get_int(env, "COLOSSAL_STORE_FD", e.source.c_str())) {
+    COLOSSAL_CHECK_INPUT(*fd >= 3, "environment variable COLOSSAL_STORE_FD=", *fd,
+                         " is not a socket descriptor (it is set by `colossal run`; unset it)");
+    // Only rank 0 hosts the store; a descriptor leaking to another rank is a launcher bug, not
+    // something to work around silently.
+    COLOSSAL_CHECK_INPUT(
+        e.rank == 0, "environment variable COLOSSAL_STORE_FD=", *fd, " is set for rank ", e.rank,
+        ", but only rank 0 hosts the store (it is set by `colossal run`; unset it)");
+    COLOSSAL_CHECK_INPUT(!e.agent_store,
+                         "environment variables COLOSSAL_STORE_FD and "
+                         "TORCHELASTIC_USE_AGENT_STORE are both set: the store is either rank "
+                         "0's (colossal run) or torchrun's agent's; unset one");
+    e.store_fd = static_cast<int>(*fd);
   }
   return e;
 }

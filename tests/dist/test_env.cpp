@@ -1,10 +1,12 @@
 // Launch-variable parsing for torchrun, OpenMPI and SLURM (no processes started).
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <map>
 #include <string>
 
 #include "colossal/core/error.h"
+#include "colossal/dist/communicator.h"
 #include "colossal/dist/env.h"
 
 namespace colossal::dist {
@@ -143,6 +145,73 @@ TEST(LaunchEnv, Slurm) {
                      "SLURM_NPROCS");
   expect_input_error({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "1"}},
                      "MASTER_ADDR");
+}
+
+// Values that strtoll half-accepts or that wrap in a cast to int: WORLD_SIZE=4294967297 used to
+// become a world of 1, '4x' a world of 4.
+TEST(LaunchEnv, IntegersAreParsedStrictly) {
+  const Vars ok = with(kMaster, {{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "0"}});
+  for (const char* var : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"}) {
+    for (const char* bad : {"4294967297", "-4294967295", "99999999999999999999999"})
+      expect_input_error(with(ok, {{var, bad}}), std::string(var) + "='" + bad + "'");
+    for (const char* bad : {"4x", " 4", "4 ", "+4", "0x4", "4.0", "-", ""})
+      expect_input_error(with(ok, {{var, bad}}), var);
+  }
+  expect_input_error(with(ok, {{"WORLD_SIZE", "-4"}}), "WORLD_SIZE=-4");
+  expect_input_error(with(ok, {{"LOCAL_RANK", "-1"}}), "LOCAL_RANK=-1");
+  expect_input_error({{"OMPI_COMM_WORLD_RANK", "0"},
+                      {"OMPI_COMM_WORLD_SIZE", "4294967298"},
+                      {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
+                      {"OMPI_COMM_WORLD_LOCAL_SIZE", "1"}},
+                     "OMPI_COMM_WORLD_SIZE='4294967298'");
+  expect_input_error(with(kMaster, {{"SLURM_PROCID", "0"},
+                                    {"SLURM_NTASKS", "2"},
+                                    {"SLURM_LOCALID", "0"},
+                                    {"SLURM_NTASKS_PER_NODE", "4294967297"}}),
+                     "SLURM_NTASKS_PER_NODE");
+  auto e = parse(with(ok, {{"WORLD_SIZE", "2147483647"}}));
+  EXPECT_EQ(e.world_size, 2147483647);
+}
+
+TEST(LaunchEnv, RendezvousTimeoutAndStoreFd) {
+  const Vars two = with(kMaster, {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"}});
+  EXPECT_EQ(parse(two).rdzv_timeout_s, 300);
+  EXPECT_EQ(parse(two).store_fd, -1);
+  EXPECT_EQ(parse(with(two, {{"COLOSSAL_RDZV_TIMEOUT_S", "2.5"}})).rdzv_timeout_s, 2.5);
+  for (const char* bad : {"0", "-1", "inf", "nan", "1e300", "5s", "", " 5"})
+    expect_input_error(with(two, {{"COLOSSAL_RDZV_TIMEOUT_S", bad}}), "COLOSSAL_RDZV_TIMEOUT_S");
+  EXPECT_EQ(parse(with(two, {{"COLOSSAL_JOB_ID", "a1-b2"}})).job_id, "a1-b2");
+  expect_input_error(with(two, {{"COLOSSAL_JOB_ID", ""}}), "COLOSSAL_JOB_ID");
+  expect_input_error(with(two, {{"COLOSSAL_JOB_ID", "a b"}}), "COLOSSAL_JOB_ID");
+  EXPECT_EQ(parse(with(two, {{"COLOSSAL_STORE_FD", "7"}})).store_fd, 7);
+  expect_input_error(with(two, {{"COLOSSAL_STORE_FD", "1"}}), "COLOSSAL_STORE_FD=1");
+  expect_input_error(with(two, {{"COLOSSAL_STORE_FD", "7x"}}), "COLOSSAL_STORE_FD");
+  // Only rank 0 hosts the store.
+  expect_input_error(with(two, {{"RANK", "1"}, {"LOCAL_RANK", "1"}, {"COLOSSAL_STORE_FD", "7"}}),
+                     "only rank 0");
+  expect_input_error(
+      with(two, {{"COLOSSAL_STORE_FD", "7"}, {"TORCHELASTIC_USE_AGENT_STORE", "True"}}),
+      "TORCHELASTIC_USE_AGENT_STORE");
+}
+
+// COLOSSAL_DIST_TIMEOUT_S (`colossal run --dist_timeout`): "inf" used to pass the check and
+// overflow the milliseconds.
+TEST(DistTimeout, EnvironmentIsParsedStrictly) {
+  ASSERT_EQ(::unsetenv("COLOSSAL_DIST_TIMEOUT_S"), 0);
+  EXPECT_EQ(default_timeout(), std::chrono::minutes(30));
+  ASSERT_EQ(::setenv("COLOSSAL_DIST_TIMEOUT_S", "2.5", 1), 0);
+  EXPECT_EQ(default_timeout(), std::chrono::milliseconds(2500));
+  for (const char* bad : {"inf", "nan", "1e300", "0", "-3", "3 s", ""}) {
+    ASSERT_EQ(::setenv("COLOSSAL_DIST_TIMEOUT_S", bad, 1), 0);
+    try {
+      default_timeout();
+      ADD_FAILURE() << "COLOSSAL_DIST_TIMEOUT_S='" << bad << "' accepted";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("COLOSSAL_DIST_TIMEOUT_S"), std::string::npos)
+          << e.what();
+    }
+  }
+  ::unsetenv("COLOSSAL_DIST_TIMEOUT_S");
 }
 
 TEST(LaunchEnv, TorchrunWinsOverSchedulerVariables) {

@@ -446,3 +446,196 @@ def test_output_is_relayed_as_it_happens(tmp_path):
     finally:
         p.terminate()
         p.wait(timeout=10)
+
+
+# ---- limits, rendezvous and failure reports -----------------------------------------------------
+
+def launcher_rank():
+    p = Path(os.environ.get("COLOSSAL_BUILD_DIR", "")) / "tests" / "launcher" / "launcher_rank"
+    if not p.exists():
+        pytest.fail(f"{p} is not built (cmake --build build --target launcher_rank)")
+    return str(p)
+
+
+def test_nproc_per_node_bounded_before_forking():
+    # 100000 ranks used to fork until the OOM killer acted; refused before any fork, naming the
+    # limit and the override.
+    t0 = time.time()
+    r = expect_input_error(["--nproc_per_node", "100000", "true"], "--nproc_per_node 100000",
+                           "--allow_oversubscribe", "4 x max(CPU cores, GPUs)")
+    assert time.time() - t0 < 5
+    expect_input_error(["--nproc_per_node", "2147483647", "--master_port", "0", "true"],
+                       "--nproc_per_node 2147483647")
+    # The product with --nnodes must not wrap WORLD_SIZE.
+    expect_input_error(["--nproc_per_node", "2", "--nnodes", "2147483647", "--node_rank", "1",
+                        "true"], "2 x --nnodes 2147483647", "more than a job can have")
+    expect_input_error(["--nproc_per_node", "4294967297", "true"], "--nproc_per_node")
+    # The override starts them (a small overshoot, so the test stays cheap anywhere).
+    limit = int(r.stderr.split("this node can run (")[1].split(" ")[0])
+    if limit <= 16:
+        r = run(["--allow_oversubscribe", "--nproc_per_node", str(limit + 1), "--master_port", "0",
+                 "true"])
+        assert r.returncode == 0, r.stderr
+
+
+def test_timeout_flags_reach_the_ranks(tmp_path):
+    prog = tmp_path / "t.py"
+    prog.write_text("import os\nprint(os.environ.get('COLOSSAL_RDZV_TIMEOUT_S'),"
+                    " os.environ.get('COLOSSAL_DIST_TIMEOUT_S'))\n")
+    env = dict(os.environ, COLOSSAL_RDZV_TIMEOUT_S="99", COLOSSAL_DIST_TIMEOUT_S="98")
+    r = run(["--nproc_per_node", "1", "--master_port", "0", "--rdzv_timeout", "7.5",
+             "--dist_timeout", "120", PY, str(prog)], env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[rank 0] 7.5 120"
+    r = run(["--nproc_per_node", "1", "--master_port", "0", PY, str(prog)], env=env)
+    assert r.stdout.strip() == "[rank 0] 99 98"  # not given: the environment's values
+    for flag in ("--rdzv_timeout", "--dist_timeout"):
+        for bad in ("0", "inf"):
+            expect_input_error(["--nproc_per_node", "1", flag, bad, "true"], flag)
+    r = run(["--help"])
+    assert "--rdzv_timeout" in r.stdout + r.stderr and "--dist_timeout" in r.stdout + r.stderr
+
+
+def test_unresolvable_master_addr_fails_at_once():
+    t0 = time.time()
+    expect_input_error(["--nproc_per_node", "1", "--nnodes", "2", "--node_rank", "1",
+                        "--master_addr", "no-such-host.invalid", "--master_port", "29999", "true"],
+                       "--master_addr 'no-such-host.invalid' cannot be resolved")
+    # A rank started another way says the same about MASTER_ADDR, instead of waiting.
+    env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
+               MASTER_ADDR="no-such-host.invalid", MASTER_PORT="29999")
+    r = subprocess.run([launcher_rank()], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2, r.stderr
+    assert "MASTER_ADDR 'no-such-host.invalid'" in r.stderr and "cannot be resolved" in r.stderr
+    assert time.time() - t0 < 20
+
+
+def test_rendezvous_that_cannot_succeed_times_out():
+    # Rank 0 missing (only node 1 of 2 runs), then half the ranks missing (only node 0): each
+    # ends after --rdzv_timeout with a named error instead of the 30-minute collective timeout,
+    # and without a warning every 0.7 s.
+    port = free_port()
+    for node_rank, needle in ((1, "found no store at 127.0.0.1:%d" % port),
+                              (0, "only 2 of 4 ranks reached the store")):
+        t0 = time.time()
+        r = run(["--nnodes", "2", "--node_rank", str(node_rank), "--nproc_per_node", "2",
+                 "--master_port", str(port), "--rdzv_timeout", "1", launcher_rank()], timeout=60)
+        took = time.time() - t0
+        assert r.returncode != 0
+        assert "rendezvous timed out" in r.stderr and needle in r.stderr, r.stderr
+        assert "--rdzv_timeout" in r.stderr
+        assert took < 20, took
+        assert "failed to connect" not in r.stderr, r.stderr  # c10d's retry warnings
+
+
+def test_two_jobs_on_one_port_never_collide():
+    # Both launchers find the port free at the same moment; the old check released it before
+    # rank 0's store bound it, so the jobs mixed ranks and both died or hung. Now the launcher
+    # keeps listening until rank 0 takes the socket over: one job runs, the other is refused.
+    port = free_port()
+    jobs = [subprocess.Popen([BIN, "run", "--nproc_per_node", "2", "--master_port", str(port),
+                              launcher_rank(), "1"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [j.communicate(timeout=60) for j in jobs]
+    codes = sorted(j.returncode for j in jobs)
+    assert codes == [0, 2], (codes, outs)
+    for j, (out, err) in zip(jobs, outs):
+        if j.returncode == 0:
+            assert sorted(l for l in out.splitlines() if l.endswith(" ok")) == [
+                "[rank 0] rank 0 of 2 ok", "[rank 1] rank 1 of 2 ok"], (out, err)
+        else:
+            assert f"--master_port {port} is already in use" in err, err
+            assert out == ""
+
+
+def test_store_socket_held_for_the_life_of_the_job():
+    # While a job runs, its port stays taken: a later job on the same port is refused by the
+    # launcher, with the port number.
+    port = free_port()
+    job = subprocess.Popen([BIN, "run", "--nproc_per_node", "2", "--master_port", str(port),
+                            launcher_rank(), "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        time.sleep(0.5)
+        expect_input_error(["--nproc_per_node", "2", "--master_port", str(port), launcher_rank()],
+                           f"--master_port {port} is already in use")
+    finally:
+        out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, err
+
+
+FIRST_FAILURE = textwrap.dedent("""
+    import os, signal, sys, time
+    d = sys.argv[1]
+    r = int(os.environ["RANK"])
+    if r == 0:  # rank 0 fails on its own, never from the launcher's stop
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with open(os.path.join(d, "%d.tmp" % r), "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(os.path.join(d, "%d.tmp" % r), os.path.join(d, "%d.pid" % r))
+    while not all(os.path.exists(os.path.join(d, "%d.pid" % k)) for k in (0, 1)):
+        time.sleep(0.01)
+    if r == 1:
+        print("ValueError: the real cause (shard 17 is corrupt)", file=sys.stderr, flush=True)
+        sys.exit(1)
+    # Rank 0 is a peer in a barrier: it notices rank 1's death at once and fails too.
+    peer = int(open(os.path.join(d, "1.pid")).read())
+    def gone():
+        try:
+            with open("/proc/%d/stat" % peer) as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:  # reaped already (ENOENT, or ESRCH in the middle of the read)
+            return True
+    while not gone():
+        pass
+    print("RuntimeError: Connection closed by peer [127.0.0.1]:4321", file=sys.stderr, flush=True)
+    sys.exit(1)
+""")
+
+
+def test_summary_names_the_first_failure_and_every_cause(tmp_path):
+    prog = tmp_path / "first.py"
+    prog.write_text(FIRST_FAILURE)
+    for _ in range(3):
+        d = tmp_path / ("d%d" % _)
+        d.mkdir()
+        r = run(["--nproc_per_node", "2", "--master_port", "0", PY, str(prog), str(d)])
+        assert r.returncode == 1, r.stderr
+        summary = r.stderr[r.stderr.index("job failed"):]
+        first = summary.splitlines()[0]
+        assert "rank 1" in first and "the real cause (shard 17 is corrupt)" in first, summary
+        # Every rank's cause, the first one first.
+        i1 = summary.find("rank 1 (pid")
+        i0 = summary.find("rank 0 (pid")
+        assert 0 <= i1 and "Connection closed by peer" in summary, summary
+        if i0 >= 0:
+            assert i1 < i0, summary
+
+
+def test_rank_of_another_job_is_refused_by_the_store():
+    # Ranks started by hand (or by another launcher) with job A's MASTER_PORT reach A's store:
+    # they fail at once, naming the shared port, and job A runs on undisturbed. With a job id
+    # (as `colossal run` gives) the intruder leaves before it counts itself in; without one it
+    # is the rank too many.
+    port = free_port()
+    job = subprocess.Popen([BIN, "run", "--nproc_per_node", "2", "--master_port", str(port),
+                            launcher_rank(), "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        met = [job.stdout.readline() for _ in range(2)]
+        assert all(" met" in l for l in met), (met, job.stderr.read() if job.poll() else "")
+        env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), COLOSSAL_RDZV_TIMEOUT_S="20")
+        env.pop("COLOSSAL_JOB_ID", None)
+        for job_id, needle in (("job-b", "reached the store of another job"),
+                               (None, "is rank number 3 to join a world of 2")):
+            e = dict(env, COLOSSAL_JOB_ID=job_id) if job_id else env
+            r = subprocess.run([launcher_rank()], capture_output=True, text=True, timeout=60,
+                               env=e)
+            assert r.returncode == 1, r.stderr
+            assert needle in r.stderr and f"127.0.0.1:{port}" in r.stderr, r.stderr
+    finally:
+        out, err = job.communicate(timeout=60)
+    assert job.returncode == 0, err
+    assert sorted(l for l in (met[0] + met[1] + out).splitlines() if l.endswith(" ok")) == [
+        "[rank 0] rank 0 of 2 ok", "[rank 1] rank 1 of 2 ok"]
