@@ -39,7 +39,12 @@ int cmd_run(int argc, char** argv) {
               "127.0.0.1")
       .option("master_port", "rendezvous port on the master (0: a free one, single node)", "29500")
       .option("ssh_port", "ssh port of the hosts")
-      .option("grace_period", "seconds between SIGTERM and SIGKILL when stopping ranks", "5")
+      .option("grace_period",
+              "seconds between SIGTERM and SIGKILL when stopping ranks after a failure", "5")
+      .option("save_grace_period",
+              "seconds the ranks get after a forwarded SIGTERM/SIGUSR1/SIGINT (a preemption "
+              "notice; `colossal train` saves a checkpoint first) before SIGKILL",
+              "120")
       .option("rdzv_timeout",
               "seconds the ranks may take to meet (reach rank 0's store, all join) before they "
               "fail (default: COLOSSAL_RDZV_TIMEOUT_S, else 300)")
@@ -78,6 +83,7 @@ int cmd_run(int argc, char** argv) {
   o.master_port = to_int(a, "master_port");
   if (a.given("ssh_port")) o.ssh_port = to_int(a, "ssh_port");
   o.grace_period_s = a.f64("grace_period");
+  o.save_grace_period_s = a.f64("save_grace_period");
   if (a.given("rdzv_timeout")) o.rdzv_timeout_s = a.f64("rdzv_timeout");
   if (a.given("dist_timeout")) o.dist_timeout_s = a.f64("dist_timeout");
   o.allow_oversubscribe = a.on("allow_oversubscribe");

@@ -72,7 +72,7 @@ void on_sigchld(int sig, siginfo_t* info, void*) {
   errno = saved;
 }
 
-const int kForwarded[] = {SIGINT, SIGTERM, SIGHUP};
+const int kForwarded[] = {SIGINT, SIGTERM, SIGHUP, SIGUSR1};
 
 std::string signal_name(int sig) {
   switch (sig) {
@@ -329,9 +329,14 @@ int supervise(const std::vector<Worker>& workers, const SuperviseOptions& opts) 
   // A remote launcher needs its own grace period to stop its ranks and report; give it that
   // and a margin before its ssh client is killed.
   if (fan_out) grace += std::chrono::seconds(3);
-  auto stop_all = [&](int sig) {
+  // A forwarded signal asks the ranks to save before they go (`colossal train` does, at the next
+  // step boundary): they get the longer save grace period. A failure stops them at once.
+  auto save_grace = std::max(
+      grace, std::chrono::milliseconds(static_cast<int64_t>(opts.save_grace_period_s * 1000)) +
+                 (fan_out ? std::chrono::seconds(3) : std::chrono::seconds(0)));
+  auto stop_all = [&](int sig, bool forwarded = false) {
     stopping = true;
-    kill_deadline = Clock::now() + grace;
+    kill_deadline = Clock::now() + (forwarded ? save_grace : grace);
     for (auto& p : procs) {
       if (p.w->stdin_pipe) {  // ssh clients: EOF tells the remote launcher to stop its ranks
         if (p.stdin_fd >= 0) ::close(p.stdin_fd);
@@ -394,8 +399,8 @@ int supervise(const std::vector<Worker>& workers, const SuperviseOptions& opts) 
     }
     if (stopping && !killed && alive > 0 && Clock::now() >= kill_deadline) {
       killed = true;
-      log_warn("colossal run: ", alive, alive == 1 ? " process" : " processes", " still running ",
-               grace.count() / 1000.0, " s after the stop; sending SIGKILL");
+      log_warn("colossal run: ", alive, alive == 1 ? " process" : " processes",
+               " still running after the grace period; sending SIGKILL");
       for (auto& p : procs) kill_group(p, SIGKILL);
     }
 
@@ -443,9 +448,11 @@ int supervise(const std::vector<Worker>& workers, const SuperviseOptions& opts) 
           if (sig == SIGCHLD) continue;  // reaped at the top of the loop
           if (!stopping) {
             stop_signal = sig;
-            log_warn("colossal run: received ", signal_name(sig), "; stopping ", n_alive(),
-                     " processes (signal again to kill them at once)");
-            stop_all(sig);
+            log_warn("colossal run: received ", signal_name(sig), "; passing it to ", n_alive(),
+                     " processes, which may save first (killed after ",
+                     std::chrono::duration<double>(save_grace).count(),
+                     " s; signal again to kill them at once)");
+            stop_all(sig, /*forwarded=*/true);
           } else if (!killed) {  // a second signal: no more patience
             killed = true;
             log_warn("colossal run: received ", signal_name(sig), " again; sending SIGKILL");

@@ -459,7 +459,7 @@ int launch_local(const LaunchOptions& o) {
   log_debug("colossal run: node ", node_rank, "/", nnodes, ": starting ranks ",
             node_rank * o.nproc_per_node, "..", (node_rank + 1) * o.nproc_per_node - 1, " of ",
             world, ", master ", o.master_addr, ":", port);
-  return supervise(workers, {o.grace_period_s, o.stop_on_stdin_eof});
+  return supervise(workers, {o.grace_period_s, o.save_grace_period_s, o.stop_on_stdin_eof});
 }
 
 int launch_fan_out(const LaunchOptions& o) {
@@ -517,6 +517,7 @@ int launch_fan_out(const LaunchOptions& o) {
         cd, " && exec env", env_part, " ", bin, " run --nproc_per_node ", o.nproc_per_node,
         " --nnodes ", nnodes, " --node_rank ", i, " --master_addr ", shell_quote(master),
         " --master_port ", o.master_port, " --grace_period ", fmt_seconds(o.grace_period_s),
+        " --save_grace_period ", fmt_seconds(o.save_grace_period_s),
         o.rdzv_timeout_s ? " --rdzv_timeout " + fmt_seconds(*o.rdzv_timeout_s) : "",
         o.dist_timeout_s ? " --dist_timeout " + fmt_seconds(*o.dist_timeout_s) : "",
         o.allow_oversubscribe ? " --allow_oversubscribe" : "", " --stop_on_stdin_eof --", cmd_part);
@@ -542,7 +543,7 @@ int launch_fan_out(const LaunchOptions& o) {
   log_info("colossal run: starting ", o.nproc_per_node, " ranks on each of ", nnodes,
            nnodes == 1 ? " host" : " hosts", " over ", ssh[0], ", master ", master, ":",
            o.master_port);
-  return supervise(workers, {o.grace_period_s, false});
+  return supervise(workers, {o.grace_period_s, o.save_grace_period_s, false});
 }
 
 }  // namespace
@@ -567,6 +568,9 @@ int launch(LaunchOptions o) {
   }
   COLOSSAL_CHECK_INPUT(o.grace_period_s >= 0 && std::isfinite(o.grace_period_s), "--grace_period ",
                        o.grace_period_s, " must be a non-negative number");
+  COLOSSAL_CHECK_INPUT(o.save_grace_period_s >= 0 && o.save_grace_period_s <= 1e7,
+                       "--save_grace_period ", o.save_grace_period_s,
+                       " must be a number of seconds in 0..1e7");
   for (auto [name, v] : {std::pair{"--rdzv_timeout", o.rdzv_timeout_s},
                          std::pair{"--dist_timeout", o.dist_timeout_s}})
     COLOSSAL_CHECK_INPUT(!v || (std::isfinite(*v) && *v > 0 && *v <= 1e9), name, " ", *v,

@@ -21,7 +21,11 @@ struct LaunchOptions {
   bool master_addr_given = false;
   int master_port = 29500;      // 0: pick a free port (single node only)
   int ssh_port = -1;            // -1: ssh's default
-  double grace_period_s = 5.0;  // SIGTERM -> SIGKILL when stopping ranks
+  double grace_period_s = 5.0;  // SIGTERM -> SIGKILL when stopping ranks after a failure
+  // The launcher's own SIGTERM/SIGUSR1/SIGINT (a scheduler's preemption notice) -> SIGKILL: the
+  // ranks of `colossal train` save a checkpoint at the next step boundary first, which takes
+  // minutes at 7b, not the seconds a failed job needs to go away.
+  double save_grace_period_s = 120.0;
   // Not given: the ranks use COLOSSAL_RDZV_TIMEOUT_S (else 300 s) and COLOSSAL_DIST_TIMEOUT_S
   // (else 30 min) from the environment.
   std::optional<double> rdzv_timeout_s, dist_timeout_s;
@@ -77,15 +81,17 @@ struct Worker {
 
 struct SuperviseOptions {
   double grace_period_s = 5.0;
+  double save_grace_period_s = 120.0;  // after a signal the launcher forwards
   bool stop_on_stdin_eof = false;
 };
 
 // Starts every worker in its own process group and relays its stdout/stderr line by line.
-// When one exits non-zero or dies from a signal, or the launcher gets SIGINT/SIGTERM/SIGHUP,
-// the others are stopped (the signal, or SIGTERM / stdin closed, then SIGKILL after the grace
-// period). Returns 0, the first failing worker's exit code, or 128 + signal number. The summary
-// names the worker that failed first by exit time, with the last line it wrote to stderr, and
-// the cause of every other worker that failed.
+// When one exits non-zero or dies from a signal, or the launcher gets SIGINT/SIGTERM/SIGHUP/
+// SIGUSR1, the others are stopped (the signal, or SIGTERM / stdin closed, then SIGKILL after the
+// grace period: save_grace_period_s for a forwarded signal, grace_period_s otherwise). Returns 0,
+// the first failing worker's exit code, or 128 + signal number. The summary names the worker that
+// failed first by exit time, with the last line it wrote to stderr, and the cause of every other
+// worker that failed.
 int supervise(const std::vector<Worker>& workers, const SuperviseOptions& opts);
 
 }  // namespace colossal::cli

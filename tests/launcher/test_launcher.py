@@ -80,6 +80,13 @@ RANK_PROGRAM = textwrap.dedent("""
     r = int(os.environ["RANK"])
     if action == "ignore_term":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if action == "slow_exit":  # what `colossal train` does on a preemption notice: save, then go
+        def slow(sig, _):
+            open(os.path.join(d, "got%d" % r), "w").write(str(sig))
+            time.sleep(1.5)
+            os._exit(128 + sig)
+        for s in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(s, slow)
     child = subprocess.Popen(["sleep", "120"])
     for name, pid in (("child%d" % r, child.pid), ("rank%d" % r, os.getpid())):
         with open(os.path.join(d, name + ".tmp"), "w") as f:
@@ -218,10 +225,29 @@ def test_sigterm_to_launcher_reaches_every_rank(rank_prog):
     assert_all_gone(read_pids(d))
 
 
+def test_preemption_signal_reaches_ranks_with_time_to_save(rank_prog):
+    # SIGUSR1 (and SIGTERM) sent to the launcher by a scheduler is passed on, and the ranks get
+    # --save_grace_period (not the short --grace_period of a failed job) to save and exit.
+    prog, d = rank_prog
+    p = subprocess.Popen([BIN, "run", "--nproc_per_node", "2", "--master_port", "0",
+                          "--grace_period", "0.2", "--save_grace_period", "20", PY, prog, d, "-1",
+                          "slow_exit", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    wait_for_files([f"{d}/{k}{r}.pid" for k in ("rank", "child") for r in range(2)], proc=p)
+    p.send_signal(signal.SIGUSR1)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 128 + signal.SIGUSR1, err
+    assert "SIGUSR1" in err and "SIGKILL" not in err, err
+    for r in range(2):
+        assert (Path(d) / f"got{r}").read_text() == str(int(signal.SIGUSR1))
+    assert_all_gone(read_pids(d))
+
+
 def test_ranks_ignoring_sigterm_get_sigkill(rank_prog):
     prog, d = rank_prog
     p = subprocess.Popen([BIN, "run", "--nproc_per_node", "2", "--master_port", "0",
-                          "--grace_period", "1", PY, prog, d, "-1", "ignore_term", "2"],
+                          "--grace_period", "1", "--save_grace_period", "1", PY, prog, d, "-1",
+                          "ignore_term", "2"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_files([f"{d}/{k}{r}.pid" for k in ("rank", "child") for r in range(2)], proc=p)
     t0 = time.time()
