@@ -59,27 +59,43 @@ void DataParallelCheckpointIO::load_model(ModelWrapper& model, const std::string
   if (optimizer) optimizer->sync_masters_from_params();
 }
 
+bool FileStateSource::find(const std::string& name, std::vector<int64_t>* shape) const {
+  const checkpoint::TensorInfo* info = reader_.find(name);
+  if (!info) return false;
+  if (shape) *shape = info->shape;
+  return true;
+}
+
+void FileStateSource::read(const std::string& name, int64_t begin, const at::Tensor& out) const {
+  reader_.read_slice(name, begin, out);
+}
+
 void DataParallelCheckpointIO::save_optimizer(OptimizerWrapper& optimizer, const std::string& dir) {
-  optim::StateDict sd = optimizer.full_state_dict();  // collective under ZeRO
+  OptimizerWrapper::FullStatePlan plan = optimizer.full_state_plan();
+  // Checked on every rank before the first gather, so a bad dtype fails everywhere at once
+  // instead of leaving the other ranks waiting in a gather.
+  for (const auto& d : plan.tensors) checkpoint::dtype_to_safetensors(d.dtype);
   if (is_writer()) {
     std::filesystem::create_directories(dir);
-    json::Value scalars = sd.scalars;
+    checkpoint::SafetensorsStreamWriter w(dir + "/optimizer.safetensors", plan.tensors,
+                                          {{"format", "colossal-optimizer"}});
+    while (!w.done()) w.write_next(optimizer.full_state_tensor(plan, w.next_index()));
+    w.finish();
+    json::Value scalars = plan.scalars;
     scalars.set("wrapper", optimizer.state());
-    checkpoint::TensorList tensors;
-    for (auto& [n, t] : sd.tensors) tensors.emplace_back(n, t.detach().to(at::kCPU));
-    checkpoint::save_safetensors(dir + "/optimizer.safetensors", tensors,
-                                 {{"format", "colossal-optimizer"}});
     write_text_atomic(dir + "/optimizer.json", scalars.dump(2));
+  } else {
+    // The writer's order (file order), one collective per tensor.
+    for (size_t i : checkpoint::safetensors_file_order(plan.tensors))
+      optimizer.full_state_tensor(plan, i);
   }
   barrier();
 }
 
 void DataParallelCheckpointIO::load_optimizer(OptimizerWrapper& optimizer, const std::string& dir) {
-  optim::StateDict sd;
-  sd.tensors = checkpoint::load_safetensors(dir + "/optimizer.safetensors");
-  sd.scalars = json::parse_file(dir + "/optimizer.json");
-  optimizer.load_full_state_dict(sd);
-  if (const json::Value* w = sd.scalars.find("wrapper")) optimizer.load_state(*w);
+  FileStateSource source(dir + "/optimizer.safetensors", json::parse_file(dir + "/optimizer.json"));
+  optimizer.load_full_state(source);
+  if (const json::Value* w = source.scalars().find("wrapper")) optimizer.load_state(*w);
 }
 
 void DataParallelCheckpointIO::save_lr_scheduler(optim::LRScheduler& scheduler,

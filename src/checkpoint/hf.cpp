@@ -331,7 +331,10 @@ void load_into_module(torch::nn::Module& module, const TensorList& tensors, bool
   at::NoGradGuard no_grad;
   for (auto& [n, dst] : state) {
     auto it = source.find(n);
-    if (it != source.end()) dst.copy_(*it->second);
+    if (it == source.end()) continue;
+    dst.copy_(*it->second);
+    // A mapped file's pages go back once copied: a load holds one tensor, not the file.
+    release_mapped_pages(*it->second);
   }
 }
 

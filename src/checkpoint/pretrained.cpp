@@ -4,8 +4,8 @@
 #include <ATen/ATen.h>
 
 #include <filesystem>
-#include <fstream>
 
+#include "colossal/checkpoint/atomic.h"
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
 #include "colossal/models/llama/model.h"
@@ -70,14 +70,9 @@ void save_pretrained(const models::CausalLM& model, const std::string& dir,
   fs::create_directories(dir);
   save_state_dict(dir, state, opts);
   const std::string path = (fs::path(dir) / "config.json").string();
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    COLOSSAL_CHECK_INPUT(f, "cannot write ", tmp);
-    f << cfg.to_json().dump(2) << "\n";
-    COLOSSAL_CHECK_INPUT(f.good(), "cannot write ", tmp);
-  }
-  fs::rename(tmp, path);
+  // Through write_file_atomic like the weights, so an asynchronous save stages it too.
+  const std::string text = cfg.to_json().dump(2) + "\n";
+  write_file_atomic(path, [&](int fd) { write_all(fd, text.data(), text.size(), path); });
 }
 
 }  // namespace colossal::checkpoint

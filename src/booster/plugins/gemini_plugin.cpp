@@ -177,6 +177,19 @@ optim::StateDict GeminiOptimizerWrapper::full_state_dict() {
 void GeminiOptimizerWrapper::load_full_state_dict(const optim::StateDict& state) {
   manager_->load_state_dict(state);
 }
+OptimizerWrapper::FullStatePlan GeminiOptimizerWrapper::full_state_plan() {
+  FullStatePlan plan;
+  plan.tensors = manager_->state_plan(&plan.scalars);
+  return plan;
+}
+at::Tensor GeminiOptimizerWrapper::full_state_tensor(const FullStatePlan& plan, size_t i) {
+  COLOSSAL_CHECK(i < plan.tensors.size(), "full_state_tensor: tensor ", i, " of a plan of ",
+                 plan.tensors.size());
+  return manager_->gather_state(i, /*dst=*/0);
+}
+void GeminiOptimizerWrapper::load_full_state(const optim::StateSource& source) {
+  manager_->load_state(source);
+}
 void GeminiOptimizerWrapper::sync_masters_from_params() {
   manager_->sync_masters_from_params();
 }

@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "colossal/amp/grad_reducer.h"
+#include "colossal/checkpoint/safetensors.h"
 #include "colossal/core/json.h"
 #include "colossal/dist/communicator.h"
 #include "colossal/nn/module.h"
@@ -129,6 +130,13 @@ class ChunkManager {
   void zero_grad();
   optim::StateDict state_dict();
   void load_state_dict(const optim::StateDict& state);
+  // Streamed checkpoints, as LowLevelZeroOptimizer's (bounded memory): state_plan() declares the
+  // tensors of state_dict() without communicating; gather_state(i) assembles tensor i on group
+  // rank `dst` only, from each rank's part of the chunk shards (collective); load_state() reads
+  // each rank's slices into its shards.
+  std::vector<checkpoint::TensorDecl> state_plan(json::Value* scalars);
+  at::Tensor gather_state(size_t i, int dst);
+  void load_state(const optim::StateSource& source);
   void sync_masters_from_params();
 
   // Placement.
@@ -177,6 +185,11 @@ class ChunkManager {
   void auto_place(bool warmup);
   std::pair<int64_t, int64_t> own_range(const Chunk& c, const ChunkTensor& t) const;
   at::Tensor gather_f32(size_t chunk, const at::Tensor& shard);
+  struct PlanEntry {
+    size_t chunk, tensor;
+    int which;  // 0 master, 1 exp_avg, 2 exp_avg_sq
+  };
+  std::vector<PlanEntry> plan_;  // state_plan()
 
   GeminiOptions options_;
   c10::optional<at::ScalarType> comm_dtype_;  // options_.communication_dtype parsed
