@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
+#include <thread>
 
 #include "colossal/booster/booster.h"
 #include "colossal/checkpoint/atomic.h"
@@ -67,6 +69,9 @@ void TrainConfig::register_options(OptionSet& s) {
   s.add("checkpoint", "save_dir", &save_dir, "folder for training checkpoints (step-N/ and latest)")
       .add("checkpoint", "save_every", &save_every,
            "save every N optimizer steps (0: at the end only)")
+      .add("checkpoint", "async_save", &async_save,
+           "write checkpoints in a background thread while training goes on (needs host memory "
+           "for what each rank writes)")
       .add("checkpoint", "resume", &resume,
            "continue from a checkpoint folder (a step-N/ or a save_dir)")
       .add("checkpoint", "metrics_file", &metrics_file,
@@ -196,6 +201,11 @@ class Trainer {
   StepStats train_step();
   void log_step(int64_t done, const StepStats& st, double elapsed);
   std::string save(int64_t step);
+  // --async_save: waits until the previous checkpoint is written and published (rethrows its
+  // error); then queues this save's publication (commit_async).
+  void finish_async_save();
+  void commit_async(std::unique_ptr<checkpoint::StagedDirectory> staged, const std::string& path,
+                    int64_t step);
 
   const TrainConfig& c_;
   const json::Value& config_json_;
@@ -457,6 +467,7 @@ void Trainer::log_step(int64_t done, const StepStats& st, double elapsed) {
 
 // A training checkpoint in save_dir/step-N (staged, then renamed) and `latest` naming it.
 std::string Trainer::save(int64_t step) {
+  if (c_.async_save) finish_async_save();  // one checkpoint in host memory at a time
   std::string target = c_.save_dir + "/" + step_dir_name(step);
   std::unique_ptr<checkpoint::StagedDirectory> staged;
   // Every rank writes into the same staging folder (pipeline stages write their own files);
@@ -469,6 +480,9 @@ std::string Trainer::save(int64_t step) {
     COLOSSAL_CHECK(staged->path() == path, "checkpoint staging folder ", staged->path(),
                    " is not the one every rank writes to (", path, ")");
   }
+  // --async_save: every file below is staged in memory and written by the Booster's writer.
+  std::optional<checkpoint::WriteCapture> capture;
+  if (c_.async_save) capture.emplace(booster_->async_writer());
   booster_->save_model(*boosted_.model, path + "/model");
   booster_->save_optimizer(*boosted_.optimizer, path);
   booster_->save_lr_scheduler(*boosted_.lr_scheduler, path + "/scheduler.json");
@@ -484,12 +498,61 @@ std::string Trainer::save(int64_t step) {
     if (device_.is_cuda())
       rng.emplace_back("cuda", Accelerator::cuda().get_rng_state().to(at::kCPU));
     checkpoint::save_safetensors(path + "/rng.safetensors", rng, {{"format", "colossal-rng"}});
+  }
+  if (c_.async_save) {
+    capture.reset();
+    commit_async(std::move(staged), path, step);
+    return target;
+  }
+  if (rank0_) {
     staged->commit();
     write_text_atomic(c_.save_dir + "/latest", step_dir_name(step) + "\n");
     log_info("saved checkpoint ", target);
   }
   if (distributed_ && dist::world_size() > 1) dist::world_cpu().barrier();
   return target;
+}
+
+// ---- --async_save ----
+
+void Trainer::finish_async_save() {
+  booster_->async_writer().wait();
+}
+
+// Queued behind this rank's files: a marker that they are written; rank 0 then waits for every
+// rank's marker (files of several ranks share the folder), drops the markers, publishes the
+// folders the IO staged and the step folder, and moves `latest`. A rank killed before its marker
+// leaves the step unpublished and the previous `latest` intact.
+void Trainer::commit_async(std::unique_ptr<checkpoint::StagedDirectory> staged,
+                           const std::string& path, int64_t step) {
+  const int rank = distributed_ ? dist::rank() : 0;
+  const int world = distributed_ ? dist::world_size() : 1;
+  const auto timeout = distributed_ ? dist::world().timeout() : std::chrono::milliseconds(0);
+  auto commits = booster_->async_writer().take_deferred_commits();
+  std::shared_ptr<checkpoint::StagedDirectory> st(std::move(staged));
+  auto marker = [path](int r) { return str(path, "/.written-rank", r); };
+  booster_->async_writer().enqueue([=, commits = std::move(commits), save_dir = c_.save_dir] {
+    write_text_atomic(marker(rank), "");
+    if (rank != 0 && commits.empty()) return;
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (int r = 0; r < world; ++r) {
+      while (!fs::exists(marker(r))) {
+        COLOSSAL_CHECK(std::chrono::steady_clock::now() < deadline || world == 1,
+                       "asynchronous save of step ", step, ": rank ", r,
+                       " did not finish writing its files; the checkpoint is not published");
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      }
+    }
+    if (rank != 0) {
+      for (const auto& c : commits) c();
+      return;
+    }
+    for (int r = 0; r < world; ++r) fs::remove(marker(r));
+    for (const auto& c : commits) c();
+    st->commit();
+    write_text_atomic(save_dir + "/latest", step_dir_name(step) + "\n");
+    log_info("saved checkpoint ", st->target(), " (written in the background)");
+  });
 }
 
 TrainResult Trainer::run() {
@@ -527,6 +590,10 @@ TrainResult Trainer::run() {
   metrics_ = nullptr;
   if (!c_.save_dir.empty() && (start_ < c_.steps || c_.resume.empty()))
     result.last_checkpoint = save(c_.steps);
+  if (c_.async_save) {
+    finish_async_save();  // the last checkpoint is on disk and published before the run ends
+    if (distributed_ && dist::world_size() > 1) dist::world_cpu().barrier();
+  }
   return result;
 }
 
