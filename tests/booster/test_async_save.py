@@ -1,7 +1,7 @@
 """`colossal train --async_save` (issue 23): checkpoints written by a background thread while
 training goes on.
 
-- Per plugin (ddp, zero2, gemini, hybrid tp2) at 2 ranks: every file of every checkpoint is
+- Per plugin (ddp, zero2, gemini, hybrid tp2 and pp2) at 2 ranks: every file of every checkpoint is
   byte-identical to the synchronous run's, `latest` names the last step, no staging folder or
   rank marker is left, and a run resumed from an asynchronously written checkpoint (itself
   saving asynchronously) ends bitwise equal to the unbroken synchronous run.
@@ -26,6 +26,8 @@ PLUGINS = {
     "zero2": ["--plugin", "zero2", "--micro_batch", "2", "--precision", "fp32"],
     "gemini": ["--plugin", "gemini", "--micro_batch", "2", "--precision", "fp32"],
     "hybrid": ["--plugin", "hybrid", "--tp", "2", "--micro_batch", "4", "--precision", "fp32"],
+    # Both stages write files into the step folder; the model folder is staged by the IO itself.
+    "hybrid_pp": ["--plugin", "hybrid", "--pp", "2", "--num_microbatches", "2", "--micro_batch", "4", "--precision", "fp32"],
 }
 # trainer_state.json records the run's config (which names --async_save): every other file.
 SKIP = {"trainer_state.json"}
