@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -97,12 +98,8 @@ void write_all(int fd, const void* data, size_t size, const std::string& path) {
 namespace {
 thread_local AsyncWriter* t_capture = nullptr;
 
-// Writes the in-memory file `mem` (its whole contents) to `path` atomically, then closes it.
+// Writes the in-memory file `mem` (its whole contents) to `path` atomically.
 void write_captured(int mem, const std::string& path, const std::string& tmp) {
-  struct Close {
-    int fd;
-    ~Close() { ::close(fd); }
-  } close_mem{mem};
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) {
     throw Error(str("cannot create ", tmp, ": ", errno_text(),
@@ -168,10 +165,15 @@ void AtomicFile::commit() {
   COLOSSAL_CHECK(fd_ >= 0 && !committed_, "AtomicFile ", path_, ": committed twice");
   if (captured_) {
     COLOSSAL_CHECK(t_capture, "AtomicFile ", path_, ": committed outside the capture it began in");
-    const int mem = fd_;
+    // The job owns the staged bytes: they are freed when it has run, or is dropped unrun (an
+    // earlier file of the save failed).
+    std::shared_ptr<int> mem(new int(fd_), [](int* fd) {
+      ::close(*fd);
+      delete fd;
+    });
     fd_ = -1;
     committed_ = true;
-    t_capture->enqueue([mem, path = path_, tmp = tmp_] { write_captured(mem, path, tmp); });
+    t_capture->enqueue([mem, path = path_, tmp = tmp_] { write_captured(*mem, path, tmp); });
     return;
   }
   if (::fsync(fd_) != 0) throw Error(str("fsync ", tmp_, " failed: ", errno_text()));
