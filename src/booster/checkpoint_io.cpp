@@ -37,17 +37,52 @@ void write_text_atomic(const std::string& path, const std::string& text) {
 
 void DataParallelCheckpointIO::save_model(ModelWrapper& model, const std::string& dir, bool shard,
                                           int64_t size_per_shard_mb) {
+  checkpoint::SaveOptions so;
+  so.shard = shard;
+  so.size_per_shard_mb = size_per_shard_mb;
+  if (model.streams_weights()) {
+    save_model_streamed(model, dir, so);
+    return;
+  }
   model.wait_weights();
   if (is_writer()) {
-    checkpoint::SaveOptions so;
-    so.shard = shard;
-    so.size_per_shard_mb = size_per_shard_mb;
     if (auto lm = std::dynamic_pointer_cast<models::CausalLM>(model.module_ptr())) {
       checkpoint::save_pretrained(*lm, dir, so);
     } else {
       checkpoint::save_state_dict(dir, checkpoint::module_state(model.module()), so);
     }
   }
+  barrier();
+}
+
+// Sharded weights (Gemini): one chunk gathered at a time, in the writer's order on every rank;
+// the writer copies each tensor out before the next gather may release its chunk.
+void DataParallelCheckpointIO::save_model_streamed(ModelWrapper& model, const std::string& dir,
+                                                   const checkpoint::SaveOptions& so) {
+  const checkpoint::TensorList state = checkpoint::module_state(model.module());
+  std::vector<checkpoint::TensorDecl> decls;
+  for (const auto& [n, t] : state) decls.push_back({n, t.scalar_type(), t.sizes().vec()});
+  const checkpoint::StatePlan plan = checkpoint::plan_state_dict(decls, so);
+  auto produce = [&](size_t i) {
+    model.read_weight(state[i].second);
+    return state[i].second.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
+  };
+  try {
+    if (is_writer()) {
+      if (auto lm = std::dynamic_pointer_cast<models::CausalLM>(model.module_ptr())) {
+        checkpoint::save_pretrained_streamed(*lm, dir, produce, so);
+      } else {
+        checkpoint::save_state_dict_streamed(dir, decls, produce, so);
+      }
+    } else {
+      for (const auto& file : plan.order)
+        for (size_t i : file) model.read_weight(state[i].second);
+    }
+  } catch (...) {
+    model.end_weight_reads();
+    throw;
+  }
+  model.end_weight_reads();
   barrier();
 }
 

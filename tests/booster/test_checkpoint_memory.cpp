@@ -24,6 +24,7 @@
 #include "colossal/booster/booster.h"
 #include "colossal/booster/plugins/factory.h"
 #include "colossal/checkpoint/atomic.h"
+#include "colossal/checkpoint/pretrained.h"
 #include "colossal/checkpoint/safetensors.h"
 #include "colossal/core/json.h"
 #include "colossal/models/llama/model.h"
@@ -242,6 +243,19 @@ void same_bytes_as_before(const std::string& name, const std::string& precision)
                                  {{"format", "colossal-optimizer"}});
   }
   r.booster->save_optimizer(*r.b.optimizer, dir + "/new");
+  // The model too (Gemini streams it chunk by chunk now; the old path gathered every chunk).
+  r.booster->save_model(*r.b.model, dir + "/new/model", /*shard=*/true, /*size_per_shard=*/1);
+  r.b.model->wait_weights();
+  if (dist::rank() == 0) {
+    checkpoint::SaveOptions so;
+    so.size_per_shard_mb = 1;
+    checkpoint::save_pretrained(*r.model, dir + "/old_model", so);
+    for (const auto& e : fs::directory_iterator(dir + "/old_model")) {
+      const std::string f = e.path().filename().string();
+      EXPECT_TRUE(read_bytes(e.path().string()) == read_bytes(dir + "/new/model/" + f))
+          << name << " " << precision << ": model file " << f << " differs";
+    }
+  }
   if (dist::rank() == 0) {
     const std::string a = read_bytes(dir + "/old.safetensors");
     const std::string b = read_bytes(dir + "/new/optimizer.safetensors");

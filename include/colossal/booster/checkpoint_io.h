@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 
+#include "colossal/checkpoint/hf.h"
 #include "colossal/checkpoint/safetensors.h"
 #include "colossal/core/json.h"
 #include "colossal/optim/optimizer.h"
@@ -74,6 +75,10 @@ class DataParallelCheckpointIO : public CheckpointIO {
   void load_optimizer(OptimizerWrapper& optimizer, const std::string& dir) override;
   void save_lr_scheduler(optim::LRScheduler& scheduler, const std::string& file) override;
   void load_lr_scheduler(optim::LRScheduler& scheduler, const std::string& file) override;
+
+ private:
+  void save_model_streamed(ModelWrapper& model, const std::string& dir,
+                           const checkpoint::SaveOptions& so);
 };
 
 }  // namespace colossal::booster

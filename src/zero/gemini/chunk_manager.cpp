@@ -508,6 +508,26 @@ void ChunkManager::release_all(bool write_back) {
   }
 }
 
+void ChunkManager::read_param(const at::Tensor& param) {
+  auto it = where_.find(param.unsafeGetTensorImpl());
+  if (it == where_.end()) return;  // in no chunk (a buffer): readable as it is
+  const int c = it->second.first;
+  if (c == read_chunk_) return;
+  end_reads();
+  finish_updates();
+  Chunk& ch = *chunks_[static_cast<size_t>(c)];
+  if (ch.gathered() && !ch.gather_in_flight()) return;  // gathered already: left as it is
+  ch.start_gather();
+  ch.wait_gather();
+  read_chunk_ = c;
+}
+
+void ChunkManager::end_reads() {
+  if (read_chunk_ < 0) return;
+  chunks_[static_cast<size_t>(read_chunk_)]->release(/*write_back=*/false);
+  read_chunk_ = -1;
+}
+
 // ---- hooks ------------------------------------------------------------------------------------
 
 namespace {

@@ -117,6 +117,12 @@ class ChunkManager {
   void gather_all();
   // Releases every sharded chunk that is not in use.
   void release_all(bool write_back);
+  // Streamed checkpoint reads (collective, same order on every rank): makes `param` readable,
+  // gathering its chunk (a tensor in no chunk is readable already), and releases the chunk the
+  // previous call gathered (if another); end_reads() releases the last one. Chunks gathered before
+  // stay as they are.
+  void read_param(const at::Tensor& param);
+  void end_reads();
 
   // Optimizer side.
   void bind_optimizer(std::shared_ptr<optim::Optimizer> inner);
@@ -190,6 +196,7 @@ class ChunkManager {
     int which;  // 0 master, 1 exp_avg, 2 exp_avg_sq
   };
   std::vector<PlanEntry> plan_;  // state_plan()
+  int read_chunk_ = -1;          // read_param(): the chunk it gathered, -1: none
 
   GeminiOptions options_;
   c10::optional<at::ScalarType> comm_dtype_;  // options_.communication_dtype parsed
