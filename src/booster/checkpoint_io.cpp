@@ -88,8 +88,20 @@ void DataParallelCheckpointIO::save_model_streamed(ModelWrapper& model, const st
 
 void DataParallelCheckpointIO::load_model(ModelWrapper& model, const std::string& path, bool strict,
                                           OptimizerWrapper* optimizer) {
-  model.wait_weights();  // a late all-gather must not overwrite the loaded weights
-  checkpoint::load_into_module(model.module(), checkpoint::load_state_dict(path), strict);
+  if (model.streams_weights()) {  // one chunk gathered at a time, written back on release
+    try {
+      checkpoint::load_into_module(
+          model.module(), checkpoint::load_state_dict(path), strict,
+          [&](const at::Tensor& dst) { model.read_weight(dst, /*write=*/true); });
+    } catch (...) {
+      model.end_weight_reads();
+      throw;
+    }
+    model.end_weight_reads();
+  } else {
+    model.wait_weights();  // a late all-gather must not overwrite the loaded weights
+    checkpoint::load_into_module(model.module(), checkpoint::load_state_dict(path), strict);
+  }
   // fp32 masters follow the loaded weights (ColossalAI's update_master_params).
   if (optimizer) optimizer->sync_masters_from_params();
 }

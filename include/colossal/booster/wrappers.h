@@ -49,12 +49,16 @@ class ModelWrapper {
   // Blocks until every in-flight update of the module's weights has landed (ZeRO's
   // overlap_allgather); Booster calls it before reading or writing weights outside forward.
   virtual void wait_weights() {}
-  // Weights held sharded (Gemini) are saved one group at a time instead of all gathered at once
-  // (bounded memory): streams_weights() says so; read_weight(p) makes parameter p readable on
-  // every rank (collective: every rank calls it for the same parameters in the same order),
-  // keeping at most one group (chunk) gathered beyond training; end_weight_reads() releases it.
+  // Weights held sharded (Gemini) are saved and loaded one group at a time instead of all
+  // gathered at once (bounded memory): streams_weights() says so; read_weight(p, write) makes
+  // parameter p readable (and, with write, writable: the change reaches the shards) on every
+  // rank (collective: every rank calls it for the same parameters in the same order), keeping
+  // at most one group (chunk) gathered beyond training; end_weight_reads() releases it.
   virtual bool streams_weights() const { return false; }
-  virtual void read_weight(const at::Tensor& param) { (void)param; }
+  virtual void read_weight(const at::Tensor& param, bool write = false) {
+    (void)param;
+    (void)write;
+  }
   virtual void end_weight_reads() {}
 
  private:

@@ -76,9 +76,11 @@ class GeminiModel : public ModelWrapper {
   bool require_grad_sync() const override { return sync_; }
   // Checkpoint save/load read and write the parameters: gather every chunk (collective).
   void wait_weights() override { manager->gather_all(); }
-  // Saves gather one chunk at a time instead.
+  // Saves and loads gather one chunk at a time instead.
   bool streams_weights() const override { return true; }
-  void read_weight(const at::Tensor& param) override { manager->read_param(param); }
+  void read_weight(const at::Tensor& param, bool write) override {
+    manager->read_param(param, write);
+  }
   void end_weight_reads() override { manager->end_reads(); }
 
   std::shared_ptr<zero::gemini::ChunkManager> manager;

@@ -121,7 +121,8 @@ class ChunkManager {
   // gathering its chunk (a tensor in no chunk is readable already), and releases the chunk the
   // previous call gathered (if another); end_reads() releases the last one. Chunks gathered before
   // stay as they are.
-  void read_param(const at::Tensor& param);
+  // write: the caller writes into the parameter; the change reaches the shard on release.
+  void read_param(const at::Tensor& param, bool write = false);
   void end_reads();
 
   // Optimizer side.
@@ -197,6 +198,7 @@ class ChunkManager {
   };
   std::vector<PlanEntry> plan_;  // state_plan()
   int read_chunk_ = -1;          // read_param(): the chunk it gathered, -1: none
+  bool read_write_ = false;      // ... and whether it was written
 
   GeminiOptions options_;
   c10::optional<at::ScalarType> comm_dtype_;  // options_.communication_dtype parsed
