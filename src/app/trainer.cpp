@@ -19,7 +19,9 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <optional>
 #include <system_error>
+#include <thread>
 #include <vector>
 
 #include "colossal/app/run_dir.h"
@@ -82,6 +84,9 @@ void TrainConfig::register_options(OptionSet& s) {
   s.add("checkpoint", "save_dir", &save_dir, "folder for training checkpoints (step-N/ and latest)")
       .add("checkpoint", "save_every", &save_every,
            "save every N optimizer steps (0: at the end only)")
+      .add("checkpoint", "async_save", &async_save,
+           "write checkpoints in a background thread while training goes on (needs host memory "
+           "for what each rank writes)")
       .add("checkpoint", "resume", &resume,
            "continue from a checkpoint folder (a step-N/ or a save_dir)")
       .add("checkpoint", "metrics_file", &metrics_file,
@@ -304,6 +309,11 @@ class Trainer {
   bool model_is_finite() const;
   std::string save(int64_t step);
   void write_trainer_state(const std::string& path, int64_t step) const;
+  // --async_save: waits until the previous checkpoint is written and published (rethrows its
+  // error); then queues this save's publication (commit_async).
+  void finish_async_save();
+  void commit_async(std::unique_ptr<checkpoint::StagedDirectory> staged, const std::string& path,
+                    int64_t step);
 
   const TrainConfig& c_;
   const json::Value& config_json_;
@@ -869,6 +879,7 @@ std::string Trainer::save(int64_t step) {
                     ": the model's parameters are not all finite (the run diverged); latest "
                     "keeps naming the last finite checkpoint"));
   }
+  if (c_.async_save) finish_async_save();  // one checkpoint in host memory at a time
   std::string target = c_.save_dir + "/" + step_dir_name(step);
   std::unique_ptr<checkpoint::StagedDirectory> staged;
   // Every rank writes into the same staging folder (pipeline stages write their own files);
@@ -881,11 +892,21 @@ std::string Trainer::save(int64_t step) {
     COLOSSAL_CHECK(staged->path() == path, "checkpoint staging folder ", staged->path(),
                    " is not the one every rank writes to (", path, ")");
   }
+  // --async_save: every file below is staged in memory and written by the Booster's writer.
+  std::optional<checkpoint::WriteCapture> capture;
+  if (c_.async_save) capture.emplace(booster_->async_writer());
   booster_->save_model(*boosted_.model, path + "/model");
   booster_->save_optimizer(*boosted_.optimizer, path);
   booster_->save_lr_scheduler(*boosted_.lr_scheduler, path + "/scheduler.json");
   if (rank0_) {
     write_trainer_state(path, step);
+  }
+  if (c_.async_save) {
+    capture.reset();
+    commit_async(std::move(staged), path, step);
+    return target;
+  }
+  if (rank0_) {
     staged->commit();
     write_text_atomic(c_.save_dir + "/latest", step_dir_name(step) + "\n");
     log_info("saved checkpoint ", target);
@@ -894,6 +915,52 @@ std::string Trainer::save(int64_t step) {
   }
   if (distributed_ && dist::world_size() > 1) dist::world_cpu().barrier();
   return target;
+}
+
+// ---- --async_save ----
+
+void Trainer::finish_async_save() {
+  booster_->async_writer().wait();
+}
+
+// Queued behind this rank's files: a marker that they are written; rank 0 then waits for every
+// rank's marker (files of several ranks share the folder), drops the markers, publishes the
+// folders the IO staged and the step folder, and moves `latest`. A rank killed before its marker
+// leaves the step unpublished and the previous `latest` intact.
+void Trainer::commit_async(std::unique_ptr<checkpoint::StagedDirectory> staged,
+                           const std::string& path, int64_t step) {
+  const int rank = distributed_ ? dist::rank() : 0;
+  const int world = distributed_ ? dist::world_size() : 1;
+  const auto timeout = distributed_ ? dist::world().timeout() : std::chrono::milliseconds(0);
+  auto commits = booster_->async_writer().take_deferred_commits();
+  std::shared_ptr<checkpoint::StagedDirectory> st(std::move(staged));
+  auto marker = [path](int r) { return str(path, "/.written-rank", r); };
+  booster_->async_writer().enqueue(
+      [=, commits = std::move(commits), save_dir = c_.save_dir, keep_last = c_.keep_last] {
+        write_text_atomic(marker(rank), "");
+        if (rank != 0 && commits.empty()) return;
+        const auto deadline = std::chrono::steady_clock::now() + timeout;
+        for (int r = 0; r < world; ++r) {
+          while (!fs::exists(marker(r))) {
+            COLOSSAL_CHECK(std::chrono::steady_clock::now() < deadline || world == 1,
+                           "asynchronous save of step ", step, ": rank ", r,
+                           " did not finish writing its files; the checkpoint is not published");
+            std::this_thread::sleep_for(std::chrono::milliseconds(2));
+          }
+        }
+        if (rank != 0) {
+          for (const auto& c : commits) c();
+          return;
+        }
+        for (int r = 0; r < world; ++r) fs::remove(marker(r));
+        for (const auto& c : commits) c();
+        st->commit();
+        write_text_atomic(save_dir + "/latest", step_dir_name(step) + "\n");
+        log_info("saved checkpoint ", st->target(), " (written in the background)");
+        // --keep_last after `latest` names the new step (the lock is rank 0's for the whole run).
+        for (const auto& name : prune_steps(save_dir, keep_last))
+          log_info("keep_last ", keep_last, ": removed ", save_dir, "/", name);
+      });
 }
 
 TrainResult Trainer::run() {
@@ -948,9 +1015,13 @@ TrainResult Trainer::run() {
       throw Error(
           str("cannot write the metrics file ", c_.metrics_file, ": ", std::strerror(errno)));
   }
-  if (result.stop_signal != 0) return result;
-  if (!c_.save_dir.empty() && (start_ < c_.steps || c_.resume.empty()))
+  if (result.stop_signal == 0 && !c_.save_dir.empty() && (start_ < c_.steps || c_.resume.empty()))
     result.last_checkpoint = save(c_.steps);
+  if (c_.async_save) {
+    // The last checkpoint (also a signal's) is on disk and published before the run ends.
+    finish_async_save();
+    if (distributed_ && dist::world_size() > 1) dist::world_cpu().barrier();
+  }
   return result;
 }
 

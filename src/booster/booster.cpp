@@ -6,6 +6,7 @@
 #include <torch/nn/module.h>
 
 #include "colossal/booster/plugins/ddp_plugin.h"
+#include "colossal/dist/runtime.h"
 
 namespace colossal::booster {
 
@@ -91,31 +92,79 @@ PipelineOutput Booster::execute_pipeline(const BatchIterator& data_iter, ModelWr
                                    return_outputs, step);
 }
 
+checkpoint::AsyncWriter& Booster::async_writer() {
+  if (!async_) async_ = std::make_unique<checkpoint::AsyncWriter>();
+  return *async_;
+}
+
+void Booster::wait_async_save() {
+  if (!async_pending_) return;
+  async_pending_ = false;
+  std::exception_ptr error;
+  try {
+    async_->wait();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  // Folders may hold files of several ranks: publish them once every rank has written its own.
+  // A rank whose writes failed says so, and then no rank publishes.
+  at::Tensor failed = at::full({1}, error ? 1 : 0, at::kInt);
+  const bool multi = dist::is_initialized() && dist::world_size() > 1;
+  if (multi) dist::world_cpu().all_reduce(failed, dist::ReduceOp::Max);
+  auto commits = async_->take_deferred_commits();
+  if (error) std::rethrow_exception(error);
+  COLOSSAL_CHECK(failed.item<int>() == 0,
+                 "asynchronous checkpoint save failed on another rank: nothing was published");
+  if (!multi || dist::rank() == 0)
+    for (auto& c : commits) c();
+  if (multi) dist::world_cpu().barrier();
+}
+
+namespace {
+// Runs `save` with this thread's checkpoint writes going to `writer` (use_async) or the disk.
+template <class F>
+void maybe_async(checkpoint::AsyncWriter* writer, const F& save) {
+  if (!writer) return save();
+  checkpoint::WriteCapture capture(*writer);
+  save();
+}
+}  // namespace
+
 void Booster::save_model(ModelWrapper& model, const std::string& dir, bool shard,
-                         int64_t size_per_shard) {
+                         int64_t size_per_shard, bool use_async) {
   COLOSSAL_CHECK_INPUT(size_per_shard > 0, "save_model: size_per_shard must be > 0 MB, got ",
                        size_per_shard);
-  checkpoint_io_->save_model(model, dir, shard, size_per_shard);
+  if (use_async) async_pending_ = true;
+  maybe_async(use_async ? &async_writer() : nullptr,
+              [&] { checkpoint_io_->save_model(model, dir, shard, size_per_shard); });
 }
 
 void Booster::load_model(ModelWrapper& model, const std::string& path, bool strict,
                          OptimizerWrapper* optimizer) {
+  wait_async_save();
   checkpoint_io_->load_model(model, path, strict, optimizer);
 }
 
-void Booster::save_optimizer(OptimizerWrapper& optimizer, const std::string& dir) {
-  checkpoint_io_->save_optimizer(optimizer, dir);
+void Booster::save_optimizer(OptimizerWrapper& optimizer, const std::string& dir, bool use_async) {
+  if (use_async) async_pending_ = true;
+  maybe_async(use_async ? &async_writer() : nullptr,
+              [&] { checkpoint_io_->save_optimizer(optimizer, dir); });
 }
 
 void Booster::load_optimizer(OptimizerWrapper& optimizer, const std::string& dir) {
+  wait_async_save();
   checkpoint_io_->load_optimizer(optimizer, dir);
 }
 
-void Booster::save_lr_scheduler(optim::LRScheduler& scheduler, const std::string& file) {
-  checkpoint_io_->save_lr_scheduler(scheduler, file);
+void Booster::save_lr_scheduler(optim::LRScheduler& scheduler, const std::string& file,
+                                bool use_async) {
+  if (use_async) async_pending_ = true;
+  maybe_async(use_async ? &async_writer() : nullptr,
+              [&] { checkpoint_io_->save_lr_scheduler(scheduler, file); });
 }
 
 void Booster::load_lr_scheduler(optim::LRScheduler& scheduler, const std::string& file) {
+  wait_async_save();
   checkpoint_io_->load_lr_scheduler(scheduler, file);
 }
 

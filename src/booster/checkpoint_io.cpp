@@ -37,11 +37,15 @@ void write_text_atomic(const std::string& path, const std::string& text) {
 
 void DataParallelCheckpointIO::save_model(ModelWrapper& model, const std::string& dir, bool shard,
                                           int64_t size_per_shard_mb) {
+  checkpoint::SaveOptions so;
+  so.shard = shard;
+  so.size_per_shard_mb = size_per_shard_mb;
+  if (model.streams_weights()) {
+    save_model_streamed(model, dir, so);
+    return;
+  }
   model.wait_weights();
   if (is_writer()) {
-    checkpoint::SaveOptions so;
-    so.shard = shard;
-    so.size_per_shard_mb = size_per_shard_mb;
     if (auto lm = std::dynamic_pointer_cast<models::CausalLM>(model.module_ptr())) {
       checkpoint::save_pretrained(*lm, dir, so);
     } else {
@@ -51,35 +55,94 @@ void DataParallelCheckpointIO::save_model(ModelWrapper& model, const std::string
   barrier();
 }
 
+// Sharded weights (Gemini): one chunk gathered at a time, in the writer's order on every rank;
+// the writer copies each tensor out before the next gather may release its chunk.
+void DataParallelCheckpointIO::save_model_streamed(ModelWrapper& model, const std::string& dir,
+                                                   const checkpoint::SaveOptions& so) {
+  const checkpoint::TensorList state = checkpoint::module_state(model.module());
+  std::vector<checkpoint::TensorDecl> decls;
+  for (const auto& [n, t] : state) decls.push_back({n, t.scalar_type(), t.sizes().vec()});
+  const checkpoint::StatePlan plan = checkpoint::plan_state_dict(decls, so);
+  auto produce = [&](size_t i) {
+    model.read_weight(state[i].second);
+    return state[i].second.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
+  };
+  try {
+    if (is_writer()) {
+      if (auto lm = std::dynamic_pointer_cast<models::CausalLM>(model.module_ptr())) {
+        checkpoint::save_pretrained_streamed(*lm, dir, produce, so);
+      } else {
+        checkpoint::save_state_dict_streamed(dir, decls, produce, so);
+      }
+    } else {
+      for (const auto& file : plan.order)
+        for (size_t i : file) model.read_weight(state[i].second);
+    }
+  } catch (...) {
+    model.end_weight_reads();
+    throw;
+  }
+  model.end_weight_reads();
+  barrier();
+}
+
 void DataParallelCheckpointIO::load_model(ModelWrapper& model, const std::string& path, bool strict,
                                           OptimizerWrapper* optimizer) {
-  model.wait_weights();  // a late all-gather must not overwrite the loaded weights
-  checkpoint::load_into_module(model.module(), checkpoint::load_state_dict(path), strict);
+  if (model.streams_weights()) {  // one chunk gathered at a time, written back on release
+    try {
+      checkpoint::load_into_module(
+          model.module(), checkpoint::load_state_dict(path), strict,
+          [&](const at::Tensor& dst) { model.read_weight(dst, /*write=*/true); });
+    } catch (...) {
+      model.end_weight_reads();
+      throw;
+    }
+    model.end_weight_reads();
+  } else {
+    model.wait_weights();  // a late all-gather must not overwrite the loaded weights
+    checkpoint::load_into_module(model.module(), checkpoint::load_state_dict(path), strict);
+  }
   // fp32 masters follow the loaded weights (ColossalAI's update_master_params).
   if (optimizer) optimizer->sync_masters_from_params();
 }
 
+bool FileStateSource::find(const std::string& name, std::vector<int64_t>* shape) const {
+  const checkpoint::TensorInfo* info = reader_.find(name);
+  if (!info) return false;
+  if (shape) *shape = info->shape;
+  return true;
+}
+
+void FileStateSource::read(const std::string& name, int64_t begin, const at::Tensor& out) const {
+  reader_.read_slice(name, begin, out);
+}
+
 void DataParallelCheckpointIO::save_optimizer(OptimizerWrapper& optimizer, const std::string& dir) {
-  optim::StateDict sd = optimizer.full_state_dict();  // collective under ZeRO
+  OptimizerWrapper::FullStatePlan plan = optimizer.full_state_plan();
+  // Checked on every rank before the first gather, so a bad dtype fails everywhere at once
+  // instead of leaving the other ranks waiting in a gather.
+  for (const auto& d : plan.tensors) checkpoint::dtype_to_safetensors(d.dtype);
   if (is_writer()) {
     std::filesystem::create_directories(dir);
-    json::Value scalars = sd.scalars;
+    checkpoint::SafetensorsStreamWriter w(dir + "/optimizer.safetensors", plan.tensors,
+                                          {{"format", "colossal-optimizer"}});
+    while (!w.done()) w.write_next(optimizer.full_state_tensor(plan, w.next_index()));
+    w.finish();
+    json::Value scalars = plan.scalars;
     scalars.set("wrapper", optimizer.state());
-    checkpoint::TensorList tensors;
-    for (auto& [n, t] : sd.tensors) tensors.emplace_back(n, t.detach().to(at::kCPU));
-    checkpoint::save_safetensors(dir + "/optimizer.safetensors", tensors,
-                                 {{"format", "colossal-optimizer"}});
     write_text_atomic(dir + "/optimizer.json", scalars.dump(2));
+  } else {
+    // The writer's order (file order), one collective per tensor.
+    for (size_t i : checkpoint::safetensors_file_order(plan.tensors))
+      optimizer.full_state_tensor(plan, i);
   }
   barrier();
 }
 
 void DataParallelCheckpointIO::load_optimizer(OptimizerWrapper& optimizer, const std::string& dir) {
-  optim::StateDict sd;
-  sd.tensors = checkpoint::load_safetensors(dir + "/optimizer.safetensors");
-  sd.scalars = json::parse_file(dir + "/optimizer.json");
-  optimizer.load_full_state_dict(sd);
-  if (const json::Value* w = sd.scalars.find("wrapper")) optimizer.load_state(*w);
+  FileStateSource source(dir + "/optimizer.safetensors", json::parse_file(dir + "/optimizer.json"));
+  optimizer.load_full_state(source);
+  if (const json::Value* w = source.scalars().find("wrapper")) optimizer.load_state(*w);
 }
 
 void DataParallelCheckpointIO::save_lr_scheduler(optim::LRScheduler& scheduler,

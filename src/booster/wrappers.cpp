@@ -104,6 +104,27 @@ void OptimizerWrapper::load_full_state_dict(const optim::StateDict& state) {
   optimizer_->load_state_dict(state);
 }
 
+OptimizerWrapper::FullStatePlan OptimizerWrapper::full_state_plan() {
+  optim::StateDict sd = optimizer_->state_dict();  // references to the state, no copies
+  FullStatePlan plan;
+  plan.scalars = std::move(sd.scalars);
+  for (auto& [name, t] : sd.tensors) {
+    plan.tensors.push_back({name, t.scalar_type(), t.sizes().vec()});
+    plan.held.push_back(t);
+  }
+  return plan;
+}
+
+at::Tensor OptimizerWrapper::full_state_tensor(const FullStatePlan& plan, size_t i) {
+  COLOSSAL_CHECK(i < plan.held.size(), "full_state_tensor: tensor ", i, " of a plan of ",
+                 plan.held.size());
+  return plan.held[i].detach();
+}
+
+void OptimizerWrapper::load_full_state(const optim::StateSource& source) {
+  optimizer_->load_state(source);
+}
+
 void OptimizerWrapper::sync_masters_from_params() {
   optimizer_->sync_masters_from_params();
 }

@@ -293,7 +293,8 @@ TensorList module_state(const torch::nn::Module& module) {
   return out;
 }
 
-void load_into_module(torch::nn::Module& module, const TensorList& tensors, bool strict) {
+void load_into_module(torch::nn::Module& module, const TensorList& tensors, bool strict,
+                      const std::function<void(const at::Tensor& dst)>& before_copy) {
   TensorList state = module_state(module);
   std::unordered_map<std::string, at::Tensor> targets;
   for (const auto& [n, t] : state) targets.emplace(n, t);
@@ -331,7 +332,11 @@ void load_into_module(torch::nn::Module& module, const TensorList& tensors, bool
   at::NoGradGuard no_grad;
   for (auto& [n, dst] : state) {
     auto it = source.find(n);
-    if (it != source.end()) dst.copy_(*it->second);
+    if (it == source.end()) continue;
+    if (before_copy) before_copy(dst);
+    dst.copy_(*it->second);
+    // A mapped file's pages go back once copied: a load holds one tensor, not the file.
+    release_mapped_pages(*it->second);
   }
 }
 

@@ -4,8 +4,8 @@
 #include <ATen/ATen.h>
 
 #include <filesystem>
-#include <fstream>
 
+#include "colossal/checkpoint/atomic.h"
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
 #include "colossal/models/llama/model.h"
@@ -57,8 +57,10 @@ std::shared_ptr<models::CausalLM> load_pretrained(const std::string& dir,
   return model;
 }
 
-void save_pretrained(const models::CausalLM& model, const std::string& dir,
-                     const SaveOptions& opts) {
+namespace {
+void save_pretrained_impl(const models::CausalLM& model, const std::string& dir,
+                          const SaveOptions& opts,
+                          const std::function<at::Tensor(size_t)>* produce) {
   COLOSSAL_CHECK(model.whole(), "save_pretrained needs the whole model (this one holds blocks [",
                  model.first_block(), ", ", model.end_block(), "))");
   TensorList state = module_state(model);
@@ -70,16 +72,29 @@ void save_pretrained(const models::CausalLM& model, const std::string& dir,
   models::ModelConfig cfg = model.config();
   cfg.dtype = hf_dtype_name(state.front().second.scalar_type());
   fs::create_directories(dir);
-  save_state_dict(dir, state, opts);
-  const std::string path = (fs::path(dir) / "config.json").string();
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    COLOSSAL_CHECK_INPUT(f, "cannot write ", tmp);
-    f << cfg.to_json().dump(2) << "\n";
-    COLOSSAL_CHECK_INPUT(f.good(), "cannot write ", tmp);
+  if (produce) {
+    std::vector<TensorDecl> decls;
+    for (const auto& [n, t] : state) decls.push_back({n, t.scalar_type(), t.sizes().vec()});
+    save_state_dict_streamed(dir, decls, *produce, opts);
+  } else {
+    save_state_dict(dir, state, opts);
   }
-  fs::rename(tmp, path);
+  const std::string path = (fs::path(dir) / "config.json").string();
+  // Through write_file_atomic like the weights, so an asynchronous save stages it too.
+  const std::string text = cfg.to_json().dump(2) + "\n";
+  write_file_atomic(path, [&](int fd) { write_all(fd, text.data(), text.size(), path); });
+}
+}  // namespace
+
+void save_pretrained(const models::CausalLM& model, const std::string& dir,
+                     const SaveOptions& opts) {
+  save_pretrained_impl(model, dir, opts, nullptr);
+}
+
+void save_pretrained_streamed(const models::CausalLM& model, const std::string& dir,
+                              const std::function<at::Tensor(size_t)>& produce,
+                              const SaveOptions& opts) {
+  save_pretrained_impl(model, dir, opts, &produce);
 }
 
 }  // namespace colossal::checkpoint

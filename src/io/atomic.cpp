@@ -4,12 +4,15 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <stdio.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "colossal/core/error.h"
@@ -92,8 +95,54 @@ void write_all(int fd, const void* data, size_t size, const std::string& path) {
   }
 }
 
+namespace {
+thread_local AsyncWriter* t_capture = nullptr;
+
+// Writes the in-memory file `mem` (its whole contents) to `path` atomically.
+void write_captured(int mem, const std::string& path, const std::string& tmp) {
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    throw Error(str("cannot create ", tmp, ": ", errno_text(),
+                    " (does the folder exist and is it writable?)"));
+  }
+  try {
+    std::vector<char> buf(size_t{8} << 20);
+    off_t off = 0;
+    while (true) {
+      ssize_t n = ::pread(mem, buf.data(), buf.size(), off);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) throw Error(str("cannot read the staged bytes of ", path, ": ", errno_text()));
+      if (n == 0) break;
+      write_all(fd, buf.data(), static_cast<size_t>(n), tmp);
+      off += n;
+    }
+    if (::fsync(fd) != 0) throw Error(str("fsync ", tmp, " failed: ", errno_text()));
+  } catch (...) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  if (::close(fd) != 0) {
+    ::unlink(tmp.c_str());
+    throw Error(str("cannot close ", tmp, ": ", errno_text()));
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    int err = errno;
+    ::unlink(tmp.c_str());
+    throw Error(str("cannot rename ", tmp, " to ", path, ": ", std::strerror(err)));
+  }
+  fsync_path(parent_of(path));
+}
+}  // namespace
+
 AtomicFile::AtomicFile(std::string path) : path_(std::move(path)) {
   tmp_ = str(path_, ".tmp-", ::getpid());
+  if (t_capture) {
+    captured_ = true;
+    fd_ = ::memfd_create("colossal-async-save", MFD_CLOEXEC);
+    if (fd_ < 0) throw Error(str("cannot stage ", path_, " in memory: ", errno_text()));
+    return;
+  }
   fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd_ < 0) {
     throw Error(str("cannot create ", tmp_, ": ", errno_text(),
@@ -104,7 +153,7 @@ AtomicFile::AtomicFile(std::string path) : path_(std::move(path)) {
 AtomicFile::~AtomicFile() {
   if (committed_) return;
   if (fd_ >= 0) ::close(fd_);
-  ::unlink(tmp_.c_str());
+  if (!captured_) ::unlink(tmp_.c_str());
 }
 
 void AtomicFile::write(const void* data, size_t size) {
@@ -114,6 +163,19 @@ void AtomicFile::write(const void* data, size_t size) {
 
 void AtomicFile::commit() {
   COLOSSAL_CHECK(fd_ >= 0 && !committed_, "AtomicFile ", path_, ": committed twice");
+  if (captured_) {
+    COLOSSAL_CHECK(t_capture, "AtomicFile ", path_, ": committed outside the capture it began in");
+    // The job owns the staged bytes: they are freed when it has run, or is dropped unrun (an
+    // earlier file of the save failed).
+    std::shared_ptr<int> mem(new int(fd_), [](int* fd) {
+      ::close(*fd);
+      delete fd;
+    });
+    fd_ = -1;
+    committed_ = true;
+    t_capture->enqueue([mem, path = path_, tmp = tmp_] { write_captured(*mem, path, tmp); });
+    return;
+  }
   if (::fsync(fd_) != 0) throw Error(str("fsync ", tmp_, " failed: ", errno_text()));
   int rc = ::close(fd_);
   fd_ = -1;
@@ -150,8 +212,24 @@ StagedDirectory::~StagedDirectory() {
   if (!remove_tree(staging_, &err)) log_warn("could not remove staging folder: ", err);
 }
 
+namespace {
+void commit_staged(const std::string& staging_, const std::string& target_);
+}
+
 void StagedDirectory::commit() {
   COLOSSAL_CHECK(!committed_, "StagedDirectory::commit called twice for ", target_);
+  if (t_capture) {
+    committed_ = true;  // the AsyncWriter owns the swap now: the destructor keeps the folder
+    t_capture->defer_commit(
+        [staging = staging_, target = target_] { commit_staged(staging, target); });
+    return;
+  }
+  commit_staged(staging_, target_);
+  committed_ = true;
+}
+
+namespace {
+void commit_staged(const std::string& staging_, const std::string& target_) {
   // Make every staged file durable before the swap publishes them.
   for (const auto& e : fs::recursive_directory_iterator(staging_)) {
     if (e.is_regular_file() || e.is_directory()) fsync_path(e.path().string());
@@ -186,12 +264,105 @@ void StagedDirectory::commit() {
       }
     }
   }
-  committed_ = true;
   fsync_path(parent_of(target_));
   if (!old.empty()) {
     std::string err;
     if (!remove_tree(old, &err)) log_warn("could not remove previous checkpoint folder: ", err);
   }
+}
+}  // namespace
+
+// ---- AsyncWriter ----
+
+AsyncWriter::AsyncWriter() : thread_([this] { loop(); }) {}
+
+AsyncWriter::~AsyncWriter() {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return queue_.empty() && !running_; });
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+  if (error_) {
+    try {
+      std::rethrow_exception(error_);
+    } catch (const std::exception& e) {
+      log_error("asynchronous checkpoint save failed (nothing committed): ", e.what());
+    }
+  }
+}
+
+void AsyncWriter::loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stop_
+    std::function<void()> job = std::move(queue_.front());
+    queue_.pop_front();
+    const bool skip = static_cast<bool>(error_);
+    running_ = true;
+    lock.unlock();
+    std::exception_ptr err;
+    if (!skip) {
+      try {
+        job();
+      } catch (...) {
+        err = std::current_exception();
+      }
+    }
+    job = nullptr;  // its staged bytes are freed before the next job
+    lock.lock();
+    running_ = false;
+    if (err && !error_) error_ = err;
+    cv_.notify_all();
+  }
+}
+
+void AsyncWriter::enqueue(std::function<void()> job) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(job));
+  }
+  cv_.notify_all();
+}
+
+void AsyncWriter::wait() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return queue_.empty() && !running_; });
+  if (error_) {
+    std::exception_ptr e = error_;
+    error_ = nullptr;
+    deferred_.clear();  // a folder missing a file must never be published
+    std::rethrow_exception(e);
+  }
+}
+
+bool AsyncWriter::idle() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return queue_.empty() && !running_;
+}
+
+void AsyncWriter::defer_commit(std::function<void()> commit) {
+  std::lock_guard<std::mutex> lock(mu_);
+  deferred_.push_back(std::move(commit));
+}
+
+std::vector<std::function<void()>> AsyncWriter::take_deferred_commits() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::exchange(deferred_, {});
+}
+
+WriteCapture::WriteCapture(AsyncWriter& writer) : previous_(t_capture) {
+  t_capture = &writer;
+}
+
+WriteCapture::~WriteCapture() {
+  t_capture = previous_;
+}
+
+AsyncWriter* WriteCapture::active() {
+  return t_capture;
 }
 
 }  // namespace colossal::checkpoint

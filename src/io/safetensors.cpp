@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cstring>
 #include <exception>
+#include <map>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -161,13 +162,39 @@ struct Header {
 };
 }  // namespace
 
+namespace {
+// The live mappings, so release_mapped_pages() can tell a view of one from any other tensor.
+std::mutex& mappings_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::map<uintptr_t, uintptr_t>& mappings() {  // begin -> end
+  static std::map<uintptr_t, uintptr_t> m;
+  return m;
+}
+
+// Gives whole pages of [p, p + bytes), clipped to the mapping [lo, hi), back to the kernel.
+void drop_pages(uintptr_t p, size_t bytes, uintptr_t lo, uintptr_t hi) {
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t a = std::max(lo, p & ~(page - 1));
+  const uintptr_t b = std::min(hi, (p + bytes + page - 1) & ~(page - 1));
+  if (b > a) ::madvise(reinterpret_cast<void*>(a), b - a, MADV_DONTNEED);
+}
+}  // namespace
+
 struct SafetensorsReader::Impl : Header {
   std::unordered_map<std::string, size_t> index;
   void* map = nullptr;  // the whole file, MAP_PRIVATE (writes are copy-on-write, never reach disk)
   size_t map_size = 0;
 
   ~Impl() {
-    if (map) ::munmap(map, map_size);
+    if (map) {
+      {
+        std::lock_guard<std::mutex> lock(mappings_mutex());
+        mappings().erase(reinterpret_cast<uintptr_t>(map));
+      }
+      ::munmap(map, map_size);
+    }
   }
 };
 
@@ -288,6 +315,8 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : impl_(std::make_
     void* m = ::mmap(nullptr, impl_->map_size, PROT_READ | PROT_WRITE, MAP_PRIVATE, f.fd, 0);
     if (m == MAP_FAILED) throw Error(str("cannot mmap ", path, ": ", std::strerror(errno)));
     impl_->map = m;
+    std::lock_guard<std::mutex> lock(mappings_mutex());
+    mappings()[reinterpret_cast<uintptr_t>(m)] = reinterpret_cast<uintptr_t>(m) + impl_->map_size;
   }
 }
 
@@ -324,6 +353,45 @@ at::Tensor SafetensorsReader::get(const std::string& name) const {
   std::shared_ptr<Impl> keep = impl_;
   return at::from_blob(
       ptr, info->shape, [keep](void*) mutable { keep.reset(); }, options);
+}
+
+void SafetensorsReader::read_slice(const std::string& name, int64_t begin,
+                                   const at::Tensor& out) const {
+  const TensorInfo* info = find(name);
+  COLOSSAL_CHECK_INPUT(info, impl_->path, ": no tensor named \"", name, "\"");
+  const size_t item = c10::elementSize(info->dtype);
+  const int64_t numel = static_cast<int64_t>((info->end - info->begin) / item);
+  const int64_t n = out.numel();
+  COLOSSAL_CHECK(begin >= 0 && begin + n <= numel, impl_->path, ": ", name, ": elements [", begin,
+                 ", ", begin + n, ") requested of ", numel);
+  if (n == 0) return;
+  char* ptr = static_cast<char*>(impl_->map) + impl_->data_start + info->begin +
+              static_cast<uint64_t>(begin) * item;
+  const size_t bytes = static_cast<size_t>(n) * item;
+  auto options = at::TensorOptions().dtype(info->dtype).device(at::kCPU);
+  if (reinterpret_cast<uintptr_t>(ptr) % item != 0) {
+    at::Tensor t = at::empty({n}, options);
+    std::memcpy(t.data_ptr(), ptr, bytes);
+    out.copy_(t.view(out.sizes()));
+  } else {
+    out.copy_(at::from_blob(ptr, out.sizes(), options));
+  }
+  // A page shared with a neighbouring tensor is read again from the file when next touched.
+  const uintptr_t base = reinterpret_cast<uintptr_t>(impl_->map);
+  drop_pages(reinterpret_cast<uintptr_t>(ptr), bytes, base, base + impl_->map_size);
+}
+
+bool release_mapped_pages(const at::Tensor& t) {
+  if (!t.defined() || !t.device().is_cpu() || t.numel() == 0 || !t.is_contiguous()) return false;
+  const uintptr_t p = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  std::lock_guard<std::mutex> lock(mappings_mutex());
+  auto it = mappings().upper_bound(p);
+  if (it == mappings().begin()) return false;
+  --it;
+  if (p + bytes > it->second) return false;
+  drop_pages(p, bytes, it->first, it->second);
+  return true;
 }
 
 TensorList load_safetensors(const std::string& path, Metadata* metadata) {

@@ -243,50 +243,93 @@ std::vector<GroupOptions> read_state_groups(const StateDict& sd, const Optimizer
   return out;
 }
 
+StateDictSource::StateDictSource(const StateDict& sd) : sd_(sd) {
+  for (auto& [n, t] : sd.tensors) by_name_[n] = &t;
+}
+
+bool StateDictSource::find(const std::string& name, std::vector<int64_t>* shape) const {
+  auto it = by_name_.find(name);
+  if (it == by_name_.end()) return false;
+  if (shape) *shape = it->second->sizes().vec();
+  return true;
+}
+
+void StateDictSource::read(const std::string& name, int64_t begin, const at::Tensor& out) const {
+  auto it = by_name_.find(name);
+  COLOSSAL_CHECK_INPUT(it != by_name_.end(), "optimizer state lacks tensor '", name, "'");
+  at::Tensor flat = it->second->reshape({-1}).narrow(0, begin, out.numel());
+  out.copy_(flat.view(out.sizes()));
+}
+
 void Optimizer::load_state_dict(const StateDict& sd) {
+  load_state(StateDictSource(sd));
+}
+
+void Optimizer::load_state(const StateSource& src) {
   c10::NoGradGuard no_grad;
-  std::vector<GroupOptions> new_opts = read_state_groups(sd, *this);
-  const auto& s = sd.scalars;
-  std::map<std::string, const at::Tensor*> by_name;
-  for (auto& [n, tensor] : sd.tensors) by_name[n] = &tensor;
-  const json::Value& steps = s.at("steps");
+  StateDict header;
+  header.scalars = src.scalars();
+  std::vector<GroupOptions> new_opts = read_state_groups(header, *this);
+  const json::Value& steps = header.scalars.at("steps");
+  // Every name and shape first: nothing changes unless the whole state fits.
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    auto& g = groups_[gi];
+    for (size_t i = 0; i < g.names.size(); ++i) {
+      const std::string& n = g.names[i];
+      auto check = [&](const std::string& key) {
+        std::vector<int64_t> shape;
+        COLOSSAL_CHECK_INPUT(src.find(n + "." + key, &shape), "optimizer state lacks tensor '", n,
+                             ".", key, "'");
+        COLOSSAL_CHECK_INPUT(at::IntArrayRef(shape) == g.params[i].sizes(),
+                             "optimizer state tensor '", n, ".", key, "' has shape ",
+                             at::IntArrayRef(shape), " but parameter '", n, "' needs ",
+                             g.params[i].sizes());
+      };
+      if (masters_.count(n) && src.find(n + ".master", nullptr)) check("master");
+      const json::Value* st = steps.find(n);
+      if (!st) continue;
+      st->as_int("steps." + n);
+      for (const auto& key : state_keys(new_opts[gi])) check(key);
+    }
+  }
   std::map<std::string, ParamState> new_state;
-  std::map<std::string, at::Tensor> new_masters = masters_;
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     auto& g = groups_[gi];
     for (size_t i = 0; i < g.names.size(); ++i) {
       const std::string& n = g.names[i];
       const at::Tensor& p = g.params[i];
-      auto m = new_masters.find(n);
-      at::Tensor target = m != new_masters.end() ? m->second : p.detach();
-      auto load = [&](const std::string& key, const at::Tensor& like) {
-        auto it = by_name.find(n + "." + key);
-        COLOSSAL_CHECK_INPUT(it != by_name.end(), "optimizer state lacks tensor '", n, ".", key,
-                             "'");
-        const at::Tensor& src = *it->second;
-        COLOSSAL_CHECK_INPUT(src.sizes() == like.sizes(), "optimizer state tensor '", n, ".", key,
-                             "' has shape ", src.sizes(), " but parameter '", n, "' needs ",
-                             like.sizes());
-        return src.to(like.device(), like.scalar_type(), /*non_blocking=*/false, /*copy=*/true)
-            .contiguous();
-      };
-      if (m != new_masters.end()) {
-        if (by_name.count(n + ".master"))
-          m->second = load("master", m->second);
+      auto m = masters_.find(n);
+      at::Tensor target = m != masters_.end() ? m->second : p.detach();
+      if (m != masters_.end()) {
+        if (src.find(n + ".master", nullptr))
+          src.read(n + ".master", 0, m->second);
         else
-          m->second = p.detach().to(at::kFloat).clone();  // a checkpoint without masters
+          m->second.copy_(p.detach());  // a checkpoint without masters
       }
       const json::Value* st = steps.find(n);
       if (!st) continue;  // never stepped
       ParamState ps;
       ps.step = st->as_int("steps." + n);
-      for (const auto& key : state_keys(new_opts[gi])) ps.tensors[key] = load(key, target);
+      auto old = state_.find(n);
+      for (const auto& key : state_keys(new_opts[gi])) {
+        // Read into the tensor this state already has (no second copy of the state).
+        at::Tensor dst;
+        if (old != state_.end()) {
+          auto t = old->second.tensors.find(key);
+          if (t != old->second.tensors.end() && t->second.sizes() == target.sizes() &&
+              t->second.scalar_type() == target.scalar_type() &&
+              t->second.device() == target.device() && t->second.is_contiguous())
+            dst = t->second;
+        }
+        if (!dst.defined()) dst = at::empty(target.sizes(), target.options());
+        src.read(n + "." + key, 0, dst);
+        ps.tensors[key] = dst;
+      }
       new_state[n] = std::move(ps);
     }
   }
   for (size_t gi = 0; gi < groups_.size(); ++gi) groups_[gi].options = new_opts[gi];
   state_ = std::move(new_state);
-  masters_ = std::move(new_masters);
   // Working params follow their restored masters.
   for (auto& g : groups_)
     for (size_t i = 0; i < g.params.size(); ++i) {

@@ -374,29 +374,107 @@ optim::StateDict LowLevelZeroOptimizer::state_dict() const {
   return out;
 }
 
+std::vector<checkpoint::TensorDecl> LowLevelZeroOptimizer::state_plan(json::Value* scalars) {
+  wait_all();
+  optim::StateDict out = inner_->state_dict();  // groups only (see state_dict())
+  json::Value steps = json::Value::object();
+  std::vector<checkpoint::TensorDecl> decls;
+  plan_.clear();
+  auto add = [&](size_t i, const char* key, int which) {
+    decls.push_back({params_[i].name + "." + key, at::kFloat, params_[i].param.sizes().vec()});
+    plan_.emplace_back(i, which);
+  };
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Param& p = params_[i];
+    if (p.step > 0) {
+      steps.set(p.name, p.step);
+      add(i, "exp_avg", 1);
+      add(i, "exp_avg_sq", 2);
+    }
+    if (is_half(p.param)) add(i, "master", 0);
+  }
+  out.scalars.set("steps", std::move(steps));
+  if (scalars) *scalars = std::move(out.scalars);
+  return decls;
+}
+
+at::Tensor LowLevelZeroOptimizer::gather_to(const at::Tensor& shard, size_t i, int dst) {
+  const at::Tensor& p = params_[i].param;
+  at::Tensor local = shard.to(p.device(), at::kFloat).contiguous();
+  if (world_ == 1) return local.narrow(0, 0, p.numel()).view(p.sizes());
+  if (rank_ != dst) {
+    comm_.send(local, dst);
+    return at::Tensor();
+  }
+  // Point to point from each rank, not an all-gather: only the writer holds the full tensor.
+  const int64_t s = shard_numel(i);
+  at::Tensor out = at::empty({s * world_}, local.options());
+  for (int r = 0; r < world_; ++r) {
+    at::Tensor part = out.narrow(0, r * s, s);
+    if (r == rank_)
+      part.copy_(local);
+    else
+      comm_.recv(part, r);
+  }
+  return out.narrow(0, 0, p.numel()).view(p.sizes());
+}
+
+at::Tensor LowLevelZeroOptimizer::gather_state(size_t k, int dst) {
+  COLOSSAL_CHECK(k < plan_.size(), "gather_state: tensor ", k, " of a plan of ", plan_.size());
+  const auto [i, which] = plan_[k];
+  const Param& p = params_[i];
+  return gather_to(which == 0 ? p.master : which == 1 ? p.exp_avg : p.exp_avg_sq, i, dst);
+}
+
 void LowLevelZeroOptimizer::load_state_dict(const optim::StateDict& sd) {
+  load_state(optim::StateDictSource(sd));
+}
+
+void LowLevelZeroOptimizer::load_state(const optim::StateSource& src) {
   wait_all();  // a late gather must not overwrite the restored weights
   c10::NoGradGuard no_grad;
-  const json::Value& s = sd.scalars;
-  std::vector<optim::GroupOptions> opts = optim::read_state_groups(sd, *inner_);
+  optim::StateDict header;
+  header.scalars = src.scalars();
+  std::vector<optim::GroupOptions> opts = optim::read_state_groups(header, *inner_);
   auto& groups = inner_->param_groups();
-  std::map<std::string, const at::Tensor*> by_name;
-  for (auto& [n, tensor] : sd.tensors) by_name[n] = &tensor;
-  const json::Value& steps = s.at("steps");
-  auto full = [&](const Param& p, const std::string& key) -> const at::Tensor* {
-    auto it = by_name.find(p.name + "." + key);
-    if (it == by_name.end()) return nullptr;
-    COLOSSAL_CHECK_INPUT(it->second->sizes() == p.param.sizes(), "optimizer state tensor '", p.name,
-                         ".", key, "' has shape ", it->second->sizes(), " but parameter '", p.name,
-                         "' needs ", p.param.sizes());
-    return it->second;
+  const json::Value& steps = header.scalars.at("steps");
+  auto has = [&](const Param& p, const std::string& key) {
+    std::vector<int64_t> shape;
+    if (!src.find(p.name + "." + key, &shape)) return false;
+    COLOSSAL_CHECK_INPUT(at::IntArrayRef(shape) == p.param.sizes(), "optimizer state tensor '",
+                         p.name, ".", key, "' has shape ", at::IntArrayRef(shape),
+                         " but parameter '", p.name, "' needs ", p.param.sizes());
+    return true;
   };
-  std::vector<Param> next = params_;
-  for (size_t i = 0; i < next.size(); ++i) {
-    Param& p = next[i];
-    const at::Tensor* m = is_half(p.param) ? full(p, "master") : nullptr;
-    p.master = slice_of(m ? *m : p.param.detach(), i);
-    if (m) p.param.detach().copy_(*m);  // working parameters follow their restored masters
+  // Every name and shape first: nothing changes unless the whole state fits.
+  for (const Param& p : params_) {
+    if (is_half(p.param)) has(p, "master");
+    const json::Value* st = steps.find(p.name);
+    if (!st) continue;
+    st->as_int("steps." + p.name);
+    const bool ea = has(p, "exp_avg"), eas = has(p, "exp_avg_sq");
+    COLOSSAL_CHECK_INPUT(ea && eas, "optimizer state lacks tensor '", p.name, ".",
+                         ea ? "exp_avg_sq" : "exp_avg", "'");
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param& p = params_[i];
+    const int64_t s = shard_numel(i), n = p.param.numel();
+    const int64_t start = std::min(s * rank_, n), len = std::min(s, n - start);
+    // This rank's elements into its shard (allocated if missing: zeros, the padding stays 0).
+    auto read_shard = [&](const std::string& key, at::Tensor& shard) {
+      if (!shard.defined()) shard = new_shard(i);
+      if (len > 0) src.read(p.name + "." + key, start, shard.narrow(0, 0, len));
+    };
+    if (is_half(p.param) && src.find(p.name + ".master", nullptr)) {
+      read_shard("master", p.master);
+      // Working parameters follow their restored masters.
+      src.read(p.name + ".master", 0, p.param.detach());
+    } else if (p.master.defined()) {
+      at::Tensor part = local_part(p.param.detach().reshape({-1}), i);
+      if (part.numel() > 0) p.master.narrow(0, 0, part.numel()).copy_(part);
+    } else {
+      p.master = slice_of(p.param.detach(), i);
+    }
     const json::Value* st = steps.find(p.name);
     if (!st) {
       p.step = 0;
@@ -404,15 +482,10 @@ void LowLevelZeroOptimizer::load_state_dict(const optim::StateDict& sd) {
       continue;
     }
     p.step = st->as_int("steps." + p.name);
-    const at::Tensor* ea = full(p, "exp_avg");
-    const at::Tensor* eas = full(p, "exp_avg_sq");
-    COLOSSAL_CHECK_INPUT(ea && eas, "optimizer state lacks tensor '", p.name, ".",
-                         ea ? "exp_avg_sq" : "exp_avg", "'");
-    p.exp_avg = slice_of(*ea, i);
-    p.exp_avg_sq = slice_of(*eas, i);
+    read_shard("exp_avg", p.exp_avg);
+    read_shard("exp_avg_sq", p.exp_avg_sq);
   }
   for (size_t gi = 0; gi < groups.size(); ++gi) groups[gi].options = opts[gi];
-  params_ = std::move(next);
 }
 
 void LowLevelZeroOptimizer::sync_masters_from_params() {

@@ -53,7 +53,10 @@ struct TrainConfig {
   // [checkpoint]
   std::string save_dir;
   int64_t save_every = 0;  // optimizer steps; 0: only at the end
-  std::string resume;      // a step folder, or a save_dir (its `latest`)
+  // Write checkpoints in the background (Booster use_async): training goes on once the state is
+  // staged in host memory; `latest` moves when every rank's files are written.
+  bool async_save = false;
+  std::string resume;  // a step folder, or a save_dir (its `latest`)
   std::string metrics_file;
   // A fresh run (no resume) into a save_dir that holds a run is refused unless this is set; then
   // the old run's step-N folders and `latest` are deleted before step 1.

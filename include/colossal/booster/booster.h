@@ -17,6 +17,7 @@
 #include "colossal/booster/checkpoint_io.h"
 #include "colossal/booster/plugin.h"
 #include "colossal/booster/wrappers.h"
+#include "colossal/checkpoint/atomic.h"
 
 namespace colossal::optim {
 class LRScheduler;
@@ -88,22 +89,40 @@ class Booster {
   // Checkpoints, through checkpoint_io() (formats: see DataParallelCheckpointIO).
   // Model: HF safetensors (`model.safetensors`, or shards + index when shard=true), plus
   // config.json for the project's own models. Written by global rank 0, atomically.
+  //
+  // use_async (ColossalAI's): the save gathers and stages what this rank writes in host memory
+  // and returns; a background thread writes the files (checkpoint::AsyncWriter: costs host
+  // memory for all this rank writes, where a synchronous save holds one tensor). Files land
+  // atomically, in call order; folders the IO stages (pipeline-stage saves) are published by
+  // wait_async_save(). Every load waits for this Booster's asynchronous saves first.
   void save_model(ModelWrapper& model, const std::string& dir, bool shard = false,
-                  int64_t size_per_shard = 1024);
+                  int64_t size_per_shard = 1024, bool use_async = false);
   void load_model(ModelWrapper& model, const std::string& path, bool strict = true,
                   OptimizerWrapper* optimizer = nullptr);
   // Optimizer: full-shape states keyed by parameter name (`optimizer.safetensors` +
   // `optimizer.json` in `dir`), so they load into any layout.
-  void save_optimizer(OptimizerWrapper& optimizer, const std::string& dir);
+  void save_optimizer(OptimizerWrapper& optimizer, const std::string& dir, bool use_async = false);
   void load_optimizer(OptimizerWrapper& optimizer, const std::string& dir);
-  void save_lr_scheduler(optim::LRScheduler& scheduler, const std::string& file);
+  void save_lr_scheduler(optim::LRScheduler& scheduler, const std::string& file,
+                         bool use_async = false);
   void load_lr_scheduler(optim::LRScheduler& scheduler, const std::string& file);
+  // Collective: blocks until every asynchronous save of this Booster is written on every rank,
+  // then publishes the folders they staged (rank 0); rethrows a background write error (then
+  // nothing of that save is published). The destructor finishes the writes but publishes
+  // nothing and cannot report errors: call this before exiting.
+  void wait_async_save();
+  bool async_save_pending() const { return async_pending_; }
+  // The background writer of use_async saves (for callers that stage more files, e.g. the
+  // trainer's state, under a checkpoint::WriteCapture of it).
+  checkpoint::AsyncWriter& async_writer();
 
  private:
   // A Booster argument contradicting the plugin's own precision or device is an InputError.
   void check_against_plugin(const BoosterOptions& options) const;
   std::shared_ptr<Plugin> plugin_;
   std::shared_ptr<CheckpointIO> checkpoint_io_;
+  std::unique_ptr<checkpoint::AsyncWriter> async_;  // made by the first use_async save
+  bool async_pending_ = false;
 };
 
 }  // namespace colossal::booster

@@ -7,6 +7,11 @@
 #include <cstdint>
 #include <string>
 
+#include "colossal/checkpoint/hf.h"
+#include "colossal/checkpoint/safetensors.h"
+#include "colossal/core/json.h"
+#include "colossal/optim/optimizer.h"
+
 namespace colossal::optim {
 class LRScheduler;
 }
@@ -31,13 +36,32 @@ class CheckpointIO {
   virtual void load_lr_scheduler(optim::LRScheduler& scheduler, const std::string& file) = 0;
 };
 
+// An optimizer checkpoint (`optimizer.safetensors` + its scalars) read tensor by tensor from
+// the memory-mapped file: each read gives the pages it touched back (read_slice), so a rank
+// that loads its slices holds those slices, never the file.
+class FileStateSource : public optim::StateSource {
+ public:
+  FileStateSource(const std::string& safetensors_path, json::Value scalars)
+      : reader_(safetensors_path), scalars_(std::move(scalars)) {}
+  const json::Value& scalars() const override { return scalars_; }
+  bool find(const std::string& name, std::vector<int64_t>* shape) const override;
+  void read(const std::string& name, int64_t begin, const at::Tensor& out) const override;
+
+ private:
+  checkpoint::SafetensorsReader reader_;
+  json::Value scalars_;
+};
+
 // The formats every data-parallel layout (none, ddp, low_level_zero, gemini) writes, so a run
 // resumes under another plugin or data-parallel size:
 // - model: HF safetensors in `dir` (`model.safetensors`, or shards + index when shard=true),
 //   plus config.json for the project's own models; the weights gathered first
 //   (ModelWrapper::wait_weights);
 // - optimizer: full-shape states keyed by parameter name, `optimizer.safetensors` +
-//   `optimizer.json` in `dir` (OptimizerWrapper::full_state_dict, collective under ZeRO/Gemini);
+//   `optimizer.json` in `dir`, streamed (OptimizerWrapper::full_state_plan / full_state_tensor,
+//   collective under ZeRO/Gemini): the header first, then one tensor at a time gathered to the
+//   writer only, written and released, so a save holds at most one full tensor beyond training
+//   memory; loaded through FileStateSource, each rank reading only the slices it keeps;
 // - scheduler: its JSON state.
 // Written by global rank 0, atomically, followed by a barrier; every rank reads. Also what the
 // Booster uses for a plugin that does not control its checkpoint IO.
@@ -51,6 +75,10 @@ class DataParallelCheckpointIO : public CheckpointIO {
   void load_optimizer(OptimizerWrapper& optimizer, const std::string& dir) override;
   void save_lr_scheduler(optim::LRScheduler& scheduler, const std::string& file) override;
   void load_lr_scheduler(optim::LRScheduler& scheduler, const std::string& file) override;
+
+ private:
+  void save_model_streamed(ModelWrapper& model, const std::string& dir,
+                           const checkpoint::SaveOptions& so);
 };
 
 }  // namespace colossal::booster

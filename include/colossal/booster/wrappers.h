@@ -10,6 +10,7 @@
 
 #include "colossal/amp/grad_reducer.h"
 #include "colossal/booster/plugin.h"
+#include "colossal/checkpoint/safetensors.h"
 #include "colossal/core/error.h"
 #include "colossal/core/json.h"
 
@@ -21,7 +22,8 @@ class DynamicGradScaler;
 }
 namespace colossal::optim {
 struct StateDict;
-}
+class StateSource;
+}  // namespace colossal::optim
 
 namespace colossal::booster {
 
@@ -47,6 +49,17 @@ class ModelWrapper {
   // Blocks until every in-flight update of the module's weights has landed (ZeRO's
   // overlap_allgather); Booster calls it before reading or writing weights outside forward.
   virtual void wait_weights() {}
+  // Weights held sharded (Gemini) are saved and loaded one group at a time instead of all
+  // gathered at once (bounded memory): streams_weights() says so; read_weight(p, write) makes
+  // parameter p readable (and, with write, writable: the change reaches the shards) on every
+  // rank (collective: every rank calls it for the same parameters in the same order), keeping
+  // at most one group (chunk) gathered beyond training; end_weight_reads() releases it.
+  virtual bool streams_weights() const { return false; }
+  virtual void read_weight(const at::Tensor& param, bool write = false) {
+    (void)param;
+    (void)write;
+  }
+  virtual void end_weight_reads() {}
 
  private:
   std::shared_ptr<torch::nn::Module> module_;
@@ -85,6 +98,24 @@ class OptimizerWrapper {
   // Collective for sharded strategies: every rank calls it (Booster::save_optimizer does).
   virtual optim::StateDict full_state_dict();
   virtual void load_full_state_dict(const optim::StateDict& state);
+  // The same state streamed, which is what checkpoint IO uses (bounded memory: a save holds
+  // one full tensor beyond training memory, a load one rank's slice of one tensor).
+  // full_state_plan(): full_state_dict()'s scalars and the declaration (name, dtype, full shape)
+  // of each of its tensors, in its order, without gathering anything. full_state_tensor(plan, i):
+  // tensor i, full, on the writer (rank 0 of the sharding group: global rank 0 under the
+  // data-parallel plugins; undefined on the others, except unsharded strategies, which return
+  // it everywhere); collective for sharded strategies (every rank calls it with the same i, in
+  // the same order). The tensor may view live state: write it before the next step.
+  struct FullStatePlan {
+    json::Value scalars;
+    std::vector<checkpoint::TensorDecl> tensors;
+    std::vector<at::Tensor> held;  // the unsharded default's tensors (views, no copies)
+  };
+  virtual FullStatePlan full_state_plan();
+  virtual at::Tensor full_state_tensor(const FullStatePlan& plan, size_t i);
+  // load_full_state_dict read tensor by tensor from `source` (a memory-mapped file): each rank
+  // reads only the slices it keeps, into the state tensors it already has.
+  virtual void load_full_state(const optim::StateSource& source);
   // fp32 masters re-taken from the working parameters (after a model checkpoint load).
   virtual void sync_masters_from_params();
 

@@ -4,8 +4,14 @@
 // (plus, at worst, a stale temporary that the next save of the same target removes).
 #pragma once
 
+#include <condition_variable>
+#include <deque>
+#include <exception>
 #include <functional>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
 namespace colossal::checkpoint {
 
@@ -21,6 +27,8 @@ void write_file_atomic(const std::string& path, const std::function<void(int fd)
 // that produce their bytes over time): the data goes to "<path>.tmp-<pid>"; commit() fsyncs it,
 // renames it over `path` and fsyncs the parent folder. Destroyed without commit() (an exception
 // while writing), the temporary is removed and `path` is untouched.
+// Under a WriteCapture (asynchronous saves, below) the bytes go to host memory instead and
+// commit() queues the file on the capture's AsyncWriter.
 class AtomicFile {
  public:
   explicit AtomicFile(std::string path);
@@ -37,6 +45,7 @@ class AtomicFile {
   std::string path_, tmp_;
   int fd_ = -1;
   bool committed_ = false;
+  bool captured_ = false;  // fd_ is an in-memory file (memfd) of an asynchronous save
 };
 
 // write(2) all of `size` bytes, retrying short writes and EINTR; Error naming `path` on failure.
@@ -70,6 +79,58 @@ class StagedDirectory {
   std::string target_;
   std::string staging_;
   bool committed_ = false;
+};
+
+// ---- Asynchronous saves (ColossalAI's use_async) ----
+// While a WriteCapture is active on a thread, every AtomicFile opened there (so
+// write_file_atomic, SafetensorsStreamWriter, save_safetensors, save_state_dict,
+// save_pretrained) writes into host memory (an anonymous in-memory file), and its commit()
+// queues the file on the capture's AsyncWriter, whose thread writes it to "<path>.tmp-<pid>",
+// fsyncs and renames it, in queue order, while training goes on. The price is host memory for
+// every byte this rank writes in one save, held until written (a synchronous save holds one
+// tensor). A StagedDirectory committed under a capture is not swapped then: a folder may hold
+// files that other ranks write in their own background threads, so the swap is deferred to
+// take_deferred_commits(), for the caller to run once every rank's files are written (see
+// Booster::wait_async_save, Trainer). A crash before that leaves the previous checkpoint intact.
+class AsyncWriter {
+ public:
+  AsyncWriter();
+  ~AsyncWriter();  // finishes the queue; an error left unreported is logged
+  AsyncWriter(const AsyncWriter&) = delete;
+  AsyncWriter& operator=(const AsyncWriter&) = delete;
+
+  // Runs `job` on the writer's thread after the jobs queued before it. After a job failed, the
+  // following ones are skipped until wait() has reported the error.
+  void enqueue(std::function<void()> job);
+  // Blocks until every queued job has run; rethrows the first error since the last wait().
+  void wait();
+  bool idle() const;
+  // Folder swaps deferred by StagedDirectory::commit() under a capture, oldest first.
+  void defer_commit(std::function<void()> commit);
+  std::vector<std::function<void()>> take_deferred_commits();
+
+ private:
+  void loop();
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool running_ = false, stop_ = false;
+  std::exception_ptr error_;
+  std::vector<std::function<void()>> deferred_;
+  std::thread thread_;
+};
+
+// Routes this thread's checkpoint writes to `writer` for its lifetime (nestable).
+class WriteCapture {
+ public:
+  explicit WriteCapture(AsyncWriter& writer);
+  ~WriteCapture();
+  WriteCapture(const WriteCapture&) = delete;
+  WriteCapture& operator=(const WriteCapture&) = delete;
+  static AsyncWriter* active();  // this thread's, or null
+
+ private:
+  AsyncWriter* previous_;
 };
 
 }  // namespace colossal::checkpoint

@@ -64,7 +64,10 @@ void save_state_dict_streamed(const std::string& dir, const std::vector<TensorDe
 // Copies checkpoint tensors into a module's parameters and buffers (named as
 // module.named_parameters() / named_buffers() name them), converting dtype and device.
 // strict: a missing or unexpected tensor or a shape mismatch is an InputError naming them all.
-void load_into_module(torch::nn::Module& module, const TensorList& tensors, bool strict = true);
+// `before_copy` (optional) is called with each destination tensor just before it is written, in
+// module_state() order (sharded weights use it to gather one group at a time).
+void load_into_module(torch::nn::Module& module, const TensorList& tensors, bool strict = true,
+                      const std::function<void(const at::Tensor& dst)>& before_copy = {});
 
 // The module's parameters and persistent buffers as a TensorList (no copies).
 TensorList module_state(const torch::nn::Module& module);

@@ -5,6 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -31,6 +32,12 @@ std::shared_ptr<models::CausalLM> load_pretrained(const std::string& dir,
 // Writes DIR/config.json (dtype taken from the parameters) and the weights.
 void save_pretrained(const models::CausalLM& model, const std::string& dir,
                      const SaveOptions& opts = {});
+// The same with the weights produced one at a time (save_state_dict_streamed): `produce(i)`
+// returns tensor i of module_state(model), called in plan_state_dict's order; the model's
+// tensors give only names, dtypes and shapes (they may hold no data: sharded weights).
+void save_pretrained_streamed(const models::CausalLM& model, const std::string& dir,
+                              const std::function<at::Tensor(size_t)>& produce,
+                              const SaveOptions& opts = {});
 
 // "float32" / "bfloat16" / "float16" <-> ScalarType (InputError for anything else).
 std::string hf_dtype_name(at::ScalarType t);

@@ -43,12 +43,24 @@ class SafetensorsReader {
   const std::vector<TensorInfo>& tensors() const;  // file order
   const TensorInfo* find(const std::string& name) const;
   at::Tensor get(const std::string& name) const;  // InputError naming the tensor if absent
+  // Copies elements [begin, begin + out.numel()) of tensor `name`, flattened, into `out` (any
+  // shape, dtype and device: converted as copy_ does), then gives the pages of the mapping it
+  // read back to the kernel (madvise), so a load that reads a file slice by slice holds one
+  // slice, not the file, in resident memory. Pages a get() view was written through (private
+  // copies) would be dropped too: do not mix writes into get() views with read_slice.
+  void read_slice(const std::string& name, int64_t begin, const at::Tensor& out) const;
   const Metadata& metadata() const;
 
  private:
   struct Impl;
   std::shared_ptr<Impl> impl_;
 };
+
+// When `t` views a live SafetensorsReader mapping (get(), load_safetensors), gives the pages it
+// spans back to the kernel, as read_slice does, and returns true; otherwise (any other tensor,
+// e.g. get()'s copy of an unaligned tensor) does nothing and returns false. For loaders that
+// copy mapped tensors one at a time: resident memory then grows by one tensor, not the file.
+bool release_mapped_pages(const at::Tensor& t);
 
 // Every tensor of a file (views into the mapping).
 TensorList load_safetensors(const std::string& path, Metadata* metadata = nullptr);

@@ -54,6 +54,32 @@ struct StateDict {
   json::Value scalars;
 };
 
+// A full-shape state (StateDict's names and shapes) read tensor by tensor, so a load holds one
+// tensor (or one rank's slice of it) beyond the optimizer's own memory: a memory-mapped
+// checkpoint file (booster::FileStateSource), or a StateDict (StateDictSource).
+class StateSource {
+ public:
+  virtual ~StateSource() = default;
+  virtual const json::Value& scalars() const = 0;
+  // Whether tensor `name` is present; fills its shape.
+  virtual bool find(const std::string& name, std::vector<int64_t>* shape) const = 0;
+  // Copies elements [begin, begin + out.numel()) of tensor `name`, flattened, into `out`
+  // (converting dtype and device).
+  virtual void read(const std::string& name, int64_t begin, const at::Tensor& out) const = 0;
+};
+
+class StateDictSource : public StateSource {
+ public:
+  explicit StateDictSource(const StateDict& sd);
+  const json::Value& scalars() const override { return sd_.scalars; }
+  bool find(const std::string& name, std::vector<int64_t>* shape) const override;
+  void read(const std::string& name, int64_t begin, const at::Tensor& out) const override;
+
+ private:
+  const StateDict& sd_;
+  std::map<std::string, const at::Tensor*> by_name_;
+};
+
 struct OptimizerOptions {
   // Keep fp32 master copies of bf16/fp16 parameters: the step updates the master and writes
   // working = master.to(working dtype). Without it half parameters are updated in place.
@@ -112,6 +138,10 @@ class Optimizer {
   // Loads a state exported by state_dict() of an optimizer of the same type over parameters
   // with the same names and shapes (any device). Missing or mismatched entries are InputErrors.
   void load_state_dict(const StateDict& state);
+  // The same, read tensor by tensor: existing state tensors are overwritten in place, so the
+  // load needs no second copy of the state. Every name and shape is checked before anything
+  // changes; only a failing read() can leave the state partly loaded.
+  void load_state(const StateSource& source);
 
  protected:
   // Updates the given parameters of `group`: `params` are the tensors to write (fp32 masters

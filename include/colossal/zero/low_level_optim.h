@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "colossal/amp/grad_reducer.h"
+#include "colossal/checkpoint/safetensors.h"
 #include "colossal/dist/communicator.h"
 #include "colossal/optim/optimizer.h"
 
@@ -115,6 +116,16 @@ class LowLevelZeroOptimizer {
   // Loads a full-shape state written by state_dict() or by optim::Optimizer::state_dict() of
   // the same optimizer type; each rank keeps its slices. Working parameters follow the masters.
   void load_state_dict(const optim::StateDict& state);
+  // Streamed checkpoints (bounded memory): state_plan() declares the tensors state_dict() would
+  // hold (same names and order, fp32, full shapes) and fills `scalars` (its scalars), without
+  // any communication; gather_state(i) then assembles tensor i of that list on group rank `dst`
+  // only (collective: every rank calls it with the same i after the same state_plan(); the
+  // others get an undefined tensor). A rank never holds more than one full tensor.
+  std::vector<checkpoint::TensorDecl> state_plan(json::Value* scalars);
+  at::Tensor gather_state(size_t i, int dst);
+  // load_state_dict read tensor by tensor: each rank reads only its slices, into the shards it
+  // has (no second copy of the state). Names and shapes are checked before anything changes.
+  void load_state(const optim::StateSource& source);
   // Master shards re-taken from the working parameters (after a model checkpoint load).
   void sync_masters_from_params();
 
@@ -147,6 +158,7 @@ class LowLevelZeroOptimizer {
   at::Tensor slice_of(const at::Tensor& full, size_t i) const;    // this rank's fp32 slice
   at::Tensor local_part(const at::Tensor& flat, size_t i) const;  // its unpadded elements
   at::Tensor gather_full(const at::Tensor& shard, size_t i) const;
+  at::Tensor gather_to(const at::Tensor& shard, size_t i, int dst);  // on dst only
   void all_gather_params(std::vector<size_t> which);
   struct Gather;  // one all-gather bucket: its Work, buffers and parameters
   void finish_gather(Gather& g);
@@ -175,6 +187,7 @@ class LowLevelZeroOptimizer {
   std::vector<bool> deferrable_;
   std::vector<std::unique_ptr<Gather>> gathers_;  // in flight, launch order
   std::vector<Gather*> gather_of_;                // per parameter: its in-flight bucket or null
+  std::vector<std::pair<size_t, int>> plan_;      // state_plan(): (parameter, 0 master / 1 / 2)
 };
 
 }  // namespace colossal::zero

@@ -76,6 +76,12 @@ class GeminiModel : public ModelWrapper {
   bool require_grad_sync() const override { return sync_; }
   // Checkpoint save/load read and write the parameters: gather every chunk (collective).
   void wait_weights() override { manager->gather_all(); }
+  // Saves and loads gather one chunk at a time instead.
+  bool streams_weights() const override { return true; }
+  void read_weight(const at::Tensor& param, bool write) override {
+    manager->read_param(param, write);
+  }
+  void end_weight_reads() override { manager->end_reads(); }
 
   std::shared_ptr<zero::gemini::ChunkManager> manager;
   std::vector<nn::HookHandle> hooks;
@@ -176,6 +182,19 @@ optim::StateDict GeminiOptimizerWrapper::full_state_dict() {
 }
 void GeminiOptimizerWrapper::load_full_state_dict(const optim::StateDict& state) {
   manager_->load_state_dict(state);
+}
+OptimizerWrapper::FullStatePlan GeminiOptimizerWrapper::full_state_plan() {
+  FullStatePlan plan;
+  plan.tensors = manager_->state_plan(&plan.scalars);
+  return plan;
+}
+at::Tensor GeminiOptimizerWrapper::full_state_tensor(const FullStatePlan& plan, size_t i) {
+  COLOSSAL_CHECK(i < plan.tensors.size(), "full_state_tensor: tensor ", i, " of a plan of ",
+                 plan.tensors.size());
+  return manager_->gather_state(i, /*dst=*/0);
+}
+void GeminiOptimizerWrapper::load_full_state(const optim::StateSource& source) {
+  manager_->load_state(source);
 }
 void GeminiOptimizerWrapper::sync_masters_from_params() {
   manager_->sync_masters_from_params();

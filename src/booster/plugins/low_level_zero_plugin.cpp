@@ -216,6 +216,19 @@ optim::StateDict ZeroOptimizerWrapper::full_state_dict() {
 void ZeroOptimizerWrapper::load_full_state_dict(const optim::StateDict& state) {
   zero_->load_state_dict(state);
 }
+OptimizerWrapper::FullStatePlan ZeroOptimizerWrapper::full_state_plan() {
+  FullStatePlan plan;
+  plan.tensors = zero_->state_plan(&plan.scalars);
+  return plan;
+}
+at::Tensor ZeroOptimizerWrapper::full_state_tensor(const FullStatePlan& plan, size_t i) {
+  COLOSSAL_CHECK(i < plan.tensors.size(), "full_state_tensor: tensor ", i, " of a plan of ",
+                 plan.tensors.size());
+  return zero_->gather_state(i, /*dst=*/0);
+}
+void ZeroOptimizerWrapper::load_full_state(const optim::StateSource& source) {
+  zero_->load_state(source);
+}
 void ZeroOptimizerWrapper::sync_masters_from_params() {
   zero_->sync_masters_from_params();
 }

@@ -508,6 +508,35 @@ void ChunkManager::release_all(bool write_back) {
   }
 }
 
+void ChunkManager::read_param(const at::Tensor& param, bool write) {
+  auto it = where_.find(param.unsafeGetTensorImpl());
+  if (it == where_.end()) return;  // in no chunk (a buffer): readable as it is
+  const int c = it->second.first;
+  if (c == read_chunk_) {
+    read_write_ = read_write_ || write;
+    return;
+  }
+  end_reads();
+  finish_updates();
+  Chunk& ch = *chunks_[static_cast<size_t>(c)];
+  if (ch.gathered() && !ch.gather_in_flight()) {
+    // Gathered already: left as it is; a write reaches the shard on its next release.
+    if (write && ch.releasable()) external_[static_cast<size_t>(c)] = 1;
+    return;
+  }
+  ch.start_gather();
+  ch.wait_gather();
+  read_chunk_ = c;
+  read_write_ = write;
+}
+
+void ChunkManager::end_reads() {
+  if (read_chunk_ < 0) return;
+  chunks_[static_cast<size_t>(read_chunk_)]->release(/*write_back=*/read_write_);
+  read_chunk_ = -1;
+  read_write_ = false;
+}
+
 // ---- hooks ------------------------------------------------------------------------------------
 
 namespace {

@@ -255,17 +255,114 @@ optim::StateDict ChunkManager::state_dict() {
   return out;
 }
 
+std::vector<checkpoint::TensorDecl> ChunkManager::state_plan(json::Value* scalars) {
+  COLOSSAL_CHECK(inner_, "gemini: state_plan() without an optimizer");
+  finish_updates();
+  optim::StateDict out = inner_->state_dict();  // groups only (see state_dict())
+  json::Value steps = json::Value::object();
+  std::vector<checkpoint::TensorDecl> decls;
+  plan_.clear();
+  for (size_t i = 0; i < chunks_.size(); ++i) {
+    const Chunk& c = *chunks_[i];
+    const OptimChunk& oc = optim_[i];
+    if (!oc.master.defined()) continue;
+    for (size_t k = 0; k < c.tensors().size(); ++k) {
+      const ChunkTensor& t = c.tensors()[k];
+      const TensorInfo& ti = info_[i][k];
+      if (ti.group < 0) continue;
+      auto add = [&](const char* key, int which) {
+        decls.push_back({t.name + "." + key, at::kFloat, t.param.sizes().vec()});
+        plan_.push_back({i, k, which});
+      };
+      if (ti.step > 0) {
+        steps.set(t.name, ti.step);
+        add("exp_avg", 1);
+        add("exp_avg_sq", 2);
+      }
+      if (is_half(c.dtype())) add("master", 0);
+    }
+  }
+  out.scalars.set("steps", std::move(steps));
+  if (scalars) *scalars = std::move(out.scalars);
+  return decls;
+}
+
+at::Tensor ChunkManager::gather_state(size_t k, int dst) {
+  COLOSSAL_CHECK(k < plan_.size(), "gather_state: tensor ", k, " of a plan of ", plan_.size());
+  const PlanEntry e = plan_[k];
+  const Chunk& c = *chunks_[e.chunk];
+  const OptimChunk& oc = optim_[e.chunk];
+  const ChunkTensor& t = c.tensors()[e.tensor];
+  const at::Tensor& shard = e.which == 0 ? oc.master : e.which == 1 ? oc.exp_avg : oc.exp_avg_sq;
+  COLOSSAL_CHECK(shard.defined(), "gather_state: ", t.name, " has no state buffer ", e.which);
+  if (c.shards() == 1) {  // replicated: every rank holds the whole tensor
+    if (rank_ != dst) return at::Tensor();
+    return shard.narrow(0, t.offset, t.numel).to(at::kFloat).view(t.param.sizes());
+  }
+  // The part of the tensor rank r's shard holds, in chunk coordinates.
+  const int64_t S = c.shard_size();
+  auto part = [&](int r) {
+    const int64_t a = std::max(t.offset, S * r);
+    const int64_t b = std::min(t.offset + t.numel, S * (r + 1));
+    return std::pair<int64_t, int64_t>(a, std::max(a, b));
+  };
+  // Point to point from each rank, not an all-gather: only the writer holds the full tensor.
+  if (rank_ != dst) {
+    auto [a, b] = part(rank_);
+    if (a < b)
+      comm_.send(shard.narrow(0, a - S * rank_, b - a).to(device_, at::kFloat).contiguous(), dst);
+    return at::Tensor();
+  }
+  at::Tensor out = at::empty({t.numel}, at::TensorOptions().dtype(at::kFloat).device(device_));
+  for (int r = 0; r < world_; ++r) {
+    auto [a, b] = part(r);
+    if (a >= b) continue;
+    at::Tensor view = out.narrow(0, a - t.offset, b - a);
+    if (r == rank_)
+      view.copy_(shard.narrow(0, a - S * r, b - a));
+    else
+      comm_.recv(view, r);
+  }
+  return out.view(t.param.sizes());
+}
+
 void ChunkManager::load_state_dict(const optim::StateDict& sd) {
+  load_state(optim::StateDictSource(sd));
+}
+
+void ChunkManager::load_state(const optim::StateSource& src) {
   COLOSSAL_CHECK(inner_, "gemini: load_state_dict() without an optimizer");
   finish_updates();
   release_all(true);  // parameters written from outside (a model load) reach the shards first
   c10::NoGradGuard no_grad;
-  const json::Value& s = sd.scalars;
-  std::vector<optim::GroupOptions> opts = optim::read_state_groups(sd, *inner_);
+  optim::StateDict header;
+  header.scalars = src.scalars();
+  std::vector<optim::GroupOptions> opts = optim::read_state_groups(header, *inner_);
   auto& groups = inner_->param_groups();
-  std::map<std::string, const at::Tensor*> by_name;
-  for (auto& [n, t] : sd.tensors) by_name[n] = &t;
-  const json::Value& steps = s.at("steps");
+  const json::Value& steps = header.scalars.at("steps");
+  auto has = [&](const ChunkTensor& t, const std::string& key) {
+    std::vector<int64_t> shape;
+    if (!src.find(t.name + "." + key, &shape)) return false;
+    COLOSSAL_CHECK_INPUT(at::IntArrayRef(shape) == t.param.sizes(), "optimizer state tensor '",
+                         t.name, ".", key, "' has shape ", at::IntArrayRef(shape),
+                         " but parameter '", t.name, "' needs ", t.param.sizes());
+    return true;
+  };
+  // Every name and shape first: nothing changes unless the whole state fits.
+  for (size_t i = 0; i < chunks_.size(); ++i) {
+    if (!optim_[i].master.defined()) continue;
+    for (size_t k = 0; k < chunks_[i]->tensors().size(); ++k) {
+      const ChunkTensor& t = chunks_[i]->tensors()[k];
+      if (info_[i][k].group < 0) continue;
+      if (is_half(chunks_[i]->dtype())) has(t, "master");
+      const json::Value* st = steps.find(t.name);
+      if (!st) continue;
+      st->as_int("steps." + t.name);
+      const bool ea = has(t, "exp_avg"), eas = has(t, "exp_avg_sq");
+      COLOSSAL_CHECK_INPUT(ea && eas, "optimizer state lacks tensor '", t.name, ".",
+                           ea ? "exp_avg_sq" : "exp_avg", "'");
+    }
+  }
   for (size_t i = 0; i < chunks_.size(); ++i) {
     Chunk& c = *chunks_[i];
     OptimChunk& oc = optim_[i];
@@ -274,22 +371,17 @@ void ChunkManager::load_state_dict(const optim::StateDict& sd) {
       const ChunkTensor& t = c.tensors()[k];
       TensorInfo& ti = info_[i][k];
       if (ti.group < 0) continue;
-      auto full = [&](const std::string& key) -> const at::Tensor* {
-        auto it = by_name.find(t.name + "." + key);
-        if (it == by_name.end()) return nullptr;
-        COLOSSAL_CHECK_INPUT(it->second->sizes() == t.param.sizes(), "optimizer state tensor '",
-                             t.name, ".", key, "' has shape ", it->second->sizes(),
-                             " but parameter '", t.name, "' needs ", t.param.sizes());
-        return it->second;
-      };
       auto [a, b] = own_range(c, t);
       const int64_t s0 = a - c.shard_begin(), n = b - a;
-      auto own = [&](const at::Tensor& f) { return f.reshape({-1}).narrow(0, a - t.offset, n); };
-      const at::Tensor* m = is_half(c.dtype()) ? full("master") : nullptr;
+      // This rank's elements of a full tensor of the source into a shard buffer.
+      auto read_own = [&](const std::string& key, const at::Tensor& dst) {
+        if (n > 0) src.read(t.name + "." + key, a - t.offset, dst.narrow(0, s0, n));
+      };
       if (n > 0) {
-        if (m) {
-          oc.master.narrow(0, s0, n).copy_(own(*m));
-          c.shard().narrow(0, s0, n).copy_(own(*m));  // working weights follow their masters
+        if (is_half(c.dtype()) && src.find(t.name + ".master", nullptr)) {
+          read_own("master", oc.master);
+          // Working weights follow their masters.
+          c.shard().narrow(0, s0, n).copy_(oc.master.narrow(0, s0, n));
         } else {
           oc.master.narrow(0, s0, n).copy_(c.shard().narrow(0, s0, n));
         }
@@ -297,18 +389,12 @@ void ChunkManager::load_state_dict(const optim::StateDict& sd) {
       const json::Value* st = steps.find(t.name);
       ti.step = st ? st->as_int("steps." + t.name) : 0;
       if (!st) continue;
-      const at::Tensor* ea = full("exp_avg");
-      const at::Tensor* eas = full("exp_avg_sq");
-      COLOSSAL_CHECK_INPUT(ea && eas, "optimizer state lacks tensor '", t.name, ".",
-                           ea ? "exp_avg_sq" : "exp_avg", "'");
       if (!oc.exp_avg.defined()) {
         oc.exp_avg = new_f32(*chunks_[i], oc.place);
         oc.exp_avg_sq = new_f32(*chunks_[i], oc.place);
       }
-      if (n > 0) {
-        oc.exp_avg.narrow(0, s0, n).copy_(own(*ea));
-        oc.exp_avg_sq.narrow(0, s0, n).copy_(own(*eas));
-      }
+      read_own("exp_avg", oc.exp_avg);
+      read_own("exp_avg_sq", oc.exp_avg_sq);
     }
   }
   for (size_t gi = 0; gi < groups.size(); ++gi) groups[gi].options = opts[gi];

@@ -93,6 +93,9 @@ class GeminiOptimizerWrapper : public OptimizerWrapper {
   void zero_grad(bool set_to_none = true) override;
   optim::StateDict full_state_dict() override;
   void load_full_state_dict(const optim::StateDict& state) override;
+  FullStatePlan full_state_plan() override;
+  at::Tensor full_state_tensor(const FullStatePlan& plan, size_t i) override;
+  void load_full_state(const optim::StateSource& source) override;
   void sync_masters_from_params() override;
   zero::gemini::ChunkManager& manager() { return *manager_; }
   // Bytes of parameters, gradients, masters and optimizer states on device and host, chunk

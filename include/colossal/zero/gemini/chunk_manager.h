@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "colossal/amp/grad_reducer.h"
+#include "colossal/checkpoint/safetensors.h"
 #include "colossal/core/json.h"
 #include "colossal/dist/communicator.h"
 #include "colossal/nn/module.h"
@@ -116,6 +117,13 @@ class ChunkManager {
   void gather_all();
   // Releases every sharded chunk that is not in use.
   void release_all(bool write_back);
+  // Streamed checkpoint reads (collective, same order on every rank): makes `param` readable,
+  // gathering its chunk (a tensor in no chunk is readable already), and releases the chunk the
+  // previous call gathered (if another); end_reads() releases the last one. Chunks gathered before
+  // stay as they are.
+  // write: the caller writes into the parameter; the change reaches the shard on release.
+  void read_param(const at::Tensor& param, bool write = false);
+  void end_reads();
 
   // Optimizer side.
   void bind_optimizer(std::shared_ptr<optim::Optimizer> inner);
@@ -129,6 +137,13 @@ class ChunkManager {
   void zero_grad();
   optim::StateDict state_dict();
   void load_state_dict(const optim::StateDict& state);
+  // Streamed checkpoints, as LowLevelZeroOptimizer's (bounded memory): state_plan() declares the
+  // tensors of state_dict() without communicating; gather_state(i) assembles tensor i on group
+  // rank `dst` only, from each rank's part of the chunk shards (collective); load_state() reads
+  // each rank's slices into its shards.
+  std::vector<checkpoint::TensorDecl> state_plan(json::Value* scalars);
+  at::Tensor gather_state(size_t i, int dst);
+  void load_state(const optim::StateSource& source);
   void sync_masters_from_params();
 
   // Placement.
@@ -177,6 +192,13 @@ class ChunkManager {
   void auto_place(bool warmup);
   std::pair<int64_t, int64_t> own_range(const Chunk& c, const ChunkTensor& t) const;
   at::Tensor gather_f32(size_t chunk, const at::Tensor& shard);
+  struct PlanEntry {
+    size_t chunk, tensor;
+    int which;  // 0 master, 1 exp_avg, 2 exp_avg_sq
+  };
+  std::vector<PlanEntry> plan_;  // state_plan()
+  int read_chunk_ = -1;          // read_param(): the chunk it gathered, -1: none
+  bool read_write_ = false;      // ... and whether it was written
 
   GeminiOptions options_;
   c10::optional<at::ScalarType> comm_dtype_;  // options_.communication_dtype parsed
