@@ -229,6 +229,66 @@ for phase in "$@"; do
         fi
       done
     done ;;
+  ckpt)
+    # Issue 23: checkpoints with bounded memory and asynchronous writes. CKPT_PARTS picks:
+    #   w1    W1 (1b, seq 2048, batch 8) `colossal train` for CKPT_STEPS steps: no saves, async
+    #         saves every 50 steps with --keep_last 2, synchronous saves the same way (tok/s over
+    #         steps 11..N from the metrics file; the final save is after the loop, timed apart);
+    #   disk  the largest model whose checkpoint fits the disk (2.7b, ~38 GB) saved and loaded
+    #         back by `colossal bench --checkpoint_test DIR` (seconds, peak memory);
+    #   z7    7b zero2 and g13 13b gemini_auto saves into the discarding sink (peak device and
+    #   g13   host memory against training's, seconds).
+    step "checkpoints: ${CKPT_PARTS:-w1 disk z7 g13}"
+    df -h /tmp . | tee -a "$SUMMARY"
+    ckpt_note() {  # the checkpoint figures of a bench JSON
+      $PY -c 'import json,sys; c=json.load(open(sys.argv[1]))["checkpoint"]; print(sys.argv[2], " ".join("%s=%.3g" % (k, v) for k, v in c.items() if k != "where"))' "$LOGS/$1.json" "$1" | tee -a "$SUMMARY"
+    }
+    for part in ${CKPT_PARTS:-w1 disk z7 g13}; do
+      case $part in
+      w1)
+        TOK=/tmp/ck_tokens.bin
+        $PY -c "import numpy as np; np.random.default_rng(0).integers(0, 32000, size=4_000_000, dtype=np.uint16).tofile('$TOK')"
+        N=${CKPT_STEPS:-160}
+        for mode in none async sync; do
+          rm -rf /tmp/ck_$mode
+          extra=""
+          [ $mode != none ] && extra="--save_dir /tmp/ck_$mode --save_every 50 --keep_last ${CKPT_KEEP:-2}"
+          [ $mode = async ] && extra="$extra --async_save"
+          s0=$(date +%s.%N)
+          timeout 600 $C train --device cuda --model 1b --precision bf16 --plugin ddp --data $TOK \
+            --seq_len 2048 --micro_batch 8 --steps $N --lr 1e-4 --warmup 10 --log_every 50 \
+            --metrics_file "$LOGS/ck_w1_$mode.jsonl" $extra > "$LOGS/ck_w1_$mode.log" 2>&1 &
+          wait $!; rc=$?
+          s1=$(date +%s.%N)
+          $PY - "$LOGS/ck_w1_$mode.jsonl" $mode $rc $s0 $s1 <<'PYEOF' | tee -a "$SUMMARY"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+by = {r["step"]: r for r in rows}
+last = max(by)
+tok = (by[last]["tokens"] - by[10]["tokens"]) / (by[last]["elapsed_s"] - by[10]["elapsed_s"])
+print("ck_w1 %-5s rc %s: %d steps, %.0f tok/s over steps 11..%d, loop %.1f s, process %.1f s, final loss %.4f"
+      % (sys.argv[2], sys.argv[3], last, tok, last, by[last]["elapsed_s"], float(sys.argv[5]) - float(sys.argv[4]), by[last]["loss"]))
+PYEOF
+          grep -i "saved checkpoint\|keep_last\|error" "$LOGS/ck_w1_$mode.log" | tail -4 | cut -c1-200 | tee -a "$SUMMARY"
+          ls /tmp/ck_$mode 2>/dev/null | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
+          du -sh /tmp/ck_$mode 2>/dev/null | tee -a "$SUMMARY"
+          rm -rf /tmp/ck_$mode
+        done
+        rm -f $TOK ;;
+      disk)
+        rm -rf /tmp/ck_disk
+        ours ck_disk_2p7b -c bench/configs/llama-2.7b.json -p ddp -b 4 -l 4096 -s 4 -i 2 -g --checkpoint_test /tmp/ck_disk
+        ckpt_note ck_disk_2p7b
+        du -sh /tmp/ck_disk | tee -a "$SUMMARY"
+        rm -rf /tmp/ck_disk ;;
+      z7)
+        ours ck_z7 -c 7b -p zero2 -b 1 -l 4096 -s 4 -i 2 --checkpoint_test discard
+        ckpt_note ck_z7 ;;
+      g13)
+        G13_TIMEOUT=${G13_TIMEOUT:-540} ours ck_g13 -c 13b -p gemini_auto -b ${G13_BATCH:-4} -l 4096 -s 3 -i 1 -g --checkpoint_test discard
+        ckpt_note ck_g13 ;;
+      esac
+    done ;;
   *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done

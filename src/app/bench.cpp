@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -11,9 +12,11 @@
 #include <cstdio>
 #include <filesystem>
 #include <numeric>
+#include <optional>
 
 #include "colossal/booster/booster.h"
 #include "colossal/booster/plugins/hybrid_plugin.h"
+#include "colossal/checkpoint/atomic.h"
 #include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
@@ -73,7 +76,10 @@ void BenchConfig::register_options(OptionSet& s) {
            "record one extra untimed step with the Kineto profiler: kernel table in the report, "
            "Chrome trace in --profile_dir")
       .add("bench", "profile_dir", &profile_dir,
-           "--profile: folder of the Chrome traces (rank<r>.json)");
+           "--profile: folder of the Chrome traces (rank<r>.json)")
+      .add("bench", "checkpoint_test", &checkpoint_test,
+           "after the timed steps, time one checkpoint save with its peak memory: 'discard' "
+           "(bytes to /dev/null) or a folder (written, then loaded back)");
   plugin.register_options(s, "-p");
   s.alias("max_prefetch", "prefetch_num")
       .alias("warmup_non_model_data_ratio", "-w")
@@ -264,6 +270,7 @@ json::Value BenchReport::to_json() const {
   r.set("final_loss", final_loss);
   if (config.profile) r.set("profile", profile);
   if (!pipeline.is_null()) r.set("pipeline", pipeline);
+  if (!checkpoint.is_null()) r.set("checkpoint", checkpoint);
   return r;
 }
 
@@ -304,6 +311,25 @@ std::string BenchReport::to_text() const {
                   pipeline.at("simulated_bubble").as_double() * 100);
     pipe = line;
   }
+  if (!checkpoint.is_null()) {
+    auto g = [&](const char* k) {
+      const json::Value* v = checkpoint.find(k);
+      return v ? v->as_double() : 0.0;
+    };
+    char line[512];
+    std::snprintf(line, sizeof line,
+                  "checkpoint (%s): save %.2f s, %.2f GiB; peak device MiB train %.0f / save "
+                  "%.0f; peak host MiB train %.0f / save %.0f; largest tensor %.0f MiB\n",
+                  checkpoint.at("where").as_string().c_str(), g("save_s"),
+                  g("bytes") / 1073741824.0, g("train_peak_device_mib"), g("save_peak_device_mib"),
+                  g("train_peak_host_mib"), g("save_peak_host_mib"), g("largest_tensor_mib"));
+    pipe += line;
+    if (checkpoint.find("load_s")) {
+      std::snprintf(line, sizeof line, "checkpoint load: %.2f s; peak device MiB %.0f, host %.0f\n",
+                    g("load_s"), g("load_peak_device_mib"), g("load_peak_host_mib"));
+      pipe += line;
+    }
+  }
   return std::string(buf) + pipe + profile_text;
 }
 
@@ -319,6 +345,26 @@ double peak_rss_mib() {
   struct rusage ru {};
   ::getrusage(RUSAGE_SELF, &ru);
   return static_cast<double>(ru.ru_maxrss) / 1024.0;  // Linux: KiB
+}
+
+// The process's peak resident memory since the last reset_host_peak() (VmHWM), in MiB.
+double host_peak_mib() {
+  std::FILE* f = std::fopen("/proc/self/status", "r");
+  if (!f) return peak_rss_mib();
+  char line[256];
+  double kib = -1;
+  while (std::fgets(line, sizeof line, f))
+    if (std::sscanf(line, "VmHWM: %lf kB", &kib) == 1) break;
+  std::fclose(f);
+  return kib < 0 ? peak_rss_mib() : kib / 1024.0;
+}
+
+// Resets VmHWM to the current resident size (Linux: "5" to /proc/self/clear_refs).
+void reset_host_peak() {
+  if (std::FILE* f = std::fopen("/proc/self/clear_refs", "w")) {
+    std::fputs("5", f);
+    std::fclose(f);
+  }
 }
 
 double since(std::chrono::steady_clock::time_point t) {
@@ -362,6 +408,9 @@ class BenchLoop {
   // One training step on fresh random tokens; returns its device-synchronised wall time.
   double step(int64_t s);
   double last_loss() const { return last_loss_; }
+  // --checkpoint_test: one save (and, into a folder, a load) through the Booster, timed, with
+  // the peak memory of each phase against training's (see BenchReport::checkpoint).
+  json::Value checkpoint_test(const std::string& where, bool distributed);
 
  private:
   at::Tensor forward_backward(const at::Tensor& ids, const at::Tensor& targets);
@@ -486,6 +535,79 @@ double BenchLoop::step(int64_t s) {
   return dt;
 }
 
+json::Value BenchLoop::checkpoint_test(const std::string& where, bool distributed) {
+  namespace fs = std::filesystem;
+  const bool cuda = device_.is_cuda();
+  auto device_peak = [&] {
+    return cuda ? static_cast<double>(Accelerator::cuda().memory_stats().peak_allocated) /
+                      (1024.0 * 1024.0)
+                : 0.0;
+  };
+  auto reset_peaks = [&] {
+    sync();
+    if (cuda) Accelerator::cuda().reset_peak_memory_stats();
+    reset_host_peak();
+  };
+  json::Value js = json::Value::object();
+  js.set("where", where);
+  js.set("train_peak_device_mib", device_peak());
+  js.set("train_peak_host_mib", host_peak_mib());
+  double largest = 0;  // the largest tensor a save holds whole: an fp32 state of the biggest weight
+  for (const auto& p : model_->parameters()) largest = std::max(largest, p.numel() * 4.0);
+  js.set("largest_tensor_mib", largest / (1024.0 * 1024.0));
+  const bool discard = where == "discard";
+  const std::string dir =
+      discard ? (fs::temp_directory_path() / ("colossal-bench-ckpt-" + std::to_string(::getpid())))
+                    .string()
+              : where;
+  reset_peaks();
+  auto t0 = std::chrono::steady_clock::now();
+  {
+    std::optional<checkpoint::DiscardWrites> sink;
+    if (discard) sink.emplace();
+    booster_.save_model(*boosted_.model, dir + "/model");
+    booster_.save_optimizer(*boosted_.optimizer, dir);
+  }
+  sync();
+  js.set("save_s", since(t0));
+  js.set("save_peak_device_mib", device_peak());
+  js.set("save_peak_host_mib", host_peak_mib());
+  double bytes = 0;
+  if (!discard && fs::exists(dir)) {
+    for (const auto& e : fs::recursive_directory_iterator(dir))
+      if (e.is_regular_file()) bytes += static_cast<double>(e.file_size());
+  } else {
+    // What the files would hold: every weight at its dtype, every optimizer state in fp32.
+    for (const auto& p : model_->parameters()) bytes += p.numel() * (p.element_size() + 12.0);
+  }
+  js.set("bytes", bytes);
+  if (!discard) {
+    reset_peaks();
+    t0 = std::chrono::steady_clock::now();
+    booster_.load_model(*boosted_.model, dir + "/model", true, boosted_.optimizer.get());
+    booster_.load_optimizer(*boosted_.optimizer, dir);
+    sync();
+    js.set("load_s", since(t0));
+    js.set("load_peak_device_mib", device_peak());
+    js.set("load_peak_host_mib", host_peak_mib());
+  } else {
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+  }
+  if (distributed) {  // the largest rank's figures
+    for (const char* k : {"save_s", "load_s", "train_peak_device_mib", "save_peak_device_mib",
+                          "load_peak_device_mib", "train_peak_host_mib", "save_peak_host_mib",
+                          "load_peak_host_mib"}) {
+      const json::Value* v = js.find(k);
+      if (!v) continue;
+      at::Tensor t = at::full({1}, v->as_double(), at::kDouble);
+      dist::world_cpu().all_reduce(t, dist::ReduceOp::Max);
+      js.set(k, t.item<double>());
+    }
+  }
+  return js;
+}
+
 // --profile: one more step (untimed, after the timed ones) under the profiler; the report's
 // text and JSON.
 std::pair<std::string, json::Value> profile_step(const BenchConfig& c, BenchLoop& loop, bool cuda,
@@ -592,6 +714,8 @@ BenchReport run_bench(const BenchConfig& c) {
     js.set("w_s", w);
     r.pipeline = js;
   }
+  if (!c.checkpoint_test.empty())
+    r.checkpoint = loop.checkpoint_test(c.checkpoint_test, distributed);
   if (c.profile) {
     auto [text, js] = profile_step(c, loop, device.is_cuda(), distributed ? dist::rank() : 0);
     r.profile_text = std::move(text);

@@ -97,6 +97,7 @@ void write_all(int fd, const void* data, size_t size, const std::string& path) {
 
 namespace {
 thread_local AsyncWriter* t_capture = nullptr;
+thread_local bool t_discard = false;
 
 // Writes the in-memory file `mem` (its whole contents) to `path` atomically.
 void write_captured(int mem, const std::string& path, const std::string& tmp) {
@@ -143,6 +144,12 @@ AtomicFile::AtomicFile(std::string path) : path_(std::move(path)) {
     if (fd_ < 0) throw Error(str("cannot stage ", path_, " in memory: ", errno_text()));
     return;
   }
+  if (t_discard) {
+    discarded_ = true;
+    fd_ = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
+    if (fd_ < 0) throw Error(str("cannot open /dev/null: ", errno_text()));
+    return;
+  }
   fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd_ < 0) {
     throw Error(str("cannot create ", tmp_, ": ", errno_text(),
@@ -153,7 +160,7 @@ AtomicFile::AtomicFile(std::string path) : path_(std::move(path)) {
 AtomicFile::~AtomicFile() {
   if (committed_) return;
   if (fd_ >= 0) ::close(fd_);
-  if (!captured_) ::unlink(tmp_.c_str());
+  if (!captured_ && !discarded_) ::unlink(tmp_.c_str());
 }
 
 void AtomicFile::write(const void* data, size_t size) {
@@ -174,6 +181,12 @@ void AtomicFile::commit() {
     fd_ = -1;
     committed_ = true;
     t_capture->enqueue([mem, path = path_, tmp = tmp_] { write_captured(*mem, path, tmp); });
+    return;
+  }
+  if (discarded_) {
+    ::close(fd_);
+    fd_ = -1;
+    committed_ = true;
     return;
   }
   if (::fsync(fd_) != 0) throw Error(str("fsync ", tmp_, " failed: ", errno_text()));
@@ -351,6 +364,18 @@ void AsyncWriter::defer_commit(std::function<void()> commit) {
 std::vector<std::function<void()>> AsyncWriter::take_deferred_commits() {
   std::lock_guard<std::mutex> lock(mu_);
   return std::exchange(deferred_, {});
+}
+
+DiscardWrites::DiscardWrites() : previous_(t_discard) {
+  t_discard = true;
+}
+
+DiscardWrites::~DiscardWrites() {
+  t_discard = previous_;
+}
+
+bool DiscardWrites::active() {
+  return t_discard;
 }
 
 WriteCapture::WriteCapture(AsyncWriter& writer) : previous_(t_capture) {

@@ -202,3 +202,32 @@ def test_bad_flags(tmp_path, args, message):
     p = bench(["-c", "tiny", "-s", "2", "-i", "1", "-b", "1", "-l", "16"] + args, tmp_path, expect_ok=False)
     assert p.returncode != 0
     assert message in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("plugin,nproc", [("none", 1), ("zero2", 2)])
+def test_checkpoint_test(tmp_path, plugin, nproc):
+    # --checkpoint_test: one save after the timed steps, timed with its peak memory; "discard"
+    # writes nothing anywhere, a folder gets a checkpoint that loads (into the same run, timed)
+    # and that Python's safetensors reads with the full shapes.
+    launcher = [BIN, "run", "--nproc_per_node", str(nproc), "--master_port", "0"] if nproc > 1 else None
+    args = ["-c", "tiny", "-p", plugin, "-s", "2", "-i", "1", "-b", "1", "-l", "32"]
+    tmp_before = set(os.listdir("/tmp"))
+    _, r = bench(args + ["--checkpoint_test", "discard"], tmp_path, "d.json", launcher)
+    ck = r["checkpoint"]
+    assert ck["where"] == "discard" and ck["save_s"] > 0 and "load_s" not in ck
+    assert ck["save_peak_host_mib"] > 0 and ck["train_peak_host_mib"] > 0 and ck["bytes"] > 0
+    assert not [n for n in set(os.listdir("/tmp")) - tmp_before if n.startswith("colossal-bench-ckpt")]
+    folder = tmp_path / "ck"
+    p, r = bench(args + ["--checkpoint_test", str(folder)], tmp_path, "f.json", launcher)
+    ck = r["checkpoint"]
+    assert ck["load_s"] > 0 and ck["load_peak_host_mib"] > 0
+    assert "checkpoint (" in p.stdout + p.stderr
+    files = sorted(str(f.relative_to(folder)) for f in folder.rglob("*") if f.is_file())
+    assert "optimizer.safetensors" in files and "model/model.safetensors" in files, files
+    assert ck["bytes"] == sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    from safetensors.numpy import load_file
+    opt = load_file(str(folder / "optimizer.safetensors"))
+    model = load_file(str(folder / "model" / "model.safetensors"))
+    name = "model.embed_tokens.weight"
+    states = [v for k, v in opt.items() if name in k]  # full shape under ZeRO too
+    assert states and all(v.shape == model[name].shape for v in states), list(opt)[:5]

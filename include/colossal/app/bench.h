@@ -46,6 +46,11 @@ struct BenchConfig {
   int64_t warmup = 2;  // first steps not timed
   int64_t seed = 42;
   double lr = 1e-4;
+  // --checkpoint_test: after the timed steps, one checkpoint save (model + optimizer, as
+  // `colossal train` writes them) timed with its peak device and host memory: "discard" sends
+  // the bytes to /dev/null (a benchmark-only sink: everything but the disk), a folder writes
+  // them there and loads them back (timed too). "" (default): none.
+  std::string checkpoint_test;
 
   // Every flag, named as `colossal train` names the same field, ColossalAI's benchmark names as
   // aliases (-c -p -b -l -s -i -g -x -w, --config, --batch_size, --max_length, --num_steps,
@@ -87,6 +92,10 @@ struct BenchReport {
   // pp > 1: the last timed step's pipeline, measured and simulated from its own per-instruction
   // costs ({"measured_step_s", "simulated_step_s", "simulated_bubble", "f_s", "b_s", "w_s"}).
   json::Value pipeline;
+  // --checkpoint_test: {"where", "save_s", "load_s" (folder only), "bytes", "largest_tensor_mib",
+  // "train_peak_device_mib", "save_peak_device_mib", "load_peak_device_mib",
+  // "train_peak_host_mib", "save_peak_host_mib", "load_peak_host_mib"} (max over ranks).
+  json::Value checkpoint;
 
   json::Value to_json() const;
   std::string to_text() const;  // the human-readable report

@@ -45,7 +45,8 @@ class AtomicFile {
   std::string path_, tmp_;
   int fd_ = -1;
   bool committed_ = false;
-  bool captured_ = false;  // fd_ is an in-memory file (memfd) of an asynchronous save
+  bool captured_ = false;   // fd_ is an in-memory file (memfd) of an asynchronous save
+  bool discarded_ = false;  // fd_ is /dev/null (DiscardWrites)
 };
 
 // write(2) all of `size` bytes, retrying short writes and EINTR; Error naming `path` on failure.
@@ -118,6 +119,22 @@ class AsyncWriter {
   std::exception_ptr error_;
   std::vector<std::function<void()>> deferred_;
   std::thread thread_;
+};
+
+// Benchmark-only: while a DiscardWrites is active on a thread (and no WriteCapture), every
+// AtomicFile opened there writes to /dev/null and its commit() renames nothing. `colossal bench
+// --checkpoint_test discard` uses it to measure a save's gathers, copies, time and memory
+// without the disk (the GPU machine's 64 GiB disk holds no 7b checkpoint with its optimizer).
+class DiscardWrites {
+ public:
+  DiscardWrites();
+  ~DiscardWrites();
+  DiscardWrites(const DiscardWrites&) = delete;
+  DiscardWrites& operator=(const DiscardWrites&) = delete;
+  static bool active();
+
+ private:
+  bool previous_;
 };
 
 // Routes this thread's checkpoint writes to `writer` for its lifetime (nestable).
