@@ -1072,8 +1072,11 @@ class ShardedStateSource : public optim::StateSource {
     const int64_t n = out.numel();
     COLOSSAL_CHECK(begin >= 0 && begin + n <= total, "load_optimizer: ", name, ": elements [",
                    begin, ", ", begin + n, ") are outside its shard of ", total);
-    // A flat view to fill: `out` itself when contiguous, else a buffer copied in at the end.
-    at::Tensor flat = out.is_contiguous() ? out.view({n}) : at::empty({n}, out.options());
+    // A flat view to fill: `out` itself when a contiguous CPU tensor, else a host buffer copied
+    // in at the end (one device copy per read, not one per row).
+    at::Tensor flat = out.is_cpu() && out.is_contiguous()
+                          ? out.view({n})
+                          : at::empty({n}, out.options().device(at::kCPU));
     // Runs of shard elements that are consecutive in the file: within a row of `inner`, and
     // across rows while the shard's indices along `d` are consecutive.
     int64_t p = begin;
