@@ -238,10 +238,15 @@ at::Tensor cpu_for_write(const at::Tensor& t, const std::shared_ptr<Meter>& mete
 // The tensors to write, every rank's view of them: name, the local tensor, its slicing.
 struct Item {
   std::string name;
-  at::Tensor local;
+  at::Tensor local;                      // undefined: made on demand by a Fetch
   const ShardedParameter* sp = nullptr;  // null: replicated
   checkpoint::TensorDecl decl;           // full shape
+  std::vector<int64_t> shape;            // this rank's shape (with a Fetch)
 };
+
+// Item i's local tensor, made when it is written (an optimizer state gathered over ZeRO's
+// data-parallel group, one at a time); empty: the items hold their tensors.
+using Fetch = std::function<at::Tensor(size_t)>;
 
 // Every participant must declare the same tensors, or the streamed gathers would pair up the
 // wrong slices: a hash of the declarations is compared over the group.
@@ -275,30 +280,42 @@ void check_same_declarations(const dist::Communicator& tp, const std::vector<Ite
 }
 
 // Streams `items` to files: the writer assembles and writes, the other participants send their
-// slices in the same order. `write_files(produce)` runs on the writer only.
+// slices in the same order. `write_files(produce)` runs on the writer only. With `fetch`, each
+// item's local tensor is made just before its gather and dropped after it.
 void stream_items(const std::vector<Item>& items, bool writer, int dst,
                   const std::vector<size_t>& order,
                   const std::function<void(const std::function<at::Tensor(size_t)>&)>& write_files,
-                  const std::shared_ptr<Meter>& meter) {
+                  const std::shared_ptr<Meter>& meter, const Fetch& fetch = {}) {
   std::unordered_map<const ShardedParameter*, at::Tensor> index_cache;
-  auto indices_of = [&](const Item& it) {
+  auto indices_of = [&](const Item& it, const at::Tensor& local) {
     auto found = index_cache.find(it.sp);
-    if (found != index_cache.end() && found->second.size(0) == it.local.size(it.sp->dim))
+    if (found != index_cache.end() && found->second.size(0) == local.size(it.sp->dim))
       return found->second;
-    at::Tensor idx = slice_indices(*it.sp, it.local.sizes(), it.name);
+    at::Tensor idx = slice_indices(*it.sp, local.sizes(), it.name);
     index_cache[it.sp] = idx;
     return idx;
+  };
+  auto local_of = [&](size_t i) {
+    if (!fetch) return items[i].local;
+    at::Tensor t = fetch(i);
+    COLOSSAL_CHECK(t.defined() && t.sizes() == at::IntArrayRef(items[i].shape),
+                   "checkpoint: ", items[i].name, ": the optimizer gave ",
+                   t.defined() ? str(t.sizes()) : std::string("no tensor"),
+                   " to the writing rank, expected its shard ", at::IntArrayRef(items[i].shape));
+    return t;
   };
   if (writer) {
     write_files([&](size_t i) -> at::Tensor {
       const Item& it = items[i];
-      if (!it.sp) return cpu_for_write(it.local, meter);
-      return gather_full(*it.sp, it.local, indices_of(it), it.decl.shape, meter, it.name);
+      at::Tensor local = local_of(i);
+      if (!it.sp) return cpu_for_write(local, meter);
+      return gather_full(*it.sp, local, indices_of(it, local), it.decl.shape, meter, it.name);
     });
   } else {
     for (size_t i : order) {
       const Item& it = items[i];
-      if (it.sp) send_shard(*it.sp, it.local, indices_of(it), dst, meter);
+      at::Tensor local = local_of(i);
+      if (it.sp) send_shard(*it.sp, local, indices_of(it, local), dst, meter);
     }
   }
 }
@@ -464,10 +481,10 @@ at::Tensor recv_full(const dist::Communicator& pp, int src, const checkpoint::Te
 }
 
 // The device pp collectives use: a CUDA device under NCCL (the stage's own), else the CPU.
-at::Device stage_device(const dist::Communicator& pp, const std::vector<Item>& items) {
+at::Device stage_device(const dist::Communicator& pp, torch::nn::Module& stage) {
   if (!is_nccl(pp)) return at::Device(at::kCPU);
-  for (const auto& it : items)
-    if (it.local.is_cuda()) return it.local.device();
+  for (const auto& p : stage.parameters(/*recurse=*/true))
+    if (p.is_cuda()) return p.device();
   return at::Device(at::kCUDA);
 }
 
@@ -662,7 +679,7 @@ SaveStats save_model_stages(const dist::Communicator& tp, const dist::Communicat
 SaveStats save_optimizer_stages(const dist::Communicator& tp, const dist::Communicator& dp,
                                 const dist::Communicator& pp, const std::vector<Item>& items,
                                 const json::Value& scalars, const json::Value& wrapper,
-                                const std::string& dir) {
+                                const std::string& dir, const Fetch& fetch, const at::Device& dev) {
   const Stages st = gather_stages(pp, items, "optimizer state");
   const std::vector<std::string> stage_scalars_text = all_gather_strings(pp, scalars.dump());
   // The file's tensors: each stage's own, in stage order.
@@ -684,8 +701,11 @@ SaveStats save_optimizer_stages(const dist::Communicator& tp, const dist::Commun
 
   auto meter = std::make_shared<Meter>();
   const bool participant = !dp.valid() || dp.rank() == 0;
-  const at::Device dev = stage_device(pp, items);
-  if (participant) {
+  // Item j of this stage's own tensors is items[st.owned[stage][j]]: what fetch numbers.
+  const Fetch fetch_mine = [&](size_t j) { return fetch(st.owned[stage][j]); };
+  if (!participant) {  // ZeRO's gathers over dp to the participant, in its order
+    for (size_t j : order) fetch_mine(j);
+  } else {
     check_same_declarations(tp, mine, "optimizer state");
     stream_items(
         mine, tp.rank() == 0, 0, order,
@@ -708,7 +728,7 @@ SaveStats save_optimizer_stages(const dist::Communicator& tp, const dist::Commun
           merged.set("wrapper", wrapper);
           write_text_atomic(dir + "/optimizer.json", merged.dump(2));
         },
-        meter);
+        meter, fetch_mine);
   }
   barrier();
   return meter->stats;
@@ -809,7 +829,11 @@ void TensorParallelCheckpointIO::save_model(ModelWrapper& model, const std::stri
     COLOSSAL_CHECK(!sp || sp->group.ranks() == tp_.ranks(), "save_model: ", name,
                    " is sharded over group ", sp ? sp->group.name() : "",
                    ", whose members are not those of the checkpoint IO's tp group ", tp_.name());
-    items.push_back({name, t, sp, {name, t.scalar_type(), sp ? sp->full_shape : t.sizes().vec()}});
+    items.push_back({name,
+                     t,
+                     sp,
+                     {name, t.scalar_type(), sp ? sp->full_shape : t.sizes().vec()},
+                     t.sizes().vec()});
     checkpoint::dtype_to_safetensors(t.scalar_type());  // every rank refuses alike, before talking
   }
   COLOSSAL_CHECK(!items.empty(), "save_model: the model has no parameters");
@@ -932,6 +956,9 @@ void TensorParallelCheckpointIO::load_model(ModelWrapper& model, const std::stri
     COLOSSAL_CHECK(slice.sizes() == t.sizes(), "load_model: ", name, ": slice ", slice.sizes(),
                    " does not fit the shard ", t.sizes());
     const_cast<at::Tensor&>(t).copy_(slice);
+    // The pages of the mapping just read go back to the kernel: resident memory grows by one
+    // tensor during a load, not by the file.
+    checkpoint::release_mapped_pages(src->second);
   }
   // fp32 masters follow the loaded weights (ColossalAI's update_master_params).
   if (optimizer) optimizer->sync_masters_from_params();
@@ -941,24 +968,31 @@ void TensorParallelCheckpointIO::save_optimizer(OptimizerWrapper& optimizer,
                                                 const std::string& dir) {
   auto model = model_for_optimizer("save_optimizer");
   const auto sharded = find_sharded_parameters(*model, tp_);
-  optim::StateDict sd = optimizer.full_state_dict();  // collective under ZeRO (over dp)
+  // Declarations only: each state is made full over ZeRO's dp group (to dp rank 0, this IO's
+  // participant) when it is written, then gathered over tp, so a rank holds one state tensor
+  // beyond training memory instead of the whole optimizer state.
+  OptimizerWrapper::FullStatePlan plan = optimizer.full_state_plan();
   std::vector<Item> items;
-  for (auto& [name, t] : sd.tensors) {
-    auto it = sharded.find(param_of_state(name));
+  for (const auto& d : plan.tensors) {
+    auto it = sharded.find(param_of_state(d.name));
     const ShardedParameter* sp = it == sharded.end() ? nullptr : &it->second;
     if (sp) {
       const auto local = it->second.module->param(it->second.key).sizes();
-      COLOSSAL_CHECK(t.sizes() == local, "save_optimizer: state ", name, " has shape ", t.sizes(),
-                     " but its parameter's shard is ", local, "; cannot lay it out in full");
-      COLOSSAL_CHECK(sp->group.ranks() == tp_.ranks(), "save_optimizer: ", name,
+      COLOSSAL_CHECK(at::IntArrayRef(d.shape) == local, "save_optimizer: state ", d.name,
+                     " has shape ", at::IntArrayRef(d.shape), " but its parameter's shard is ",
+                     local, "; cannot lay it out in full");
+      COLOSSAL_CHECK(sp->group.ranks() == tp_.ranks(), "save_optimizer: ", d.name,
                      " is sharded over group ", sp->group.name(),
                      ", whose members are not those of the checkpoint IO's tp group ", tp_.name());
     }
-    items.push_back({name, t, sp, {name, t.scalar_type(), sp ? sp->full_shape : t.sizes().vec()}});
-    checkpoint::dtype_to_safetensors(t.scalar_type());
+    items.push_back(
+        {d.name, at::Tensor(), sp, {d.name, d.dtype, sp ? sp->full_shape : d.shape}, d.shape});
+    checkpoint::dtype_to_safetensors(d.dtype);  // every rank refuses alike, before talking
   }
+  const Fetch fetch = [&](size_t i) { return optimizer.full_state_tensor(plan, i); };
   if (pipelined()) {
-    stats_ = save_optimizer_stages(tp_, dp_, pp_, items, sd.scalars, optimizer.state(), dir);
+    stats_ = save_optimizer_stages(tp_, dp_, pp_, items, plan.scalars, optimizer.state(), dir,
+                                   fetch, stage_device(pp_, *model));
     return;
   }
   std::vector<checkpoint::TensorDecl> decls;
@@ -978,15 +1012,111 @@ void TensorParallelCheckpointIO::save_optimizer(OptimizerWrapper& optimizer,
                                                 {{"format", "colossal-optimizer"}});
           while (!w.done()) w.write_next(produce(w.next_index()));
           w.finish();
-          json::Value scalars = sd.scalars;
+          json::Value scalars = plan.scalars;
           scalars.set("wrapper", optimizer.state());
           write_text_atomic(dir + "/optimizer.json", scalars.dump(2));
         },
-        meter);
+        meter, fetch);
+  } else {
+    for (size_t i : order) fetch(i);  // ZeRO's gathers over dp to the writer's tp group
   }
   stats_ = meter->stats;
   barrier();
 }
+
+namespace {
+
+// The optimizer file as this rank's optimizer sees it: a sharded parameter's states (saved in
+// full) have its shard's shape, and a read of a flat range of the shard reads only the rows of
+// the file that the shard holds (the layer's own shard_slice decides which; padding reads as
+// zeros). With stages, only this stage's parameters' states are present.
+class ShardedStateSource : public optim::StateSource {
+ public:
+  ShardedStateSource(const std::string& path, json::Value scalars,
+                     const std::map<std::string, ShardedParameter>& sharded,
+                     const std::set<std::string>* stage_params)
+      : reader_(path), scalars_(std::move(scalars)), sharded_(sharded), stage_(stage_params) {}
+
+  const json::Value& scalars() const override { return scalars_; }
+
+  bool find(const std::string& name, std::vector<int64_t>* shape) const override {
+    const std::string param = param_of_state(name);
+    if (stage_ && !stage_->count(param)) return false;
+    const checkpoint::TensorInfo* info = reader_.find(name);
+    if (!info) return false;
+    if (shape) {
+      const ShardedParameter* sp = sliced(param, *info);
+      *shape = sp ? sp->module->param(sp->key).sizes().vec() : info->shape;
+    }
+    return true;
+  }
+
+  void read(const std::string& name, int64_t begin, const at::Tensor& out) const override {
+    const checkpoint::TensorInfo* info = reader_.find(name);
+    COLOSSAL_CHECK(info, "load_optimizer: ", name, " is not in ", reader_.path());
+    const ShardedParameter* sp = sliced(param_of_state(name), *info);
+    if (!sp) {
+      reader_.read_slice(name, begin, out);
+      return;
+    }
+    const std::vector<int64_t> local = sp->module->param(sp->key).sizes().vec();
+    auto cached = indices_.find(sp);
+    if (cached == indices_.end())
+      cached = indices_.emplace(sp, slice_indices(*sp, local, name)).first;
+    auto idx = cached->second.accessor<int64_t, 1>();
+    const int64_t d = sp->dim, ld = local[d], fd = sp->full_shape[d];
+    int64_t inner = 1;
+    for (size_t k = d + 1; k < local.size(); ++k) inner *= local[k];
+    int64_t total = 1;
+    for (int64_t v : local) total *= v;
+    const int64_t n = out.numel();
+    COLOSSAL_CHECK(begin >= 0 && begin + n <= total, "load_optimizer: ", name, ": elements [",
+                   begin, ", ", begin + n, ") are outside its shard of ", total);
+    // A flat view to fill: `out` itself when a contiguous CPU tensor, else a host buffer copied
+    // in at the end (one device copy per read, not one per row).
+    at::Tensor flat = out.is_cpu() && out.is_contiguous()
+                          ? out.view({n})
+                          : at::empty({n}, out.options().device(at::kCPU));
+    // Runs of shard elements that are consecutive in the file: within a row of `inner`, and
+    // across rows while the shard's indices along `d` are consecutive.
+    int64_t p = begin;
+    while (p < begin + n) {
+      const int64_t row = p / inner, o = row / ld, j = row % ld, k = p % inner;
+      int64_t len = std::min(inner - k, begin + n - p);
+      if (idx[j] < 0) {  // a padding row
+        flat.narrow(0, p - begin, len).zero_();
+        p += len;
+        continue;
+      }
+      int64_t jj = j;
+      while (p + len < begin + n && jj + 1 < ld && idx[jj + 1] == idx[jj] + 1) {
+        ++jj;
+        len += std::min(inner, begin + n - (p + len));
+      }
+      reader_.read_slice(name, (o * fd + idx[j]) * inner + k, flat.narrow(0, p - begin, len));
+      p += len;
+    }
+    if (!flat.is_same(out)) out.copy_(flat.view(out.sizes()));
+  }
+
+ private:
+  // The parameter's slicing when the file holds its states in full (any other shape is passed
+  // through, and the optimizer reports it against its parameter).
+  const ShardedParameter* sliced(const std::string& param,
+                                 const checkpoint::TensorInfo& info) const {
+    auto it = sharded_.find(param);
+    if (it == sharded_.end() || info.shape != it->second.full_shape) return nullptr;
+    return &it->second;
+  }
+
+  checkpoint::SafetensorsReader reader_;
+  json::Value scalars_;
+  const std::map<std::string, ShardedParameter>& sharded_;
+  const std::set<std::string>* stage_;
+  mutable std::map<const ShardedParameter*, at::Tensor> indices_;
+};
+
+}  // namespace
 
 void TensorParallelCheckpointIO::load_optimizer(OptimizerWrapper& optimizer,
                                                 const std::string& dir) {
@@ -996,21 +1126,12 @@ void TensorParallelCheckpointIO::load_optimizer(OptimizerWrapper& optimizer,
   std::set<std::string> local;
   if (pipelined())
     for (const auto& p : model->named_parameters(/*recurse=*/true)) local.insert(p.key());
-  optim::StateDict sd;
-  for (auto& [name, t] : checkpoint::load_safetensors(dir + "/optimizer.safetensors")) {
-    if (pipelined() && !local.count(param_of_state(name))) continue;
-    auto it = sharded.find(param_of_state(name));
-    if (it != sharded.end() && t.sizes().vec() == it->second.full_shape) {
-      sd.tensors.emplace_back(name, it->second.module->shard_slice(it->second.key, t));
-    } else {
-      // Replicated, or a shape the optimizer itself reports against its parameter.
-      sd.tensors.emplace_back(name, t);
-    }
-  }
-  sd.scalars = json::parse_file(dir + "/optimizer.json");
-  if (pipelined()) sd.scalars = stage_scalars(sd.scalars, local);
-  optimizer.load_full_state_dict(sd);
-  if (const json::Value* w = sd.scalars.find("wrapper")) optimizer.load_state(*w);
+  json::Value scalars = json::parse_file(dir + "/optimizer.json");
+  if (pipelined()) scalars = stage_scalars(scalars, local);
+  ShardedStateSource source(dir + "/optimizer.safetensors", std::move(scalars), sharded,
+                            pipelined() ? &local : nullptr);
+  optimizer.load_full_state(source);
+  if (const json::Value* w = source.scalars().find("wrapper")) optimizer.load_state(*w);
 }
 
 void TensorParallelCheckpointIO::save_lr_scheduler(optim::LRScheduler& scheduler,

@@ -11,9 +11,14 @@
 // - load: every rank maps the files and copies only its slice of each tensor into its shard
 //   (Module::shard_slice), whatever layout wrote them; strict names missing and unexpected keys.
 // - optimizer: `optimizer.safetensors` + `optimizer.json` with full-shape states keyed by
-//   parameter name: OptimizerWrapper::full_state_dict (which gathers ZeRO's data-parallel
-//   shards) holds this rank's tensor-parallel slice of each state; slices are gathered over tp
-//   the same streamed way on save and cut again on load.
+//   parameter name, streamed as the model is: OptimizerWrapper::full_state_plan declares the
+//   states (this rank's tensor-parallel slice of each), and each is made whole over ZeRO's
+//   data-parallel group on dp rank 0 (full_state_tensor, one at a time, the other dp ranks only
+//   send) just before the tp gather that writes it, so a save holds one state tensor beyond
+//   training memory, never the whole state. Loads read through a StateSource over the mapped
+//   file that cuts each rank's tp slice row by row (read_slice gives the pages back), so the
+//   optimizer (ZeRO: only its dp shard) copies its own elements in place; the model's load
+//   gives each tensor's pages back after copying its slice.
 // - scheduler: as DataParallelCheckpointIO.
 // Which parameters are sharded is found by walking the module tree: any colossal::nn::Module
 // with a ShardSpec whose full_shape differs from its local one along one dimension (a user's
