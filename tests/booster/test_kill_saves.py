@@ -168,7 +168,8 @@ def finish(proc, log, timeout=60):
 
 
 def newest_complete(ckpt):
-    steps = [step_of(p.name) for p in ckpt.glob("step-*") if (p / "trainer_state.json").is_file()]
+    steps = [step_of(p.name) for p in ckpt.glob("step-*")
+             if not p.name.endswith(".staging") and (p / "trainer_state.json").is_file()]
     return max((s for s in steps if s is not None), default=0)
 
 
