@@ -318,6 +318,12 @@ class Trainer {
   const TrainConfig& c_;
   const json::Value& config_json_;
   const bool distributed_, rank0_;
+  // rank 0: save_dir is this job's from before step 1 to exit. Declared before booster_, so it is
+  // released after it: a Trainer unwinding from an error destroys the Booster, whose AsyncWriter
+  // still finishes (and may publish) the save in flight, and that must happen while the folder
+  // is still this job's, not after another job has claimed it.
+  std::unique_ptr<RunDirLock> lock_;
+  std::string old_run_;  // rank 0: what --overwrite deletes (empty: nothing)
   std::shared_ptr<dist::ParallelDims> dims_;
   std::shared_ptr<Plugin> plugin_;
   std::shared_ptr<models::CausalLM> model_;
@@ -330,8 +336,6 @@ class Trainer {
   double run_seconds_ = 0;
   std::FILE* metrics_ = nullptr;
   bool bar_ = false;
-  std::unique_ptr<RunDirLock> lock_;  // rank 0: save_dir is this job's from before step 1 to exit
-  std::string old_run_;               // rank 0: what --overwrite deletes (empty: nothing)
   mutable json::Value data_fingerprint_;  // of c_.data, read once (null until then)
   int64_t nonfinite_run_ = 0;             // consecutive non-finite steps so far
 };

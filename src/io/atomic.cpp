@@ -9,6 +9,8 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <memory>
@@ -30,6 +32,19 @@ std::string parent_of(const std::string& path) {
 
 std::string errno_text() {
   return std::strerror(errno);
+}
+
+// Test-only: COLOSSAL_TEST_SLOW_WRITES_MS=<ms> sleeps that long after a checkpoint file's bytes
+// are in its temporary and before the rename publishes it (synchronous and background writes
+// alike), so a save's write window stays open long enough for the crash tests
+// (tests/booster/test_kill_saves.py) to kill inside it on purpose rather than by luck. Not an
+// option of any command; unset, it costs one getenv per process.
+void test_slow_write() {
+  static const long ms = [] {
+    const char* v = std::getenv("COLOSSAL_TEST_SLOW_WRITES_MS");
+    return v ? std::strtol(v, nullptr, 10) : 0L;
+  }();
+  if (ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(ms));
 }
 
 }  // namespace
@@ -127,6 +142,7 @@ void write_captured(int mem, const std::string& path, const std::string& tmp) {
     ::unlink(tmp.c_str());
     throw Error(str("cannot close ", tmp, ": ", errno_text()));
   }
+  test_slow_write();
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     int err = errno;
     ::unlink(tmp.c_str());
@@ -190,6 +206,7 @@ void AtomicFile::commit() {
     return;
   }
   if (::fsync(fd_) != 0) throw Error(str("fsync ", tmp_, " failed: ", errno_text()));
+  test_slow_write();
   int rc = ::close(fd_);
   fd_ = -1;
   if (rc != 0) throw Error(str("cannot close ", tmp_, ": ", errno_text()));
