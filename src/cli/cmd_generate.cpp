@@ -64,15 +64,18 @@ int run_generate(int argc, char** argv) {
   std::vector<int64_t> ids = parse_ids(args.str("prompt-ids"));
 
   // Positions past max_position_embeddings are outside what the model was trained for: refuse
-  // (there is no option to stop at the limit instead) before the weights are read.
+  // (there is no option to stop at the limit instead) before the weights are read. Dynamic NTK
+  // rope scaling exists to go past it (its frequencies stretch with the length, as in HF), so
+  // there it is allowed.
   const std::filesystem::path cfg_path = std::filesystem::path(args.str("model")) / "config.json";
   if (std::filesystem::is_regular_file(cfg_path)) {
     const auto mc = colossal::models::ModelConfig::from_file(cfg_path.string());
     const int64_t room = mc.max_position_embeddings - static_cast<int64_t>(ids.size());
-    COLOSSAL_CHECK_INPUT(
-        max_new <= room, "--prompt-ids (", ids.size(), " tokens) + --max-new-tokens (", max_new,
-        ") positions exceed the model's max_position_embeddings (", mc.max_position_embeddings,
-        ", ", cfg_path.string(), "); use a shorter prompt or fewer new tokens");
+    COLOSSAL_CHECK_INPUT(max_new <= room || mc.rope.type == "dynamic", "--prompt-ids (", ids.size(),
+                         " tokens) + --max-new-tokens (", max_new,
+                         ") positions exceed the model's max_position_embeddings (",
+                         mc.max_position_embeddings, ", ", cfg_path.string(),
+                         "); use a shorter prompt or fewer new tokens");
   }
 
   colossal::checkpoint::PretrainedOptions po;
