@@ -347,26 +347,6 @@ double peak_rss_mib() {
   return static_cast<double>(ru.ru_maxrss) / 1024.0;  // Linux: KiB
 }
 
-// The process's peak resident memory since the last reset_host_peak() (VmHWM), in MiB.
-double host_peak_mib() {
-  std::FILE* f = std::fopen("/proc/self/status", "r");
-  if (!f) return peak_rss_mib();
-  char line[256];
-  double kib = -1;
-  while (std::fgets(line, sizeof line, f))
-    if (std::sscanf(line, "VmHWM: %lf kB", &kib) == 1) break;
-  std::fclose(f);
-  return kib < 0 ? peak_rss_mib() : kib / 1024.0;
-}
-
-// Resets VmHWM to the current resident size (Linux: "5" to /proc/self/clear_refs).
-void reset_host_peak() {
-  if (std::FILE* f = std::fopen("/proc/self/clear_refs", "w")) {
-    std::fputs("5", f);
-    std::fclose(f);
-  }
-}
-
 double since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
@@ -546,12 +526,16 @@ json::Value BenchLoop::checkpoint_test(const std::string& where, bool distribute
   auto reset_peaks = [&] {
     sync();
     if (cuda) Accelerator::cuda().reset_peak_memory_stats();
-    reset_host_peak();
+    Accelerator::cpu().reset_peak_memory_stats();  // VmHWM back to the current RSS
+  };
+  auto host_peak = [] {  // the process's VmHWM, in MiB
+    return static_cast<double>(Accelerator::cpu().memory_stats().peak_allocated) /
+           (1024.0 * 1024.0);
   };
   json::Value js = json::Value::object();
   js.set("where", where);
   js.set("train_peak_device_mib", device_peak());
-  js.set("train_peak_host_mib", host_peak_mib());
+  js.set("train_peak_host_mib", host_peak());
   double largest = 0;  // the largest tensor a save holds whole: an fp32 state of the biggest weight
   for (const auto& p : model_->parameters()) largest = std::max(largest, p.numel() * 4.0);
   js.set("largest_tensor_mib", largest / (1024.0 * 1024.0));
@@ -571,7 +555,7 @@ json::Value BenchLoop::checkpoint_test(const std::string& where, bool distribute
   sync();
   js.set("save_s", since(t0));
   js.set("save_peak_device_mib", device_peak());
-  js.set("save_peak_host_mib", host_peak_mib());
+  js.set("save_peak_host_mib", host_peak());
   double bytes = 0;
   if (!discard && fs::exists(dir)) {
     for (const auto& e : fs::recursive_directory_iterator(dir))
@@ -589,7 +573,7 @@ json::Value BenchLoop::checkpoint_test(const std::string& where, bool distribute
     sync();
     js.set("load_s", since(t0));
     js.set("load_peak_device_mib", device_peak());
-    js.set("load_peak_host_mib", host_peak_mib());
+    js.set("load_peak_host_mib", host_peak());
   } else {
     // (checkpoint::remove_tree: libtorch.so exports a std::filesystem::remove_all of its own
     // build that crashes when called from ours.)
