@@ -875,6 +875,18 @@ void Trainer::write_trainer_state(const std::string& path, int64_t step) const {
   checkpoint::save_safetensors(path + "/rng.safetensors", rng, {{"format", "colossal-rng"}});
 }
 
+// Rank 0, once every file of step-N is written (at once, or on the async writer's thread): the
+// staged folder becomes step-N, `latest` names it, then --keep_last prunes (after `latest`, so
+// the newest is never a candidate; the lock is rank 0's for the whole run).
+void publish_step(checkpoint::StagedDirectory& staged, const std::string& save_dir, int64_t step,
+                  int64_t keep_last, const char* how) {
+  staged.commit();
+  write_text_atomic(save_dir + "/latest", step_dir_name(step) + "\n");
+  log_info("saved checkpoint ", staged.target(), how);
+  for (const auto& name : prune_steps(save_dir, keep_last))
+    log_info("keep_last ", keep_last, ": removed ", save_dir, "/", name);
+}
+
 // A training checkpoint in save_dir/step-N (staged, then renamed) and `latest` naming it; then
 // --keep_last's pruning. Refused (Error, every rank) when the model is not finite.
 std::string Trainer::save(int64_t step) {
@@ -910,13 +922,7 @@ std::string Trainer::save(int64_t step) {
     commit_async(std::move(staged), path, step);
     return target;
   }
-  if (rank0_) {
-    staged->commit();
-    write_text_atomic(c_.save_dir + "/latest", step_dir_name(step) + "\n");
-    log_info("saved checkpoint ", target);
-    for (const auto& name : prune_steps(c_.save_dir, c_.keep_last))
-      log_info("keep_last ", c_.keep_last, ": removed ", c_.save_dir, "/", name);
-  }
+  if (rank0_) publish_step(*staged, c_.save_dir, step, c_.keep_last, "");
   if (distributed_ && dist::world_size() > 1) dist::world_cpu().barrier();
   return target;
 }
@@ -958,12 +964,7 @@ void Trainer::commit_async(std::unique_ptr<checkpoint::StagedDirectory> staged,
         }
         for (int r = 0; r < world; ++r) fs::remove(marker(r));
         for (const auto& c : commits) c();
-        st->commit();
-        write_text_atomic(save_dir + "/latest", step_dir_name(step) + "\n");
-        log_info("saved checkpoint ", st->target(), " (written in the background)");
-        // --keep_last after `latest` names the new step (the lock is rank 0's for the whole run).
-        for (const auto& name : prune_steps(save_dir, keep_last))
-          log_info("keep_last ", keep_last, ": removed ", save_dir, "/", name);
+        publish_step(*st, save_dir, step, keep_last, " (written in the background)");
       });
 }
 
