@@ -96,6 +96,10 @@ for phase in "$@"; do
          > "$LOGS/test_pipeline_executor_cuda.log" 2>&1; then
       note "PASS test_pipeline_executor (1 rank, cuda): $(grep -E 'PASSED|SKIPPED' "$LOGS/test_pipeline_executor_cuda.log" | head -2 | tr '\n' ' ')"
     else note "FAIL test_pipeline_executor (1 rank, cuda)"; grep -E -A6 "Failure|error" "$LOGS/test_pipeline_executor_cuda.log" | head -30; fi
+    # Asynchronous saves: device snapshots hold the values of the moment of the save.
+    if timeout 300 "$BUILD/tests/checkpoint/test_async_writer" > "$LOGS/test_async_writer.log" 2>&1; then
+      note "PASS test_async_writer: $(grep -E 'PASSED|SKIPPED' "$LOGS/test_async_writer.log" | head -2 | tr '\n' ' ')"
+    else note "FAIL test_async_writer"; grep -E -A6 "Failure|error" "$LOGS/test_async_writer.log" | head -30; fi
     [ "$phase" = ktests ] && continue
     step kernel micro-benchmarks
     timeout 400 "$BUILD/bench/bench_kernels" --json "$OUT/bench_kernels.json" > "$LOGS/bench_kernels.log" 2>&1
@@ -249,11 +253,14 @@ for phase in "$@"; do
         TOK=/tmp/ck_tokens.bin
         $PY -c "import numpy as np; np.random.default_rng(0).integers(0, 32000, size=4_000_000, dtype=np.uint16).tofile('$TOK')"
         N=${CKPT_STEPS:-160}
-        for mode in none async sync; do
+        # CKPT_MODES: none, async or sync, each with an optional @<save_every> (default 50).
+        for mode in ${CKPT_MODES:-none async sync}; do
+          every=${mode#*@}; [ "$every" = "$mode" ] && every=50
+          mode=${mode%@*}_$every; [ "${mode%_*}" = none ] && mode=none
           rm -rf /tmp/ck_$mode
           extra=""
-          [ $mode != none ] && extra="--save_dir /tmp/ck_$mode --save_every 50 --keep_last ${CKPT_KEEP:-2}"
-          [ $mode = async ] && extra="$extra --async_save"
+          [ $mode != none ] && extra="--save_dir /tmp/ck_$mode --save_every $every --keep_last ${CKPT_KEEP:-2}"
+          [ "${mode%_*}" = async ] && extra="$extra --async_save"
           s0=$(date +%s.%N)
           timeout 600 $C train --device cuda --model 1b --precision bf16 --plugin ddp --data $TOK \
             --seq_len 2048 --micro_batch 8 --steps $N --lr 1e-4 --warmup 10 --log_every 50 \
@@ -268,8 +275,12 @@ last = max(by)
 tok = (by[last]["tokens"] - by[10]["tokens"]) / (by[last]["elapsed_s"] - by[10]["elapsed_s"])
 print("ck_w1 %-5s rc %s: %d steps, %.0f tok/s over steps 11..%d, loop %.1f s, process %.1f s, final loss %.4f"
       % (sys.argv[2], sys.argv[3], last, tok, last, by[last]["elapsed_s"], float(sys.argv[5]) - float(sys.argv[4]), by[last]["loss"]))
+steps = sorted(s for s in by if s - 1 in by and s > 10)
+dt = {s: by[s]["elapsed_s"] - by[s - 1]["elapsed_s"] for s in steps}
+med = sorted(dt.values())[len(dt) // 2]
+print("  median step %.4f s; slow steps: %s" % (med, " ".join("%d:%.2fs" % (s, dt[s]) for s in steps if dt[s] > 1.5 * med)))
 PYEOF
-          grep -i "saved checkpoint\|keep_last\|error" "$LOGS/ck_w1_$mode.log" | tail -4 | cut -c1-200 | tee -a "$SUMMARY"
+          grep -i "saved checkpoint\|keep_last\|error\|stage up to" "$LOGS/ck_w1_$mode.log" | tail -6 | cut -c1-300 | tee -a "$SUMMARY"
           ls /tmp/ck_$mode 2>/dev/null | tr '\n' ' ' | tee -a "$SUMMARY"; echo | tee -a "$SUMMARY"
           du -sh /tmp/ck_$mode 2>/dev/null | tee -a "$SUMMARY"
           rm -rf /tmp/ck_$mode

@@ -879,7 +879,7 @@ void Trainer::write_trainer_state(const std::string& path, int64_t step) const {
 // staged folder becomes step-N, `latest` names it, then --keep_last prunes (after `latest`, so
 // the newest is never a candidate; the lock is rank 0's for the whole run).
 void publish_step(checkpoint::StagedDirectory& staged, const std::string& save_dir, int64_t step,
-                  int64_t keep_last, const char* how) {
+                  int64_t keep_last, const std::string& how) {
   staged.commit();
   write_text_atomic(save_dir + "/latest", step_dir_name(step) + "\n");
   log_info("saved checkpoint ", staged.target(), how);
@@ -945,6 +945,7 @@ void Trainer::commit_async(std::unique_ptr<checkpoint::StagedDirectory> staged,
   auto commits = booster_->async_writer().take_deferred_commits();
   std::shared_ptr<checkpoint::StagedDirectory> st(std::move(staged));
   auto marker = [path](int r) { return str(path, "/.written-rank", r); };
+  checkpoint::AsyncWriter* writer = &booster_->async_writer();
   booster_->async_writer().enqueue(
       [=, commits = std::move(commits), save_dir = c_.save_dir, keep_last = c_.keep_last] {
         write_text_atomic(marker(rank), "");
@@ -964,7 +965,8 @@ void Trainer::commit_async(std::unique_ptr<checkpoint::StagedDirectory> staged,
         }
         for (int r = 0; r < world; ++r) fs::remove(marker(r));
         for (const auto& c : commits) c();
-        publish_step(*st, save_dir, step, keep_last, " (written in the background)");
+        publish_step(*st, save_dir, step, keep_last,
+                     str(" (in the background; rank 0: ", writer->take_stats().describe(), ")"));
       });
 }
 

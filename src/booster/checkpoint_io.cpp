@@ -65,7 +65,9 @@ void DataParallelCheckpointIO::save_model_streamed(ModelWrapper& model, const st
   const checkpoint::StatePlan plan = checkpoint::plan_state_dict(decls, so);
   auto produce = [&](size_t i) {
     model.read_weight(state[i].second);
-    return state[i].second.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
+    // Valid until the next read_weight: the writer copies it at once (to the host, or to a
+    // device snapshot under an asynchronous save).
+    return state[i].second.detach();
   };
   try {
     if (is_writer()) {

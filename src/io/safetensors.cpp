@@ -568,10 +568,7 @@ void SafetensorsStreamWriter::write_next(const at::Tensor& t) {
                  ": tensor \"", d.name, "\" was declared ", c10::toString(d.dtype), " ",
                  at::IntArrayRef(d.shape), " but is ", c10::toString(t.scalar_type()), " ",
                  t.sizes());
-  if (t.numel() > 0) {
-    at::Tensor c = t.device().is_cpu() ? t.contiguous() : t.to(at::kCPU).contiguous();
-    impl_->file->write(c.data_ptr(), static_cast<size_t>(c.numel()) * c.element_size());
-  }
+  impl_->file->write_tensor(t);
   ++impl_->pos;
 }
 

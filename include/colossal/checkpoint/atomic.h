@@ -5,15 +5,23 @@
 #pragma once
 
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+namespace at {
+class Tensor;
+}
+
 namespace colossal::checkpoint {
+
+class AsyncWriter;
 
 // fsyncs a file or directory (opened read-only); Error naming the path on failure.
 void fsync_path(const std::string& path);
@@ -27,8 +35,9 @@ void write_file_atomic(const std::string& path, const std::function<void(int fd)
 // that produce their bytes over time): the data goes to "<path>.tmp-<pid>"; commit() fsyncs it,
 // renames it over `path` and fsyncs the parent folder. Destroyed without commit() (an exception
 // while writing), the temporary is removed and `path` is untouched.
-// Under a WriteCapture (asynchronous saves, below) the bytes go to host memory instead and
-// commit() queues the file on the capture's AsyncWriter.
+// Under a WriteCapture (asynchronous saves, below) the bytes are staged instead (host memory, or
+// device memory for write_tensor of a CUDA tensor) and commit() queues the file on the capture's
+// AsyncWriter.
 class AtomicFile {
  public:
   explicit AtomicFile(std::string path);
@@ -39,14 +48,21 @@ class AtomicFile {
   const std::string& path() const { return path_; }
   int fd() const { return fd_; }
   void write(const void* data, size_t size);
+  // Appends the bytes of `tensor` (any device and strides; written in contiguous order). Under a
+  // capture, a CUDA tensor is copied into device memory (a snapshot taken on the current stream,
+  // so later kernels may change the tensor at once) when the AsyncWriter's device budget has
+  // room, else into host memory; the writer's thread moves a device snapshot to the host.
+  void write_tensor(const at::Tensor& tensor);
   void commit();
+
+  struct Staged;  // the bytes of a captured file: host ranges and device snapshots, in order
 
  private:
   std::string path_, tmp_;
   int fd_ = -1;
   bool committed_ = false;
-  bool captured_ = false;   // fd_ is an in-memory file (memfd) of an asynchronous save
-  bool discarded_ = false;  // fd_ is /dev/null (DiscardWrites)
+  std::shared_ptr<Staged> staged_;  // set under a capture; fd_ is then its in-memory file
+  bool discarded_ = false;          // fd_ is /dev/null (DiscardWrites)
 };
 
 // write(2) all of `size` bytes, retrying short writes and EINTR; Error naming `path` on failure.
@@ -85,17 +101,27 @@ class StagedDirectory {
 // ---- Asynchronous saves (ColossalAI's use_async) ----
 // While a WriteCapture is active on a thread, every AtomicFile opened there (so
 // write_file_atomic, SafetensorsStreamWriter, save_safetensors, save_state_dict,
-// save_pretrained) writes into host memory (an anonymous in-memory file), and its commit()
-// queues the file on the capture's AsyncWriter, whose thread writes it to "<path>.tmp-<pid>",
-// fsyncs and renames it, in queue order, while training goes on. The price is host memory for
-// every byte this rank writes in one save, held until written (a synchronous save holds one
-// tensor). A StagedDirectory committed under a capture is not swapped then: a folder may hold
-// files that other ranks write in their own background threads, so the swap is deferred to
-// take_deferred_commits(), for the caller to run once every rank's files are written (see
-// Booster::wait_async_save, Trainer). A crash before that leaves the previous checkpoint intact.
+// save_pretrained) stages its bytes, and its commit() queues the file on the capture's
+// AsyncWriter, whose thread writes it to "<path>.tmp-<pid>", fsyncs and renames it, in queue
+// order, while training goes on.
+// Staging: the tensors of a CUDA run are copied on the device (a few milliseconds for a 1b
+// model's 15 GB) as long as the device budget allows, and the writer's thread copies them to
+// the host through pinned buffers on a side stream; everything else (CPU tensors, headers,
+// tensors beyond the budget) is copied into host memory (an anonymous in-memory file) before the
+// save returns. The budget: the device's memory less the training's peak reservation when the
+// first snapshot is taken, less a margin (10 %, at least 4 GiB); `device_stage_limit` >= 0
+// replaces it. Each file is written by several threads at once (pwrite at disjoint offsets,
+// O_DIRECT where the file system takes it): one stream reaches 0.93 GB/s on the H200 machine's
+// virtual disk, four 1.7 GB/s.
+// The price is memory for every byte this rank writes in one save, held until written (a
+// synchronous save holds one tensor). A StagedDirectory committed under a capture is not swapped
+// then: a folder may hold files that other ranks write in their own background threads, so the
+// swap is deferred to take_deferred_commits(), for the caller to run once every rank's files are
+// written (see Booster::wait_async_save, Trainer). A crash before that leaves the previous
+// checkpoint intact.
 class AsyncWriter {
  public:
-  AsyncWriter();
+  explicit AsyncWriter(int64_t device_stage_limit = -1);
   ~AsyncWriter();  // finishes the queue; an error left unreported is logged
   AsyncWriter(const AsyncWriter&) = delete;
   AsyncWriter& operator=(const AsyncWriter&) = delete;
@@ -110,8 +136,31 @@ class AsyncWriter {
   void defer_commit(std::function<void()> commit);
   std::vector<std::function<void()>> take_deferred_commits();
 
+  // What the saves since the last take_stats() cost: bytes staged on the device and in host
+  // memory, seconds the saving thread spent staging, bytes written and seconds spent writing.
+  struct Stats {
+    int64_t device_bytes = 0, host_bytes = 0, written_bytes = 0;
+    double stage_seconds = 0, write_seconds = 0;
+    std::string describe() const;  // "15.4 GB staged (15.4 on the device) in 0.04 s, ..."
+  };
+  Stats take_stats();
+
+  // For AtomicFile: room for `bytes` of device snapshots on `device` (false: stage on the host);
+  // release_device gives it back once the snapshot is on the host.
+  bool reserve_device(int64_t bytes, int device);
+  void release_device(int64_t bytes);
+  void add_staged(int64_t device_bytes, int64_t host_bytes, double seconds);
+  // The writer thread's state for writing a staged file (pinned buffers, side streams).
+  struct WriteState;
+  WriteState& write_state();  // writer thread only
+  void add_written(int64_t bytes, double seconds);
+
  private:
   void loop();
+  int64_t device_limit_;  // -1 until the first device snapshot sets it
+  int64_t device_held_ = 0;
+  Stats stats_;
+  std::unique_ptr<WriteState> write_state_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;
