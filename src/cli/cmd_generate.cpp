@@ -1,10 +1,13 @@
-// `colossal generate`: greedy continuation of token ids by a Hugging Face model folder (llama,
-// mistral, qwen2), with a KV cache. Prints the new ids space-separated on one stdout line.
+// `colossal generate`: continuation of token ids by a Hugging Face model folder (llama, mistral,
+// qwen2) with a KV cache: greedy by default, or sampled (temperature, top-k, top-p, seed), with
+// an optional repetition penalty, as HF's generate(). Prints the new ids space-separated on one
+// stdout line, each as soon as it is chosen.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -42,14 +45,50 @@ std::vector<int64_t> parse_ids(const std::string& s) {
 }
 
 int run_generate(int argc, char** argv) {
-  colossal::cli::Args args("generate", "greedy generation from a Hugging Face model folder");
+  colossal::cli::Args args("generate", "text generation from a Hugging Face model folder");
   args.option("model", "model folder (config.json + *.safetensors)", "", true)
       .option("prompt-ids", "comma-separated prompt token ids, e.g. 1,2,3", "", true)
       .option("max-new-tokens", "number of tokens to generate", "32")
       .option("dtype", "fp32 | bf16", "fp32")
       .option("device", "cpu | cuda", "cpu")
-      .flag("stop-at-eos", "stop once the config's eos_token_id is generated");
+      .flag("stop-at-eos", "stop once the config's eos_token_id is generated")
+      .flag("do-sample", "sample the next token (default: greedy, the most likely one)")
+      .option("temperature", "divide the logits by this before sampling (> 0)", "1.0")
+      .option("top-k", "sample among the k most likely tokens only (0: all)", "0")
+      .option("top-p", "sample among the most likely tokens holding this probability (0, 1]", "1.0")
+      .option("repetition-penalty",
+              "penalise tokens already in the prompt or output (> 0, 1: off; greedy too)", "1.0")
+      .option("seed", "seed of the sampling generator (same seed, same tokens)", "0");
   args.parse(argc, argv);
+  colossal::models::GenerateOptions go;
+  go.do_sample = args.on("do-sample");
+  for (const char* name : {"temperature", "top-k", "top-p", "seed"}) {
+    COLOSSAL_CHECK_INPUT(go.do_sample || !args.given(name), "--", name,
+                         " only applies when sampling: add --do-sample (greedy decoding "
+                         "ignores it)");
+  }
+  go.temperature = args.f64("temperature");
+  go.top_k = args.i64("top-k");
+  go.top_p = args.f64("top-p");
+  go.repetition_penalty = args.f64("repetition-penalty");
+  const int64_t seed = args.i64("seed");
+  COLOSSAL_CHECK_INPUT(seed >= 0, "--seed must be >= 0, got ", seed);
+  go.seed = static_cast<uint64_t>(seed);
+  try {
+    go.validate();
+  } catch (const colossal::InputError& e) {
+    // Name the flags, not the struct's fields.
+    std::string msg = e.what();
+    for (auto [field, flag] : {std::pair{"max_new_tokens", "--max-new-tokens"},
+                               {"repetition_penalty", "--repetition-penalty"},
+                               {"temperature", "--temperature"},
+                               {"top_k", "--top-k"},
+                               {"top_p", "--top-p"}}) {
+      auto at = msg.find(field);
+      if (at != std::string::npos) msg.replace(at, std::strlen(field), flag);
+    }
+    throw colossal::InputError(msg);
+  }
   const std::string dtype = args.str("dtype"), device = args.str("device");
   COLOSSAL_CHECK_INPUT(dtype == "fp32" || dtype == "bf16", "--dtype must be fp32 or bf16, got '",
                        dtype, "'");
@@ -100,15 +139,17 @@ int run_generate(int argc, char** argv) {
   model->eval();
   at::Tensor prompt =
       at::tensor(ids, at::TensorOptions().dtype(at::kLong)).unsqueeze(0).to(*po.device);
+  go.max_new_tokens = max_new;
+  go.eos_token_id = eos;
+  int64_t printed = 0;
+  go.on_token = [&](const at::Tensor& next) {
+    std::printf(printed++ ? " %lld" : "%lld", static_cast<long long>(next[0].item<int64_t>()));
+    std::fflush(stdout);
+  };
   auto t0 = std::chrono::steady_clock::now();
-  at::Tensor out = colossal::models::generate_greedy(*model, prompt, max_new, eos).to(at::kCPU);
+  at::Tensor out = colossal::models::generate(*model, prompt, go);
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::string line;
-  for (int64_t i = 0; i < out.size(1); ++i) {
-    if (i) line += ' ';
-    line += std::to_string(out[0][i].item<int64_t>());
-  }
-  std::printf("%s\n", line.c_str());
+  std::printf("\n");
   std::fflush(stdout);
   colossal::log_info("generated ", out.size(1), " tokens in ", secs, " s (",
                      out.size(1) / std::max(secs, 1e-9), " tokens/s)");
@@ -117,4 +158,4 @@ int run_generate(int argc, char** argv) {
 
 }  // namespace
 
-COLOSSAL_COMMAND("generate", "greedy generation from a Hugging Face model folder", run_generate);
+COLOSSAL_COMMAND("generate", "text generation from a Hugging Face model folder", run_generate);

@@ -145,6 +145,66 @@ def test_generate_matches_hf(hf_case):
     assert ours == hf_greedy(d, prompt, 32), name
 
 
+SAMPLING = {  # name: (our flags, HF generate() arguments)
+    "greedy_repetition": (["--repetition-penalty", "1.3"], dict(do_sample=False, repetition_penalty=1.3)),
+    "temperature": (["--do-sample", "--temperature", "0.7", "--seed", "5"],
+                    dict(do_sample=True, temperature=0.7, seed=5)),
+    "top_k": (["--do-sample", "--top-k", "10", "--seed", "6"], dict(do_sample=True, top_k=10, seed=6)),
+    "top_p": (["--do-sample", "--top-p", "0.8", "--seed", "7"], dict(do_sample=True, top_p=0.8, seed=7)),
+    "all": (["--do-sample", "--temperature", "1.3", "--top-k", "40", "--top-p", "0.9",
+             "--repetition-penalty", "1.2", "--seed", "8"],
+            dict(do_sample=True, temperature=1.3, top_k=40, top_p=0.9, repetition_penalty=1.2, seed=8)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SAMPLING))
+def test_generate_sampling_matches_hf(case, tmp_path_factory):
+    """Repetition penalty, temperature, top-k and top-p, and the seeded draw, against HF's
+    generate() on CPU: the same processors in the same order and the same torch.multinomial on a
+    CPU generator seeded alike give the same tokens (fp32 logits equal to ~1e-6: a draw would
+    have to land that close to a boundary to differ)."""
+    flags, kw = SAMPLING[case]
+    model, d = make_hf("llama_gqa", tmp_path_factory)
+    prompt = [5, 17, 3, 42, 8, 1, 99, 5, 5]
+    r = subprocess.run([BIN, "generate", "--model", str(d), "--prompt-ids", ",".join(map(str, prompt)),
+                        "--max-new-tokens", "32", *flags], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    ours = [int(t) for t in r.stdout.split()]
+    m = AutoModelForCausalLM.from_pretrained(d, attn_implementation="sdpa", dtype=torch.float32).eval()
+    kw = dict(kw)
+    seed = kw.pop("seed", 0)
+    torch.manual_seed(seed)
+    out = m.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, eos_token_id=None,
+                     pad_token_id=0, top_k=kw.pop("top_k", 0), top_p=kw.pop("top_p", 1.0),
+                     temperature=kw.pop("temperature", 1.0), **kw)
+    assert ours == out[0, len(prompt):].tolist(), case
+    if kw["do_sample"]:  # another seed, other tokens
+        flags2 = [f if f != str(seed) else str(seed + 100) for f in flags]
+        r2 = subprocess.run([BIN, "generate", "--model", str(d), "--prompt-ids", ",".join(map(str, prompt)),
+                             "--max-new-tokens", "32", *flags2], capture_output=True, text=True, timeout=300)
+        assert r2.returncode == 0 and [int(t) for t in r2.stdout.split()] != ours
+
+
+def test_generate_sampling_errors(tmp_path_factory):
+    model, d = make_hf("llama_gqa", tmp_path_factory)
+
+    def gen(*args):
+        return subprocess.run([BIN, "generate", "--model", str(d), "--prompt-ids", "1,2", *args],
+                              capture_output=True, text=True, timeout=60)
+
+    for args, needle in [(["--temperature", "0.5"], "--temperature only applies when sampling"),
+                         (["--seed", "3"], "--seed only applies when sampling"),
+                         (["--do-sample", "--temperature", "0"], "--temperature must be"),
+                         (["--do-sample", "--temperature", "nan"], "--temperature must be"),
+                         (["--do-sample", "--top-p", "0"], "--top-p must be in (0, 1]"),
+                         (["--do-sample", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+                         (["--do-sample", "--top-k", "-1"], "--top-k must be >= 0"),
+                         (["--repetition-penalty", "0"], "--repetition-penalty must be"),
+                         (["--do-sample", "--seed", "-4"], "--seed must be >= 0")]:
+        r = gen(*args)
+        assert r.returncode == 2 and needle in r.stderr, (args, r.stderr)
+
+
 def test_save_pretrained_round_trip(tmp_path_factory, tmp_path):
     # Big enough (~2.4 MB fp32) that 1 MB shards give several files.
     cfg = LlamaConfig(**{**BASE, "vocab_size": 1500, "hidden_size": 128, "intermediate_size": 200,

@@ -3,8 +3,11 @@
 #include "colossal/models/llama/model.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <utility>
 
 #include "colossal/core/error.h"
@@ -570,11 +573,52 @@ at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels) {
                                 at::Reduction::Mean, -100);
 }
 
-at::Tensor generate_greedy(CausalLM& m, const at::Tensor& prompt, int64_t max_new,
-                           std::optional<int64_t> eos) {
+void GenerateOptions::validate() const {
+  COLOSSAL_CHECK_INPUT(max_new_tokens >= 0, "generate: max_new_tokens must be >= 0, got ",
+                       max_new_tokens);
+  COLOSSAL_CHECK_INPUT(std::isfinite(repetition_penalty) && repetition_penalty > 0,
+                       "generate: repetition_penalty must be a finite number > 0, got ",
+                       repetition_penalty);
+  COLOSSAL_CHECK_INPUT(std::isfinite(temperature) && temperature > 0,
+                       "generate: temperature must be a finite number > 0, got ", temperature,
+                       " (for greedy decoding leave sampling off)");
+  COLOSSAL_CHECK_INPUT(top_k >= 0, "generate: top_k must be >= 0 (0: off), got ", top_k);
+  COLOSSAL_CHECK_INPUT(std::isfinite(top_p) && top_p > 0 && top_p <= 1,
+                       "generate: top_p must be in (0, 1] (1: off), got ", top_p);
+}
+
+at::Tensor process_logits(const at::Tensor& scores_in, const at::Tensor& seen,
+                          const GenerateOptions& o) {
+  at::Tensor scores = scores_in;
+  if (o.repetition_penalty != 1.0) {
+    // Every id seen so far (duplicates gather and scatter the same value).
+    at::Tensor s = scores.gather(1, seen);
+    s = at::where(s < 0, s * o.repetition_penalty, s / o.repetition_penalty);
+    scores = scores.scatter(1, seen, s);
+  }
+  if (!o.do_sample) return scores;
+  const double inf = std::numeric_limits<double>::infinity();
+  if (o.temperature != 1.0) scores = scores / o.temperature;
+  if (o.top_k > 0) {
+    // Everything below the k-th largest score goes; ties with it stay (HF's rule).
+    const int64_t k = std::min<int64_t>(o.top_k, scores.size(-1));
+    at::Tensor kth = std::get<0>(scores.topk(k, -1)).narrow(-1, k - 1, 1);
+    scores = scores.masked_fill(scores < kth, -inf);
+  }
+  if (o.top_p < 1.0) {
+    // The smallest scores whose probabilities sum to at most 1 - top_p go; the largest stays.
+    auto [sorted, order] = scores.sort(-1, /*descending=*/false);
+    at::Tensor drop = sorted.softmax(-1).cumsum(-1) <= (1.0 - o.top_p);
+    drop.narrow(-1, drop.size(-1) - 1, 1).fill_(false);
+    scores = scores.masked_fill(drop.scatter(1, order, drop), -inf);
+  }
+  return scores;
+}
+
+at::Tensor generate(CausalLM& m, const at::Tensor& prompt, const GenerateOptions& o) {
   COLOSSAL_CHECK_INPUT(prompt.dim() == 2 && prompt.size(1) > 0,
                        "generate: prompt ids must be [batch, len>0], got ", prompt.sizes());
-  COLOSSAL_CHECK_INPUT(max_new >= 0, "generate: max_new_tokens must be >= 0, got ", max_new);
+  o.validate();
   COLOSSAL_CHECK(m.whole(), "generate needs the whole model");
   at::NoGradGuard ng;
   // cuDNN's attention plans per shape and the key length grows every step: on an H200 it made
@@ -584,10 +628,13 @@ at::Tensor generate_greedy(CausalLM& m, const at::Tensor& prompt, int64_t max_ne
     CudnnSdpaOff() { at::globalContext().setSDPUseCuDNN(false); }
     ~CudnnSdpaOff() { at::globalContext().setSDPUseCuDNN(prev); }
   } cudnn_off;
+  const int64_t max_new = o.max_new_tokens;
   KVCache cache(m.config().num_hidden_layers, prompt.size(1) + max_new);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(o.seed);
   std::vector<at::Tensor> out;
   at::Tensor done =
       at::zeros({prompt.size(0)}, at::TensorOptions().dtype(at::kBool).device(prompt.device()));
+  at::Tensor seen = prompt;  // what the repetition penalty looks at
   at::Tensor input = prompt;
   for (int64_t t = 0; t < max_new; ++t) {
     ForwardOptions fo;
@@ -597,16 +644,34 @@ at::Tensor generate_greedy(CausalLM& m, const at::Tensor& prompt, int64_t max_ne
                          logits.size(-1), " logits per token of a vocabulary of ",
                          m.config().vocab_size,
                          " (vocab-sharded); shard it with parallel_output=false to decode");
-    at::Tensor next = logits.select(1, logits.size(1) - 1).to(at::kFloat).argmax(-1);
+    at::Tensor scores =
+        process_logits(logits.select(1, logits.size(1) - 1).to(at::kFloat), seen, o);
+    at::Tensor next;
+    if (o.do_sample) {
+      at::Tensor probs = scores.softmax(-1).to(at::kCPU);
+      next = at::multinomial(probs, 1, /*replacement=*/false, gen).squeeze(1).to(prompt.device());
+    } else {
+      next = scores.argmax(-1);
+    }
     out.push_back(next);
-    if (eos) {
-      done = done | (next == *eos);
+    if (o.on_token) o.on_token(next);
+    if (o.repetition_penalty != 1.0) seen = at::cat({seen, next.unsqueeze(1)}, 1);
+    if (o.eos_token_id) {
+      done = done | (next == *o.eos_token_id);
       if (done.all().item<bool>()) break;
     }
     input = next.unsqueeze(1);
   }
   if (out.empty()) return at::empty({prompt.size(0), 0}, prompt.options());
   return at::stack(out, 1);
+}
+
+at::Tensor generate_greedy(CausalLM& m, const at::Tensor& prompt, int64_t max_new,
+                           std::optional<int64_t> eos) {
+  GenerateOptions o;
+  o.max_new_tokens = max_new;
+  o.eos_token_id = eos;
+  return generate(m, prompt, o);
 }
 
 }  // namespace colossal::models

@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -251,9 +252,36 @@ class CausalLM : public nn::Module {
 // ForCausalLMLoss: fp32, ignore_index -100).
 at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels);
 
-// Greedy decoding with a KV cache: the prompt runs once, then one position per new token.
-// Returns the new tokens of each row [B, n]. Stops early only when every row produced
-// eos_token_id (if given).
+// Decoding as Hugging Face's generate() does it with num_beams=1: each step's last logits go
+// through the repetition penalty (greedy and sampling alike), then, when sampling, temperature,
+// top-k and top-p, in that order and with HF's tie and boundary rules; the next token is the
+// argmax, or a draw from the softmax by a CPU generator seeded with `seed` (so a seed gives the
+// same tokens on any device, and the same as HF's torch.multinomial after torch.manual_seed on
+// CPU for equal logits).
+struct GenerateOptions {
+  int64_t max_new_tokens = 32;
+  std::optional<int64_t> eos_token_id;  // stop once every row produced it
+  bool do_sample = false;
+  double temperature = 1.0;         // > 0; sampling only
+  int64_t top_k = 0;                // 0: off; sampling only
+  double top_p = 1.0;               // (0, 1]; 1: off; sampling only
+  double repetition_penalty = 1.0;  // > 0; 1: off (HF's RepetitionPenaltyLogitsProcessor)
+  uint64_t seed = 0;
+  // Called with each step's tokens [B] (on the model's device) as they are chosen.
+  std::function<void(const at::Tensor&)> on_token;
+  void validate() const;  // InputError naming the first bad field
+};
+
+// One step's scores [B, V] (fp32) after the options' processors; `seen` [B, T] holds the ids so
+// far (prompt and generated), which the repetition penalty reads.
+at::Tensor process_logits(const at::Tensor& scores, const at::Tensor& seen,
+                          const GenerateOptions& options);
+
+// Generation with a KV cache: the prompt runs once, then one position per new token. Returns
+// the new tokens of each row [B, n]; n < max_new_tokens only when every row produced eos.
+at::Tensor generate(CausalLM& model, const at::Tensor& prompt_ids, const GenerateOptions& options);
+
+// generate() with the defaults: greedy decoding.
 at::Tensor generate_greedy(CausalLM& model, const at::Tensor& prompt_ids, int64_t max_new_tokens,
                            std::optional<int64_t> eos_token_id = std::nullopt);
 
