@@ -53,8 +53,8 @@ for phase in "$@"; do
     # machine's torch and CUDA libraries; if they do not start here, fall through to a build.
     TL=$($PY -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
     NV=$(find "$(dirname "$TL")/.." /usr/local/cuda*/lib64 -maxdepth 4 -name 'libcudart.so.13*' 2>/dev/null | head -1)
-    export LD_LIBRARY_PATH="$TL${NV:+:$(dirname "$NV")}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     PB=${PREBUILT:-build-carry}  # another packed build (an A/B of two commits) by name
+    export LD_LIBRARY_PATH="$TL${NV:+:$(dirname "$NV")}:$PWD/$PB/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     if [ -x $PB/colossal ] && $PB/colossal check > "$LOGS/prebuilt_check.log" 2>&1; then
       BUILD=$PB; C=$BUILD/colossal
       note "prebuilt binaries start here: $(grep -i 'cuda kernels\|device 0' "$LOGS/prebuilt_check.log" | head -2 | tr '\n' ' ')"

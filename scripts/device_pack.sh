@@ -13,4 +13,11 @@ for f in colossal tests/kernels/test_kernels tests/kernels/test_kernels_cuda tes
   cp "$B/$f" "build-carry/$f"
   strip --strip-unneeded "build-carry/$f"
 done
+# Libraries from this machine's apt packages that the GPU machine's image lacks (SentencePiece
+# and its protobuf, PCRE2, ICU): carried next to the binaries; device_bench.sh's prebuilt phase
+# puts build-carry/lib on the loader path.
+mkdir -p build-carry/lib
+for f in $(find build-carry -type f -perm -u+x); do
+  ldd "$f" 2>/dev/null | awk '/=> \// {print $3}' | grep -E 'sentencepiece|protobuf|pcre2|icu' || true
+done | sort -u | while read -r lib; do cp -L "$lib" build-carry/lib/; done
 du -sh build-carry
