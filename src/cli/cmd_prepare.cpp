@@ -1,0 +1,76 @@
+// `colossal prepare`: text files, folders and JSONL into a token file plus document index for
+// `colossal train` (see colossal/app/prepare.h).
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include "cli/args.h"
+#include "cli/command.h"
+#include "colossal/app/prepare.h"
+#include "colossal/core/error.h"
+#include "colossal/core/logging.h"
+#include "colossal/data/sentencepiece.h"
+
+namespace {
+
+// The tokenizer named by --tokenizer: a SentencePiece .model file, or a folder holding
+// tokenizer.model.
+colossal::app::TextEncoder load_encoder(const std::string& arg) {
+  namespace fs = std::filesystem;
+  std::string path = arg;
+  if (fs::is_directory(path)) {
+    COLOSSAL_CHECK_INPUT(fs::is_regular_file(fs::path(path) / "tokenizer.model"),
+                         "--tokenizer: folder ", path, " holds no tokenizer.model");
+    path = (fs::path(path) / "tokenizer.model").string();
+  }
+  COLOSSAL_CHECK_INPUT(fs::path(path).extension() == ".model", "--tokenizer: ", path,
+                       " is not a SentencePiece .model file (or a folder holding one)");
+  auto sp = std::make_shared<colossal::data::SentencePieceTokenizer>(
+      colossal::data::SentencePieceTokenizer::from_file(path));
+  colossal::app::TextEncoder e;
+  e.name = path;
+  e.encode = [sp](std::string_view text) { return sp->encode(text); };
+  e.vocab_size = sp->vocab_size();
+  e.bos_id = sp->bos_id();
+  e.eos_id = sp->eos_id();
+  return e;
+}
+
+int run_prepare(int argc, char** argv) {
+  colossal::cli::Args args("prepare", "tokenize text into a token file for colossal train");
+  args.option("tokenizer", "SentencePiece .model file, or a folder holding tokenizer.model", "",
+              true)
+      .option("out", "output token file (llm.c format); the document index goes to <out>.docs", "",
+              true)
+      .option("jsonl_field", "the field holding each record's text in *.jsonl files", "text")
+      .option("dtype", "auto | u16 | u32 (auto: u16 when the vocabulary fits)", "auto")
+      .option("threads", "encoding threads (0: every core)", "0")
+      .flag("no_bos", "do not put the tokenizer's BOS before each document")
+      .flag("eos", "put the tokenizer's EOS after each document")
+      .rest("inputs", "text files, folders (read recursively) and .jsonl files, options first");
+  args.parse(argc, argv);
+  colossal::app::PrepareOptions o;
+  o.inputs = args.rest_args();
+  o.output = args.str("out");
+  o.jsonl_field = args.str("jsonl_field");
+  o.dtype = args.str("dtype");
+  const int64_t threads = args.i64("threads");
+  COLOSSAL_CHECK_INPUT(threads >= 0 && threads <= 4096, "--threads must be in [0, 4096], got ",
+                       threads);
+  o.threads = static_cast<int>(threads);
+  o.add_bos = !args.on("no_bos");
+  o.add_eos = args.on("eos");
+  o.progress = true;
+  const auto enc = load_encoder(args.str("tokenizer"));
+  const auto r = colossal::app::prepare(enc, o);
+  colossal::log_info("prepared ", r.documents, " documents from ", r.files, " files: ", r.tokens,
+                     " tokens (", colossal::data::to_string(r.format), ") from ",
+                     static_cast<double>(r.bytes) / 1e6, " MB of text in ", r.seconds, " s (",
+                     static_cast<double>(r.tokens) / std::max(r.seconds, 1e-9), " tokens/s) -> ",
+                     o.output, " and ", o.output, ".docs");
+  return 0;
+}
+
+}  // namespace
+
+COLOSSAL_COMMAND("prepare", "tokenize text into a token file for colossal train", run_prepare);
