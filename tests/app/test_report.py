@@ -1,0 +1,223 @@
+"""`colossal train --report` and `colossal report`: the page is rendered by Debian's Chromium
+(headless, the DOM dumped after its scripts ran, console errors on stderr) and must hold one
+plot per recorded metric whose path has exactly one point per step, each mapping back to the
+metrics file's value; the summary and configuration are there; nothing is fetched from the
+network. Bad metrics files and run folders are named errors (exit 2). Chromium missing is a
+failure, not a skip: `make test` installs it (scripts/setup.sh)."""
+import html.parser
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from train_helpers import BIN, make_work  # noqa: E402
+
+STEPS = 8
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def colossal(args, cwd=None, ok=True):
+    p = subprocess.run([BIN] + args, capture_output=True, text=True, timeout=120, env=ENV, cwd=cwd)
+    if ok:
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p
+
+
+def refused(args, *needles):
+    p = colossal(args, ok=False)
+    assert p.returncode == 2, f"exit {p.returncode}, expected 2 (a named input error):\n{p.stderr[-3000:]}"
+    for n in needles:
+        assert n in p.stderr, f"{n!r} not in:\n{p.stderr[-3000:]}"
+    assert "terminate called" not in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A short CPU run with --metrics_file, --save_dir and --report."""
+    work = make_work(tmp_path_factory.mktemp("report"))
+    p = colossal(["train", "--model", str(work / "model.json"), "--data", str(work / "tokens.bin"),
+                  "--plugin", "none", "--seq_len", "16", "--micro_batch", "2", "--steps", str(STEPS),
+                  "--lr", "3e-3", "--warmup", "2", "--save_dir", str(work / "ckpt"), "--save_every", "4",
+                  "--metrics_file", str(work / "metrics.jsonl"), "--report"])
+    report = work / "ckpt" / "report.html"
+    assert f"report: {report}" in p.stderr, p.stderr[-2000:]
+    rows = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    return work, rows
+
+
+def chromium():
+    exe = shutil.which("chromium")
+    assert exe, "chromium is not installed (scripts/setup.sh installs it: make test runs it)"
+    return exe
+
+
+def render(page, tmp_path):
+    """The DOM after the page's scripts ran, and Chromium's stderr (console messages)."""
+    p = subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                        f"--user-data-dir={tmp_path / 'chromium-profile'}", "--enable-logging=stderr",
+                        "--v=0", "--dump-dom", page.resolve().as_uri()],
+                       capture_output=True, text=True, timeout=90)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout, p.stderr
+
+
+def console_errors(stderr):
+    return [line for line in stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+
+
+class Dom(html.parser.HTMLParser):
+    """The <svg class="chart"> elements with their <path> series, and each table row as [table id,
+    cell texts...]."""
+
+    def __init__(self):
+        super().__init__()
+        self.charts, self.body, self.cells, self.rows, self.ids = {}, {}, None, [], set()
+        self._chart = self._table = None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if "id" in a:
+            self.ids.add(a["id"])
+        if tag == "body":
+            self.body = a
+        elif tag == "svg" and a.get("class") == "chart":
+            self._chart = a["id"]
+            self.charts[self._chart] = dict(a, paths=[])
+        elif tag == "path" and self._chart:
+            self.charts[self._chart]["paths"].append(a)
+        elif tag == "table":
+            self._table = a.get("id")
+        elif tag == "tr":
+            self.cells = [self._table]
+
+    def handle_endtag(self, tag):
+        if tag == "svg":
+            self._chart = self._table = None
+        elif tag == "tr" and self.cells is not None:
+            self.rows.append(self.cells)
+            self.cells = None
+
+    def handle_data(self, data):
+        if self.cells is not None and data.strip():
+            self.cells.append(data.strip())
+
+
+def points(d):
+    """[(x, y)] of an SVG path made of M/L commands; asserts nothing else is in it."""
+    cmds = re.findall(r"([ML])(-?[\d.]+),(-?[\d.]+)", d)
+    assert "".join(f"{c}{x},{y}" for c, x, y in cmds) == d, d
+    return [(float(x), float(y)) for _, x, y in cmds]
+
+
+def check_chart(chart, key, rows):
+    """The path of `key`: one point per row, at (step, value) in the chart's own scale."""
+    f = {k: float(chart[f"data-{k}"]) for k in ("x0", "x1", "y0", "y1", "px0", "px1", "py0", "py1")}
+    assert chart["data-yscale"] == "linear"
+    (path,) = [p for p in chart["paths"] if p.get("data-key") == key]
+    pts = points(path["d"])
+    assert int(path["data-points"]) == len(pts) == len(rows), (key, len(pts), len(rows))
+    scale = float(path["data-scale"])
+    # Coordinates are printed with two decimals: half a hundredth of a pixel, in data units.
+    tol_y = abs(f["y1"] - f["y0"]) / abs(f["py1"] - f["py0"]) * 0.0051
+    tol_x = abs(f["x1"] - f["x0"]) / abs(f["px1"] - f["px0"]) * 0.0051
+    for (x, y), r in zip(pts, rows):
+        step = f["x0"] + (x - f["px0"]) / (f["px1"] - f["px0"]) * (f["x1"] - f["x0"])
+        value = f["y0"] + (y - f["py0"]) / (f["py1"] - f["py0"]) * (f["y1"] - f["y0"])
+        assert abs(step - r["step"]) <= tol_x, (key, step, r["step"])
+        assert abs(value - r[key] * scale) <= tol_y, (key, r["step"], value, r[key] * scale)
+    # The axes span the data: the extremes are drawn at the edges of the box.
+    vals = [r[key] * scale for r in rows]
+    assert min(vals) == pytest.approx(f["y0"]) or max(vals) == pytest.approx(f["y1"])
+
+
+def test_train_report_in_browser(run, tmp_path):
+    work, rows = run
+    page = work / "ckpt" / "report.html"
+    text = page.read_text()
+    # Self-contained: no element loads anything; the only URL is the SVG namespace.
+    assert not re.search(r"\b(src|href)\s*=", text) and "@import" not in text
+    assert set(re.findall(r"https?://[^\s'\"]+", text)) == {"http://www.w3.org/2000/svg"}
+
+    dom_text, stderr = render(page, tmp_path)
+    assert not console_errors(stderr), console_errors(stderr)
+    dom = Dom()
+    dom.feed(dom_text)
+    assert dom.body.get("data-rendered") == "ok", "the page's script did not run to its end"
+    # fp32 on CPU: no loss scale (it stays 1), no device memory.
+    assert set(dom.charts) == {"plot-loss", "plot-lr", "plot-grad_norm", "plot-tok_s", "plot-memory"}
+    for key in ("loss", "lr", "grad_norm", "tok_s"):
+        check_chart(dom.charts[f"plot-{key}"], key, rows)
+    assert [p["data-key"] for p in dom.charts["plot-memory"]["paths"]] == ["host_rss_bytes"]
+    check_chart(dom.charts["plot-memory"], "host_rss_bytes", rows)
+    assert "log-loss" in dom.ids  # the loss plot's log-scale toggle
+
+    table = {r[1]: r[2:] for r in dom.rows if r[0] == "summary"}
+    assert table["final loss"] == [f"{rows[-1]['loss']:.5g}"], table
+    assert table["steps"][0].startswith(f"{STEPS} of {STEPS}"), table
+    assert table["plugin"] == ["none, fp32, 1 rank(s)"], table
+    assert "parameters" in table["model"][0], table
+    assert ["config", "[optim]"] in dom.rows and ["config", "lr", "0.003"] in dom.rows, dom.rows
+
+
+def test_report_command(run, tmp_path):
+    """`colossal report RUN_DIR` from another folder finds the metrics file through the
+    checkpoint (an absolute path) and writes the same plots; --metrics alone works too."""
+    work, rows = run
+    out = tmp_path / "r.html"
+    p = colossal(["report", str(work / "ckpt"), "--out", str(out)], cwd=tmp_path)
+    assert p.stdout.strip() == str(out)
+    dom_text, stderr = render(out, tmp_path)
+    assert not console_errors(stderr), console_errors(stderr)
+    dom = Dom()
+    dom.feed(dom_text)
+    check_chart(dom.charts["plot-loss"], "loss", rows)
+    # A step folder of the run works as RUN_DIR.
+    colossal(["report", str(work / "ckpt" / "step-00000004"), "--out", str(tmp_path / "s.html")])
+    # No run folder: the metrics file alone (no configuration), report.html next to it.
+    metrics = tmp_path / "m" / "metrics.jsonl"
+    metrics.parent.mkdir()
+    shutil.copy(work / "metrics.jsonl", metrics)
+    p = colossal(["report", "--metrics", str(metrics)])
+    assert p.stdout.strip() == str(metrics.parent / "report.html")
+    assert "No recorded configuration" in (metrics.parent / "report.html").read_text()
+
+
+def test_broken_page_is_caught(tmp_path):
+    """The harness itself: a script error in a page shows up in Chromium's stderr."""
+    page = tmp_path / "broken.html"
+    page.write_text("<!DOCTYPE html><html><body><script>undefinedFunction();</script></body></html>")
+    _, stderr = render(page, tmp_path)
+    assert any("Uncaught" in line for line in console_errors(stderr)), stderr[-2000:]
+
+
+def test_bad_inputs(run, tmp_path):
+    work, rows = run
+    good = (work / "metrics.jsonl").read_text().splitlines()
+    missing = tmp_path / "none.jsonl"
+    refused(["report", "--metrics", str(missing)], f"metrics file {missing} does not exist")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    refused(["report", "--metrics", str(empty)], f"metrics file {empty} is empty: no steps recorded")
+    corrupt = tmp_path / "corrupt.jsonl"
+    corrupt.write_text("\n".join(good[:2] + [good[2][:17]] + good[3:]) + "\n")
+    refused(["report", "--metrics", str(corrupt)], f"metrics file {corrupt} line 3 is not a JSON object")
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text("\n".join(good + good[:1]) + "\n")
+    refused(["report", "--metrics", str(twice)], f"line {len(good) + 1}: step 1 after step {len(good)}")
+    no_step = tmp_path / "no_step.jsonl"
+    no_step.write_text(good[0] + "\n" + '{"loss": 1.0}\n')
+    refused(["report", "--metrics", str(no_step)], f"metrics file {no_step} line 2 has no integral \"step\"")
+    refused(["report", str(tmp_path / "nowhere")], f"run folder {tmp_path / 'nowhere'} does not exist")
+    refused(["report", str(tmp_path)], f"run folder {tmp_path} holds no checkpoint", "--metrics FILE")
+    refused(["report"], "needs a RUN_DIR (a --save_dir) or --metrics FILE")
+    refused(["report", "--metrics", str(work / "metrics.jsonl"), "--out", str(tmp_path / "no" / "r.html")],
+            f"folder {tmp_path / 'no'} does not exist")
+    refused(["train", "--model", str(work / "model.json"), "--data", str(work / "tokens.bin"), "--steps", "1",
+             "--report"], "option 'report' needs 'metrics_file'")
