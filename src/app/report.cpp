@@ -222,18 +222,24 @@ std::string summary_table(const ReportInput& in) {
   if (skipped > 0) rows.emplace_back("skipped steps", str(skipped, " (non-finite gradients)"));
   if (const double t = number(last, "tokens"); std::isfinite(t))
     rows.emplace_back("tokens", human(t));
-  // elapsed_s counts from the start of each process: a resumed run starts again from 0, so the
-  // wall time is the sum of each stretch's last value.
+  // elapsed_s counts from the start of each process (a resumed run starts again near 0), so
+  // the wall time is the sum of each process's last value. A row starts a new process when less
+  // time passed since the previous row than its own step took (tokens per step / tok_s): in one
+  // process, the step happened between the two readings.
   double wall = 0, stretch = 0;
   bool have_wall = false;
   for (const auto& m : r) {
     const double e = number(m, "elapsed_s");
     if (!std::isfinite(e)) continue;
+    const double step_s = number(m, "tokens") / static_cast<double>(m.at("step").as_int()) /
+                          number(m, "tok_s");
+    const bool new_process = have_wall && (e < stretch || (std::isfinite(step_s) &&
+                                                           e - stretch < step_s * (1 - 1e-6)));
+    if (new_process) wall += stretch;
     have_wall = true;
-    if (e < stretch) wall += stretch;
     stretch = e;
   }
-  if (have_wall) rows.emplace_back("wall time (training steps)", duration(wall + stretch));
+  if (have_wall) rows.emplace_back("wall time", duration(wall + stretch));
   std::vector<double> tok;
   for (const auto& m : r)
     if (const double t = number(m, "tok_s"); std::isfinite(t)) tok.push_back(t);

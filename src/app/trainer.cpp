@@ -1052,7 +1052,8 @@ TrainResult Trainer::run() {
 
 json::Value Trainer::run_facts() const {
   json::Value r = json::Value::object();
-  r.set("parameters", static_cast<int64_t>(nn::count_parameters(*model_)));
+  // The whole model's, from its config: under tensor or pipeline parallelism rank 0 holds a part.
+  r.set("parameters", models::parameter_count(model_->config()));
   r.set("world_size", distributed_ ? dist::world_size() : 1);
   r.set("global_batch", G_);
   return r;

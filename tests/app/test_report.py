@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -117,7 +118,9 @@ def points(d):
 
 
 def check_chart(chart, key, rows):
-    """The path of `key`: one point per row, at (step, value) in the chart's own scale."""
+    """The path of `key`: one point per row with a value (null: not finite, no point), at (step,
+    value) in the chart's own scale. Returns the path's `d`."""
+    rows = [r for r in rows if r[key] is not None]
     f = {k: float(chart[f"data-{k}"]) for k in ("x0", "x1", "y0", "y1", "px0", "px1", "py0", "py1")}
     assert chart["data-yscale"] == "linear"
     (path,) = [p for p in chart["paths"] if p.get("data-key") == key]
@@ -135,6 +138,11 @@ def check_chart(chart, key, rows):
     # The axes span the data: the extremes are drawn at the edges of the box.
     vals = [r[key] * scale for r in rows]
     assert min(vals) == pytest.approx(f["y0"]) or max(vals) == pytest.approx(f["y1"])
+    return path["d"]
+
+
+def summary(dom):
+    return {r[1]: r[2:] for r in dom.rows if r[0] == "summary"}
 
 
 def test_train_report_in_browser(run, tmp_path):
@@ -158,11 +166,11 @@ def test_train_report_in_browser(run, tmp_path):
     check_chart(dom.charts["plot-memory"], "host_rss_bytes", rows)
     assert "log-loss" in dom.ids  # the loss plot's log-scale toggle
 
-    table = {r[1]: r[2:] for r in dom.rows if r[0] == "summary"}
+    table = summary(dom)
     assert table["final loss"] == [f"{rows[-1]['loss']:.5g}"], table
     assert table["steps"][0].startswith(f"{STEPS} of {STEPS}"), table
     assert table["plugin"] == ["none, fp32, 1 rank(s)"], table
-    assert "parameters" in table["model"][0], table
+    assert table["model"][0].endswith(", 98.6 K parameters"), table  # counted from model.json
     assert ["config", "[optim]"] in dom.rows and ["config", "lr", "0.003"] in dom.rows, dom.rows
 
 
@@ -189,6 +197,64 @@ def test_report_command(run, tmp_path):
     assert "No recorded configuration" in (metrics.parent / "report.html").read_text()
 
 
+def test_fp16_cuda_like_metrics(tmp_path):
+    """What a CPU run does not record: a moving loss scale (fp16), device memory, a skipped step
+    with a non-finite loss (null in the file: a gap in the line, not a point at 0); and a resume
+    after step 2 whose first step took longer than the whole first process (0.25 s steps, then
+    0.6 s steps): the wall time is 0.5 + 6.01 s."""
+    rows = []
+    for i in range(1, 13):
+        step_s, elapsed = (0.25, 0.25 * i) if i <= 2 else (0.6, 0.61 + 0.6 * (i - 3))
+        rows.append({"step": i, "loss": 5.0 - 0.25 * i, "lr": 1e-3, "grad_norm": 1.0 / i, "tokens": 64 * i,
+                     "tok_s": 64 / step_s, "elapsed_s": elapsed, "skipped": i == 5,
+                     "loss_scale": 65536.0 if i < 5 else 32768.0, "host_rss_bytes": (2 + i / 10) * 2**30,
+                     "device_allocated_bytes": 3 * 2**30, "device_peak_allocated_bytes": (5 + i / 20) * 2**30})
+    rows[4]["loss"] = rows[4]["grad_norm"] = None
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    colossal(["report", "--metrics", str(metrics), "--out", str(tmp_path / "r.html")])
+    dom_text, stderr = render(tmp_path / "r.html", tmp_path)
+    assert not console_errors(stderr), console_errors(stderr)
+    dom = Dom()
+    dom.feed(dom_text)
+    assert dom.body.get("data-rendered") == "ok"
+    assert set(dom.charts) == {"plot-loss", "plot-lr", "plot-grad_norm", "plot-tok_s", "plot-memory",
+                               "plot-loss_scale"}
+    d = check_chart(dom.charts["plot-loss"], "loss", rows)
+    assert d.count("M") == 2, d  # the line breaks at the non-finite step
+    check_chart(dom.charts["plot-loss_scale"], "loss_scale", rows)
+    keys = [p["data-key"] for p in dom.charts["plot-memory"]["paths"]]
+    assert keys == ["device_peak_allocated_bytes", "device_allocated_bytes", "host_rss_bytes"]
+    for key in ("device_peak_allocated_bytes", "host_rss_bytes"):
+        check_chart(dom.charts["plot-memory"], key, rows)
+    table = summary(dom)
+    assert table["skipped steps"] == ["1 (non-finite gradients)"], table
+    assert table["peak device memory (allocated)"] == ["5.60 GiB"], table
+    assert table["wall time"] == ["6.5 s"], table
+
+
+def test_resumed_run(run, tmp_path):
+    """A run resumed from step 4 (after a crash that left steps 5-8 of an earlier attempt in the
+    metrics file): one series of 8 steps, and the wall time adds up both processes' stretches."""
+    work, rows = run
+    shutil.copytree(work / "ckpt", tmp_path / "ckpt")
+    metrics = tmp_path / "metrics.jsonl"
+    shutil.copy(work / "metrics.jsonl", metrics)
+    p = colossal(["train", "--model", str(work / "model.json"), "--data", str(work / "tokens.bin"),
+                  "--plugin", "none", "--seq_len", "16", "--micro_batch", "2", "--steps", str(STEPS),
+                  "--lr", "3e-3", "--warmup", "2", "--save_dir", str(tmp_path / "ckpt"),
+                  "--resume", str(tmp_path / "ckpt" / "step-00000004"), "--metrics_file", str(metrics), "--report"])
+    assert "dropped 4 line(s) after step 4" in p.stderr, p.stderr[-2000:]
+    resumed = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in rows]  # fp32 on CPU: exact resume
+    page = (tmp_path / "ckpt" / "report.html").read_text()
+    data = json.loads(re.search(r'<script type="application/json" id="report-data">(.*?)</script>', page).group(1))
+    assert [r["step"] for r in data["rows"]] == list(range(1, STEPS + 1))
+    wall = resumed[3]["elapsed_s"] + resumed[-1]["elapsed_s"]
+    assert f"<th>wall time</th><td>{wall:.1f} s</td>" in page
+
+
 def test_broken_page_is_caught(tmp_path):
     """The harness itself: a script error in a page shows up in Chromium's stderr."""
     page = tmp_path / "broken.html"
@@ -200,24 +266,30 @@ def test_broken_page_is_caught(tmp_path):
 def test_bad_inputs(run, tmp_path):
     work, rows = run
     good = (work / "metrics.jsonl").read_text().splitlines()
+    cases = []
     missing = tmp_path / "none.jsonl"
-    refused(["report", "--metrics", str(missing)], f"metrics file {missing} does not exist")
+    cases.append((["report", "--metrics", str(missing)], [f"metrics file {missing} does not exist"]))
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    refused(["report", "--metrics", str(empty)], f"metrics file {empty} is empty: no steps recorded")
+    cases.append((["report", "--metrics", str(empty)], [f"metrics file {empty} is empty: no steps recorded"]))
     corrupt = tmp_path / "corrupt.jsonl"
     corrupt.write_text("\n".join(good[:2] + [good[2][:17]] + good[3:]) + "\n")
-    refused(["report", "--metrics", str(corrupt)], f"metrics file {corrupt} line 3 is not a JSON object")
+    cases.append((["report", "--metrics", str(corrupt)], [f"metrics file {corrupt} line 3 is not a JSON object"]))
     twice = tmp_path / "twice.jsonl"
     twice.write_text("\n".join(good + good[:1]) + "\n")
-    refused(["report", "--metrics", str(twice)], f"line {len(good) + 1}: step 1 after step {len(good)}")
+    cases.append((["report", "--metrics", str(twice)], [f"line {len(good) + 1}: step 1 after step {len(good)}"]))
     no_step = tmp_path / "no_step.jsonl"
     no_step.write_text(good[0] + "\n" + '{"loss": 1.0}\n')
-    refused(["report", "--metrics", str(no_step)], f"metrics file {no_step} line 2 has no integral \"step\"")
-    refused(["report", str(tmp_path / "nowhere")], f"run folder {tmp_path / 'nowhere'} does not exist")
-    refused(["report", str(tmp_path)], f"run folder {tmp_path} holds no checkpoint", "--metrics FILE")
-    refused(["report"], "needs a RUN_DIR (a --save_dir) or --metrics FILE")
-    refused(["report", "--metrics", str(work / "metrics.jsonl"), "--out", str(tmp_path / "no" / "r.html")],
-            f"folder {tmp_path / 'no'} does not exist")
-    refused(["train", "--model", str(work / "model.json"), "--data", str(work / "tokens.bin"), "--steps", "1",
-             "--report"], "option 'report' needs 'metrics_file'")
+    cases.append((["report", "--metrics", str(no_step)], [f"metrics file {no_step} line 2 has no integral \"step\""]))
+    cases.append((["report", str(tmp_path / "nowhere")], [f"run folder {tmp_path / 'nowhere'} does not exist"]))
+    cases.append((["report", str(tmp_path)], [f"run folder {tmp_path} holds no checkpoint", "--metrics FILE"]))
+    cases.append((["report"], ["needs a RUN_DIR (a --save_dir) or --metrics FILE"]))
+    cases.append((["report", "--metrics", str(work / "metrics.jsonl"), "--out", str(tmp_path / "no" / "r.html")],
+                  [f"folder {tmp_path / 'no'} does not exist"]))
+    cases.append((["train", "--model", str(work / "model.json"), "--data", str(work / "tokens.bin"), "--steps", "1",
+                   "--report"], ["option 'report' needs 'metrics_file'"]))
+    # Each case is mostly the binary's start-up (loading LibTorch): run them side by side.
+    with ThreadPoolExecutor(4) as pool:
+        for f in [pool.submit(refused, args, *needles) for args, needles in cases]:
+            f.result()
+    assert not (tmp_path / "report.html").exists()
