@@ -231,10 +231,10 @@ std::string summary_table(const ReportInput& in) {
   for (const auto& m : r) {
     const double e = number(m, "elapsed_s");
     if (!std::isfinite(e)) continue;
-    const double step_s = number(m, "tokens") / static_cast<double>(m.at("step").as_int()) /
-                          number(m, "tok_s");
-    const bool new_process = have_wall && (e < stretch || (std::isfinite(step_s) &&
-                                                           e - stretch < step_s * (1 - 1e-6)));
+    const double step_s =
+        number(m, "tokens") / static_cast<double>(m.at("step").as_int()) / number(m, "tok_s");
+    const bool new_process =
+        have_wall && (e < stretch || (std::isfinite(step_s) && e - stretch < step_s * (1 - 1e-6)));
     if (new_process) wall += stretch;
     have_wall = true;
     stretch = e;
