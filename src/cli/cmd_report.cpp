@@ -13,7 +13,7 @@ namespace colossal::cli {
 namespace {
 
 int run_report(int argc, char** argv) {
-  Args args("colossal report [RUN_DIR]",
+  Args args("report [RUN_DIR]",
             "write one self-contained HTML page (plots of the metrics file, summary and "
             "configuration) for a training run. RUN_DIR is its --save_dir (or one step-N folder "
             "of it), whose newest checkpoint records the configuration and the metrics file");

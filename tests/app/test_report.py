@@ -6,6 +6,7 @@ network. Bad metrics files and run folders are named errors (exit 2). Chromium m
 failure, not a skip: `make test` installs it (scripts/setup.sh)."""
 import html.parser
 import json
+import math
 import os
 import pathlib
 import re
@@ -80,6 +81,7 @@ class Dom(html.parser.HTMLParser):
     def __init__(self):
         super().__init__()
         self.charts, self.body, self.cells, self.rows, self.ids = {}, {}, None, [], set()
+        self.readouts, self._readout = [], False
         self._chart = self._table = None
 
     def handle_starttag(self, tag, attrs):
@@ -93,12 +95,17 @@ class Dom(html.parser.HTMLParser):
             self.charts[self._chart] = dict(a, paths=[])
         elif tag == "path" and self._chart:
             self.charts[self._chart]["paths"].append(a)
+        elif tag == "div" and a.get("class") == "readout":
+            self._readout = True
+            self.readouts.append("")
         elif tag == "table":
             self._table = a.get("id")
         elif tag == "tr":
             self.cells = [self._table]
 
     def handle_endtag(self, tag):
+        if tag == "div":
+            self._readout = False
         if tag == "svg":
             self._chart = self._table = None
         elif tag == "tr" and self.cells is not None:
@@ -106,6 +113,8 @@ class Dom(html.parser.HTMLParser):
             self.cells = None
 
     def handle_data(self, data):
+        if self._readout:
+            self.readouts[-1] += data
         if self.cells is not None and data.strip():
             self.cells.append(data.strip())
 
@@ -117,12 +126,12 @@ def points(d):
     return [(float(x), float(y)) for _, x, y in cmds]
 
 
-def check_chart(chart, key, rows):
+def check_chart(chart, key, rows, log=False):
     """The path of `key`: one point per row with a value (null: not finite, no point), at (step,
     value) in the chart's own scale. Returns the path's `d`."""
     rows = [r for r in rows if r[key] is not None]
     f = {k: float(chart[f"data-{k}"]) for k in ("x0", "x1", "y0", "y1", "px0", "px1", "py0", "py1")}
-    assert chart["data-yscale"] == "linear"
+    assert chart["data-yscale"] == ("log" if log else "linear")
     (path,) = [p for p in chart["paths"] if p.get("data-key") == key]
     pts = points(path["d"])
     assert int(path["data-points"]) == len(pts) == len(rows), (key, len(pts), len(rows))
@@ -134,9 +143,10 @@ def check_chart(chart, key, rows):
         step = f["x0"] + (x - f["px0"]) / (f["px1"] - f["px0"]) * (f["x1"] - f["x0"])
         value = f["y0"] + (y - f["py0"]) / (f["py1"] - f["py0"]) * (f["y1"] - f["y0"])
         assert abs(step - r["step"]) <= tol_x, (key, step, r["step"])
-        assert abs(value - r[key] * scale) <= tol_y, (key, r["step"], value, r[key] * scale)
+        want = math.log10(r[key] * scale) if log else r[key] * scale
+        assert abs(value - want) <= tol_y, (key, r["step"], value, want)
     # The axes span the data: the extremes are drawn at the edges of the box.
-    vals = [r[key] * scale for r in rows]
+    vals = [math.log10(r[key] * scale) if log else r[key] * scale for r in rows]
     assert min(vals) == pytest.approx(f["y0"]) or max(vals) == pytest.approx(f["y1"])
     return path["d"]
 
@@ -165,6 +175,22 @@ def test_train_report_in_browser(run, tmp_path):
     assert [p["data-key"] for p in dom.charts["plot-memory"]["paths"]] == ["host_rss_bytes"]
     check_chart(dom.charts["plot-memory"], "host_rss_bytes", rows)
     assert "log-loss" in dom.ids  # the loss plot's log-scale toggle
+
+    # The log-scale toggle and the hover readout, driven by a script appended to a copy of the
+    # page: a click on the checkbox, then the mouse at the right edge of the loss plot.
+    driven = tmp_path / "driven.html"
+    driven.write_text(text.replace("</body>", """<script>
+document.getElementById('log-loss').click();
+var svg = document.getElementById('plot-loss'), r = svg.getBoundingClientRect();
+svg.dispatchEvent(new MouseEvent('mousemove', {clientX: r.right - 1, clientY: r.top + 20}));
+</script></body>"""))
+    dom_text2, stderr2 = render(driven, tmp_path)
+    assert not console_errors(stderr2), console_errors(stderr2)
+    dom2 = Dom()
+    dom2.feed(dom_text2)
+    check_chart(dom2.charts["plot-loss"], "loss", rows, log=True)
+    shown = repr(float("%.4g" % rows[-1]["loss"]))  # the page's 4 significant digits
+    assert dom2.readouts[0] == f"step {STEPS}   loss {shown}", dom2.readouts
 
     table = summary(dom)
     assert table["final loss"] == [f"{rows[-1]['loss']:.5g}"], table
