@@ -405,16 +405,19 @@ constexpr std::string_view kScript = R"JS(
     el('text', {x: 12, y: (py0 + py1) / 2, 'text-anchor': 'middle',
       transform: 'rotate(-90 12 ' + (py0 + py1) / 2 + ')'}, svg, spec.title + (log ? ' (log scale)' : ''));
     series.forEach(function (s) {
-      var d = '', n = 0, pen = 'M';
-      rows.forEach(function (r) {
+      var d = '', n = 0, pen = 'M', alone = [];
+      rows.forEach(function (r, i) {
         var v = val(r, s);
         if (!ok(v)) { pen = 'M'; return; }
         d += pen + X(r.step).toFixed(2) + ',' + Y(ty(v)).toFixed(2);
+        // A point with no drawn neighbour is no line: it gets a dot.
+        if (pen === 'M' && !(i + 1 < rows.length && ok(val(rows[i + 1], s)))) alone.push([X(r.step), Y(ty(v))]);
         pen = 'L';
         n++;
       });
       el('path', {d: d, 'class': 'series', stroke: s.color, 'data-key': s.key, 'data-points': n,
         'data-scale': s.scale || 1}, svg);
+      alone.forEach(function (p) { el('circle', {cx: p[0], cy: p[1], r: 2.5, fill: s.color, 'class': 'alone'}, svg); });
     });
     var cursor = el('g', {visibility: 'hidden'}, svg);
     var vline = el('line', {y1: py0, y2: py1, stroke: '#bbb'}, cursor);
@@ -442,9 +445,13 @@ constexpr std::string_view kScript = R"JS(
     });
   }
 
-  var grid = document.getElementById('plots'), missing = [];
+  var grid = document.getElementById('plots'), missing = [], nonfinite = [], constant = [];
   SPECS.forEach(function (spec) {
-    if (!spec.series.some(present) || (spec.when && !spec.when())) { missing.push(spec.title); return; }
+    if (!spec.series.some(present) || (spec.when && !spec.when())) {
+      var recorded = spec.series.some(function (s) { return rows.some(function (r) { return s.key in r; }); });
+      (!recorded ? missing : spec.when ? constant : nonfinite).push(spec.title);
+      return;
+    }
     var box = document.createElement('div');
     box.className = 'plot';
     var h = document.createElement('h3');
@@ -475,8 +482,11 @@ constexpr std::string_view kScript = R"JS(
     }
     draw(box, spec, false);
   });
-  if (missing.length)
-    document.getElementById('missing').textContent = 'Not recorded in this metrics file: ' + missing.join(', ') + '.';
+  var notes = [];
+  if (nonfinite.length) notes.push('Recorded but never finite: ' + nonfinite.join(', ') + '.');
+  if (constant.length) notes.push('Constant (not an fp16 run), not plotted: ' + constant.join(', ') + '.');
+  if (missing.length) notes.push('Not recorded in this metrics file: ' + missing.join(', ') + '.');
+  document.getElementById('missing').textContent = notes.join(' ');
   document.body.setAttribute('data-rendered', 'ok');
 })();
 )JS";

@@ -81,7 +81,7 @@ class Dom(html.parser.HTMLParser):
     def __init__(self):
         super().__init__()
         self.charts, self.body, self.cells, self.rows, self.ids = {}, {}, None, [], set()
-        self.readouts, self._readout = [], False
+        self.readouts, self._readout, self.notes, self._note = [], False, "", False
         self._chart = self._table = None
 
     def handle_starttag(self, tag, attrs):
@@ -92,12 +92,16 @@ class Dom(html.parser.HTMLParser):
             self.body = a
         elif tag == "svg" and a.get("class") == "chart":
             self._chart = a["id"]
-            self.charts[self._chart] = dict(a, paths=[])
+            self.charts[self._chart] = dict(a, paths=[], alone=[])
         elif tag == "path" and self._chart:
             self.charts[self._chart]["paths"].append(a)
+        elif tag == "circle" and self._chart and a.get("class") == "alone":
+            self.charts[self._chart]["alone"].append(a)
         elif tag == "div" and a.get("class") == "readout":
             self._readout = True
             self.readouts.append("")
+        elif tag == "p" and a.get("id") == "missing":
+            self._note = True
         elif tag == "table":
             self._table = a.get("id")
         elif tag == "tr":
@@ -106,6 +110,8 @@ class Dom(html.parser.HTMLParser):
     def handle_endtag(self, tag):
         if tag == "div":
             self._readout = False
+        elif tag == "p":
+            self._note = False
         if tag == "svg":
             self._chart = self._table = None
         elif tag == "tr" and self.cells is not None:
@@ -115,6 +121,8 @@ class Dom(html.parser.HTMLParser):
     def handle_data(self, data):
         if self._readout:
             self.readouts[-1] += data
+        if self._note:
+            self.notes += data
         if self.cells is not None and data.strip():
             self.cells.append(data.strip())
 
@@ -175,6 +183,7 @@ def test_train_report_in_browser(run, tmp_path):
     assert [p["data-key"] for p in dom.charts["plot-memory"]["paths"]] == ["host_rss_bytes"]
     check_chart(dom.charts["plot-memory"], "host_rss_bytes", rows)
     assert "log-loss" in dom.ids  # the loss plot's log-scale toggle
+    assert dom.notes == "Constant (not an fp16 run), not plotted: Loss scale (fp16).", dom.notes
 
     # The log-scale toggle and the hover readout, driven by a script appended to a copy of the
     # page: a click on the checkbox, then the mouse at the right edge of the loss plot.
@@ -235,7 +244,7 @@ def test_fp16_cuda_like_metrics(tmp_path):
                      "tok_s": 64 / step_s, "elapsed_s": elapsed, "skipped": i == 5,
                      "loss_scale": 65536.0 if i < 5 else 32768.0, "host_rss_bytes": (2 + i / 10) * 2**30,
                      "device_allocated_bytes": 3 * 2**30, "device_peak_allocated_bytes": (5 + i / 20) * 2**30})
-    rows[4]["loss"] = rows[4]["grad_norm"] = None
+    rows[4]["loss"] = rows[4]["grad_norm"] = rows[6]["loss"] = None
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
     colossal(["report", "--metrics", str(metrics), "--out", str(tmp_path / "r.html")])
@@ -247,7 +256,10 @@ def test_fp16_cuda_like_metrics(tmp_path):
     assert set(dom.charts) == {"plot-loss", "plot-lr", "plot-grad_norm", "plot-tok_s", "plot-memory",
                                "plot-loss_scale"}
     d = check_chart(dom.charts["plot-loss"], "loss", rows)
-    assert d.count("M") == 2, d  # the line breaks at the non-finite step
+    # The line breaks at each non-finite step; step 6, alone between two, is a dot.
+    assert d.count("M") == 3, d
+    (dot,) = dom.charts["plot-loss"]["alone"]
+    assert f"M{float(dot['cx']):.2f},{float(dot['cy']):.2f}M" in d, (dot, d)
     check_chart(dom.charts["plot-loss_scale"], "loss_scale", rows)
     keys = [p["data-key"] for p in dom.charts["plot-memory"]["paths"]]
     assert keys == ["device_peak_allocated_bytes", "device_allocated_bytes", "host_rss_bytes"]
