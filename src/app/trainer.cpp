@@ -512,7 +512,8 @@ void Trainer::delete_old_run() {
   std::error_code ec;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
-    if (name != "latest" && name.rfind("step-", 0) != 0) continue;
+    // report.html (--report) describes the deleted run too.
+    if (name != "latest" && name != "report.html" && name.rfind("step-", 0) != 0) continue;
     std::string err;
     if (!checkpoint::remove_tree(dir + "/" + name, &err))
       throw Error(str("--overwrite: cannot remove ", dir, "/", name, ": ", err));

@@ -291,6 +291,10 @@ def test_resumed_run(run, tmp_path):
     assert [r["step"] for r in data["rows"]] == list(range(1, STEPS + 1))
     wall = resumed[3]["elapsed_s"] + resumed[-1]["elapsed_s"]
     assert f"<th>wall time</th><td>{wall:.1f} s</td>" in page
+    # --overwrite deletes the old run's report with its checkpoints.
+    colossal(["train", "--model", str(work / "model.json"), "--data", str(work / "tokens.bin"), "--plugin", "none",
+              "--seq_len", "16", "--steps", "1", "--save_dir", str(tmp_path / "ckpt"), "--overwrite"])
+    assert not (tmp_path / "ckpt" / "report.html").exists()
 
 
 def test_broken_page_is_caught(tmp_path):
