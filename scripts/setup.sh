@@ -7,9 +7,11 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${COLOSSAL_VENV:-$ROOT/.venv}
 PY=${PYTHON:-python3}
 
+# libsentencepiece-dev: SentencePiece .model tokenizers; chromium: the headless browser
+# tests/app/test_report.py renders `colossal report`'s page in.
 APT_PKGS=(build-essential cmake ninja-build ccache git libgloo-dev libgtest-dev libgmock-dev openmpi-bin
           libsentencepiece-dev pkg-config
-          python3 python3-venv python3-dev)
+          python3 python3-venv python3-dev chromium)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "colossal/app/report.h"
 #include "colossal/app/run_dir.h"
 #include "colossal/booster/booster.h"
 #include "colossal/checkpoint/atomic.h"
@@ -92,6 +93,9 @@ void TrainConfig::register_options(OptionSet& s) {
       .add("checkpoint", "metrics_file", &metrics_file,
            "append one JSON line per optimizer step (rank 0); lines after the step a run starts "
            "from (0, or the resumed step) are dropped first")
+      .add("checkpoint", "report", &report,
+           "at the end, write report.html (plots of the metrics file, summary, configuration) "
+           "into save_dir, or next to metrics_file without one")
       .add("checkpoint", "overwrite", &overwrite,
            "a fresh run into a save_dir that holds a run: delete its checkpoints and start over "
            "(refused without it)")
@@ -120,6 +124,8 @@ void TrainConfig::validate() const {
   COLOSSAL_CHECK_INPUT(save_every == 0 || !save_dir.empty(),
                        "option 'save_every' needs 'save_dir'");
   COLOSSAL_CHECK_INPUT(keep_last == 0 || !save_dir.empty(), "option 'keep_last' needs 'save_dir'");
+  COLOSSAL_CHECK_INPUT(!report || !metrics_file.empty(),
+                       "option 'report' needs 'metrics_file' (the report plots its rows)");
   COLOSSAL_CHECK_INPUT(!overwrite || resume.empty(),
                        "options 'overwrite' and 'resume' contradict each other: overwrite starts "
                        "a fresh run, resume continues one");
@@ -309,6 +315,8 @@ class Trainer {
   bool model_is_finite() const;
   std::string save(int64_t step);
   void write_trainer_state(const std::string& path, int64_t step) const;
+  json::Value run_facts() const;
+  void write_report() const;
   // --async_save: waits until the previous checkpoint is written and published (rethrows its
   // error); then queues this save's publication (commit_async).
   void finish_async_save();
@@ -504,7 +512,8 @@ void Trainer::delete_old_run() {
   std::error_code ec;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
-    if (name != "latest" && name.rfind("step-", 0) != 0) continue;
+    // report.html (--report) describes the deleted run too.
+    if (name != "latest" && name != "report.html" && name.rfind("step-", 0) != 0) continue;
     std::string err;
     if (!checkpoint::remove_tree(dir + "/" + name, &err))
       throw Error(str("--overwrite: cannot remove ", dir, "/", name, ": ", err));
@@ -735,6 +744,12 @@ void Trainer::log_step(int64_t done, const StepStats& st, double elapsed) {
     m.set("elapsed_s", elapsed);
     m.set("skipped", !st.stepped);
     m.set("loss_scale", opt.loss_scale());
+    m.set("host_rss_bytes", Accelerator::cpu().memory_stats().allocated);
+    if (device_.is_cuda()) {
+      const MemoryStats ms = Accelerator::cuda().memory_stats();
+      m.set("device_allocated_bytes", ms.allocated);
+      m.set("device_peak_allocated_bytes", ms.peak_allocated);
+    }
     write_metrics_line(m.dump() + "\n");
   }
   double eta =
@@ -867,6 +882,9 @@ void Trainer::write_trainer_state(const std::string& path, int64_t step) const {
   st.set("seq_len", c_.seq_len);
   st.set("sampler", boosted_.dataloader->state_dict());
   st.set("config", config_json_);
+  // What `colossal report` shows of the run besides the options, and where its metrics are.
+  st.set("run", run_facts());
+  if (!c_.metrics_file.empty()) st.set("metrics_file", fs::absolute(c_.metrics_file).string());
   if (data_fingerprint_.is_null()) data_fingerprint_ = data_fingerprint(c_.data);
   st.set("data", data_fingerprint_);
   write_text_atomic(path + "/trainer_state.json", st.dump(2));
@@ -1029,7 +1047,32 @@ TrainResult Trainer::run() {
     finish_async_save();
     if (distributed_ && dist::world_size() > 1) dist::world_cpu().barrier();
   }
+  if (c_.report && rank0_) write_report();
   return result;
+}
+
+json::Value Trainer::run_facts() const {
+  json::Value r = json::Value::object();
+  // The whole model's, from its config: under tensor or pipeline parallelism rank 0 holds a part.
+  r.set("parameters", models::parameter_count(model_->config()));
+  r.set("world_size", distributed_ ? dist::world_size() : 1);
+  r.set("global_batch", G_);
+  return r;
+}
+
+// --report: rank 0, after the last checkpoint, from the metrics file as written.
+void Trainer::write_report() const {
+  ReportInput in;
+  in.metrics_file = c_.metrics_file;
+  in.rows = read_metrics(c_.metrics_file);
+  in.config = config_json_;
+  in.run = run_facts();
+  in.source = c_.save_dir.empty() ? c_.metrics_file : c_.save_dir;
+  const std::string path = c_.save_dir.empty()
+                               ? (fs::path(c_.metrics_file).parent_path() / "report.html").string()
+                               : c_.save_dir + "/report.html";
+  app::write_report(in, path);
+  log_info("report: ", path);
 }
 
 }  // namespace

@@ -58,6 +58,9 @@ struct TrainConfig {
   bool async_save = false;
   std::string resume;  // a step folder, or a save_dir (its `latest`)
   std::string metrics_file;
+  // At the end of the run, write report.html (colossal/app/report.h) into save_dir, or next to
+  // metrics_file without one.
+  bool report = false;
   // A fresh run (no resume) into a save_dir that holds a run is refused unless this is set; then
   // the old run's step-N folders and `latest` are deleted before step 1.
   bool overwrite = false;
