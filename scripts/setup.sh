@@ -8,6 +8,7 @@ VENV=${COLOSSAL_VENV:-$ROOT/.venv}
 PY=${PYTHON:-python3}
 
 APT_PKGS=(build-essential cmake ninja-build ccache git libgloo-dev libgtest-dev libgmock-dev openmpi-bin
+          libpcre2-dev libicu-dev pkg-config
           python3 python3-venv python3-dev)
 missing=()
 for p in "${APT_PKGS[@]}"; do
