@@ -283,23 +283,19 @@ def test_decode_identical(built, name):
             rng.shuffle(s)
         seqs.append(s)
     seqs.append([])
+    if name in ("gpt2", "llama3"):
+        # Byte-level tokenizers are lossless: decode(encode(s)) == s, apart from the spaces
+        # that lstrip/rstrip added tokens swallow by design.
+        for t in TEXTS:
+            if "<mask>" not in t and "[ROLE]" not in t:
+                ids = tok.encode(t, add_special_tokens=False).ids
+                assert tok.decode(ids, skip_special_tokens=False) == t
     for skip in (False, True):
         flags = ["--decode"] + (["--no_special"] if skip else [])
         got = run_tool(path, seqs, *flags)
         for ids, text in zip(seqs, got):
             want = tok.decode(ids, skip_special_tokens=skip)
             assert text == want, f"{name} skip={skip} ids={ids}"
-
-
-def test_roundtrip_lossless(built):
-    """Byte-level tokenizers are lossless: decode(encode(s)) == s (apart from the spaces that
-    lstrip/rstrip added tokens swallow by design)."""
-    texts = [t for t in TEXTS if "<mask>" not in t and "[ROLE]" not in t]
-    for name in ("gpt2", "llama3"):
-        _, path = built[name]
-        ids = run_tool(path, texts, "--no_special")
-        back = run_tool(path, ids, "--decode")
-        assert back == texts
 
 
 def test_string_merges_and_plain_lines(built, tmp_path):
@@ -318,51 +314,20 @@ def test_string_merges_and_plain_lines(built, tmp_path):
     assert got == [" ".join(map(str, tok.encode(t).ids)) for t in texts]
 
 
-def bad(tmp_path, name, content):
-    p = tmp_path / name
-    p.write_text(content if isinstance(content, str) else json.dumps(content))
+def test_bad_files(tmp_path):
+    """A malformed file is a named error and a non-zero exit (the field-by-field cases are
+    test_tokenizer.cpp's)."""
+    p = tmp_path / "notjson.json"
+    p.write_text("{not json")
     r = subprocess.run([BIN, "tokenize", "--tokenizer", str(p)], input=b"hello\n",
                        capture_output=True)
-    return r.returncode, r.stderr.decode()
-
-
-def test_bad_files(built, tmp_path):
-    good = json.loads(built["llama3"][1].read_text())
-    rc, err = bad(tmp_path, "notjson.json", "{not json")
-    assert rc != 0 and "notjson.json" in err
-    rc, err = bad(tmp_path, "missing.json", {k: v for k, v in good.items() if k != "model"})
-    assert rc != 0 and "missing.json" in err and "model" in err
-
-    def variant(name, edit):
-        j = json.loads(json.dumps(good))
-        edit(j)
-        rc, err = bad(tmp_path, name, j)
-        assert rc != 0, name
-        assert name in err, err
-        return err
-
-    err = variant("unigram.json", lambda j: j["model"].update(type="Unigram"))
-    assert "Unigram" in err and "model.type" in err
-    err = variant("badmerge.json", lambda j: j["model"]["merges"].append(["zzz_no", "b"]))
-    assert "model.merges[" in err and "zzz_no" in err
-    err = variant("badid.json", lambda j: j["model"]["vocab"].update({"x_neg": -5}))
-    assert "model.vocab" in err and "-5" in err
-    err = variant("badnorm.json", lambda j: j.update(normalizer={"type": "BertNormalizer"}))
-    assert "BertNormalizer" in err and "normalizer" in err
-    err = variant("badpre.json",
-                  lambda j: j["pre_tokenizer"]["pretokenizers"].append({"type": "Whitespace"}))
-    assert "Whitespace" in err and "pre_tokenizer.pretokenizers[2]" in err
-    err = variant("baddec.json", lambda j: j.update(decoder={"type": "WordPiece"}))
-    assert "WordPiece" in err and "decoder" in err
-    err = variant("badpost.json", lambda j: j["post_processor"]["processors"][1]
-                  ["special_tokens"]["<|begin_of_text|>"].update(ids=[10 ** 9]))
-    assert "post_processor" in err
-    err = variant("badregex.json", lambda j: j["pre_tokenizer"]["pretokenizers"][0].update(
-        pattern={"Regex": "(unclosed"}))
-    assert "pattern" in err
-    r = subprocess.run([BIN, "tokenize", "--tokenizer", str(tmp_path / "absent.json")],
-                       input=b"", capture_output=True)
-    assert r.returncode != 0 and "absent.json" in r.stderr.decode()
+    assert r.returncode != 0 and "notjson.json" in r.stderr.decode()
+    p = tmp_path / "unigram.json"
+    p.write_text(json.dumps({"model": {"type": "Unigram", "vocab": []}}))
+    r = subprocess.run([BIN, "tokenize", "--tokenizer", str(p)], input=b"hello\n",
+                       capture_output=True)
+    err = r.stderr.decode()
+    assert r.returncode != 0 and "unigram.json" in err and "model.type" in err and "Unigram" in err
 
 
 def test_invalid_utf8_refused(built):
