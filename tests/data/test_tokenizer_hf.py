@@ -70,6 +70,11 @@ EDGE = [
     "<mask>", "a <mask> b", "a   <mask>   b", "<mask><mask>", "[ROLE]", " [ROLE]  x", "[ROLE]\n",
     "<0x41>", "<0xFF>", "▁", "▁▁", " ▁ ", "▁hello", "Ω≈ç√∫", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢", "ᄀᄁᄂ", "\u1100\u1161",
     "Ǆǅǆ İstanbul", "ΣΑΣ σας", "ﬃ", "Å", "Å",
+    # Where the regex engines' \s and case folding could part ways (PCRE2 here, Oniguruma there).
+    "a\u2028b", "a \u2029 b", "x\x1c\x1d\x1e\x1fy", "a\u180eb", "a \u200b b", "\u0085\u0085x",
+    "a\x0bb\x0cc", " \u00a0 x", "a  \u3000\u3000b", "1\u00b2\u00bd", "K\u212a's", "\u0130's",
+    "x'\u017f", "\u01c4'LL", "a'\u0131d", "\u2066x", "\u0600", "\U000e0041", "\u0345'",
+    "é<mask>", "日本hello_world語", "hello_world\u00e9", "\u00a0<mask>\u3000", "[ROLE]\u3000\u00a0x",
 ]
 
 
