@@ -3,12 +3,7 @@
 // (tokenizers/src/...) closely, including its corner cases, because the goal is identical ids.
 #include "colossal/data/tokenizer.h"
 
-#define PCRE2_CODE_UNIT_WIDTH 8
-#include <pcre2.h>
-#include <unicode/locid.h>
-#include <unicode/normalizer2.h>
-#include <unicode/uchar.h>
-#include <unicode/unistr.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <array>
@@ -26,6 +21,10 @@
 
 #include "colossal/core/error.h"
 #include "colossal/core/json.h"
+
+#if COLOSSAL_WITH_PCRE2
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
 
 namespace colossal::data {
 namespace {
@@ -119,18 +118,75 @@ void append_cp(std::string& out, uint32_t cp) {
   json::append_utf8(out, cp);
 }
 
-// Rust's char::is_whitespace: the White_Space property.
+// Rust's char::is_whitespace: the White_Space property (a closed list in Unicode).
 inline bool is_ws(uint32_t cp) {
-  return u_hasBinaryProperty(static_cast<UChar32>(cp), UCHAR_WHITE_SPACE);
+  return (cp >= 0x9 && cp <= 0xD) || cp == 0x20 || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
+         (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F ||
+         cp == 0x205F || cp == 0x3000;
 }
 
-// Rust's char::is_alphanumeric: Alphabetic or a numeric general category (Nd, Nl, No).
-inline bool is_alnum(uint32_t cp) {
-  auto c = static_cast<UChar32>(cp);
-  if (u_hasBinaryProperty(c, UCHAR_ALPHABETIC)) return true;
-  int8_t t = u_charType(c);
-  return t == U_DECIMAL_DIGIT_NUMBER || t == U_LETTER_NUMBER || t == U_OTHER_NUMBER;
+std::string utf16_to_utf8(const std::u16string& u) {
+  std::string out;
+  for (size_t i = 0; i < u.size(); ++i) {
+    uint32_t c = u[i];
+    if (c >= 0xD800 && c <= 0xDBFF && i + 1 < u.size()) {
+      c = 0x10000 + ((c - 0xD800) << 10) + (u[i + 1] - 0xDC00);
+      ++i;
+    }
+    append_cp(out, c);
+  }
+  return out;
 }
+
+std::u16string utf8_to_utf16(std::string_view s);
+
+// ICU, loaded when a file first needs it (its normalization forms and lowercasing). Loaded at
+// run time rather than linked: ICU's soname and symbol names carry its major version (72 on
+// Debian 12, 74 on Ubuntu 24.04), so a binary linked against one could not start where only the
+// other is installed, and the tokenizers of most files never need it. Missing ICU is an error
+// naming what needs it, never a skipped normalizer.
+struct Icu {
+  using GetInstance = const void* (*)(int*);
+  using Normalize = int32_t (*)(const void*, const char16_t*, int32_t, char16_t*, int32_t, int*);
+  using ToLower = int32_t (*)(char16_t*, int32_t, const char16_t*, int32_t, const char*, int*);
+  GetInstance instance[4] = {};  // NFC, NFD, NFKC, NFKD
+  Normalize normalize = nullptr;
+  ToLower to_lower = nullptr;
+  std::string error;
+
+  Icu() {
+    void* h = nullptr;
+    std::string suffix;
+    for (int v = 90; v >= 50 && !h; --v) {
+      h = dlopen(str("libicuuc.so.", v).c_str(), RTLD_NOW | RTLD_LOCAL);
+      if (h) suffix = str("_", v);
+    }
+    if (!h) {
+      error = "ICU's libicuuc.so.<version> could not be loaded (install libicu, e.g. libicu72)";
+      return;
+    }
+    auto sym = [&](const char* name) {
+      void* f = dlsym(h, (std::string(name) + suffix).c_str());
+      return f ? f : dlsym(h, name);  // an ICU built without versioned symbol names
+    };
+    const char* names[4] = {"unorm2_getNFCInstance", "unorm2_getNFDInstance",
+                            "unorm2_getNFKCInstance", "unorm2_getNFKDInstance"};
+    for (int k = 0; k < 4; ++k) instance[k] = reinterpret_cast<GetInstance>(sym(names[k]));
+    normalize = reinterpret_cast<Normalize>(sym("unorm2_normalize"));
+    to_lower = reinterpret_cast<ToLower>(sym("u_strToLower"));
+    for (auto f : instance)
+      if (!f) error = "libicuuc lacks unorm2_get*Instance";
+    if (!normalize || !to_lower) error = "libicuuc lacks unorm2_normalize or u_strToLower";
+  }
+};
+
+const Icu& icu(const std::string& needed_by) {
+  static const Icu i;
+  if (!i.error.empty()) throw InputError(str(needed_by, " needs ICU: ", i.error));
+  return i;
+}
+
+constexpr int kIcuBufferOverflow = 15;  // U_BUFFER_OVERFLOW_ERROR
 
 // ---- Hashing with string_view lookups ------------------------------------------------------
 
@@ -218,6 +274,26 @@ class Regex {
   pcre2_match_context* mctx_ = nullptr;
   bool jit_ = false;
 };
+
+// Rust's char::is_alphanumeric (Alphabetic, or a numeric category Nd/Nl/No) and
+// char::is_numeric, through PCRE2's Unicode tables (one engine's Unicode version throughout).
+bool char_matches(uint32_t cp, bool alphabetic_too) {
+  static const Regex alnum("^[\\p{Alphabetic}\\p{N}]", "tokenizer");
+  static const Regex num("^\\p{N}", "tokenizer");
+  std::string one;
+  append_cp(one, cp);
+  std::vector<std::pair<size_t, size_t>> m;
+  (alphabetic_too ? alnum : num).find_all(one, m);
+  return !m.empty();
+}
+inline bool is_alnum(uint32_t cp) {
+  if (cp < 0x80) return (cp >= '0' && cp <= '9') || ((cp | 0x20) >= 'a' && (cp | 0x20) <= 'z');
+  return char_matches(cp, true);
+}
+inline bool is_numeric(uint32_t cp) {
+  if (cp < 0x80) return cp >= '0' && cp <= '9';
+  return char_matches(cp, false);
+}
 
 // A Split / Replace pattern: {"Regex": "..."} or {"String": "..."} (a literal).
 class Pattern {
@@ -357,32 +433,74 @@ struct SequenceNormalizer : Normalizer {
   }
 };
 
+std::u16string utf8_to_utf16(std::string_view s) {
+  std::u16string u;
+  u.reserve(s.size());
+  for (size_t i = 0; i < s.size(); i += utf8_len(static_cast<unsigned char>(s[i]))) {
+    uint32_t c = utf8_decode(s, i);
+    if (c >= 0x10000) {
+      c -= 0x10000;
+      u.push_back(static_cast<char16_t>(0xD800 + (c >> 10)));
+      u.push_back(static_cast<char16_t>(0xDC00 + (c & 0x3FF)));
+    } else {
+      u.push_back(static_cast<char16_t>(c));
+    }
+  }
+  return u;
+}
+
+// Runs an ICU UTF-16 transform that reports the length it needs when the buffer is short.
+template <class F>
+std::string icu_transform(std::string_view s, const F& f, const char* what) {
+  std::u16string src = utf8_to_utf16(s), dst(src.size() * 3 + 16, u'\0');
+  int err = 0;
+  int32_t n = f(src, dst, &err);
+  if (err == kIcuBufferOverflow) {
+    dst.assign(static_cast<size_t>(n), u'\0');
+    err = 0;
+    n = f(src, dst, &err);
+  }
+  if (err > 0) throw Error(str("tokenizer: ICU ", what, " failed (UErrorCode ", err, ")"));
+  dst.resize(static_cast<size_t>(n));
+  return utf16_to_utf8(dst);
+}
+
 struct IcuNormalizer : Normalizer {
-  const icu::Normalizer2* n = nullptr;
+  const Icu* icu = nullptr;
+  const void* form = nullptr;
   void normalize(std::string& s) const override {
-    UErrorCode st = U_ZERO_ERROR;
-    icu::UnicodeString u = icu::UnicodeString::fromUTF8(s);
-    icu::UnicodeString r = n->normalize(u, st);
-    if (U_FAILURE(st)) throw Error(str("tokenizer: ICU normalization failed: ", u_errorName(st)));
-    s.clear();
-    r.toUTF8String(s);
+    bool ascii = true;
+    for (char c : s) ascii = ascii && static_cast<unsigned char>(c) < 0x80;
+    if (ascii) return;  // every normalization form leaves ASCII as it is
+    s = icu_transform(
+        s,
+        [&](const std::u16string& a, std::u16string& b, int* err) {
+          return icu->normalize(form, a.data(), static_cast<int32_t>(a.size()), b.data(),
+                                static_cast<int32_t>(b.size()), err);
+        },
+        "normalization");
   }
 };
 
 // NormalizedString::lowercase: per character (char::to_lowercase, no final-sigma context).
 struct LowercaseNormalizer : Normalizer {
+  const Icu* icu = nullptr;
   void normalize(std::string& s) const override {
     std::string out;
     out.reserve(s.size());
     for (size_t i = 0; i < s.size();) {
-      uint32_t cp = utf8_decode(s, i);
       size_t n = utf8_len(static_cast<unsigned char>(s[i]));
-      if (cp < 0x80) {
-        out.push_back(static_cast<char>(cp >= 'A' && cp <= 'Z' ? cp + 32 : cp));
+      if (n == 1) {
+        char c = s[i];
+        out.push_back(c >= 'A' && c <= 'Z' ? static_cast<char>(c + 32) : c);
       } else {
-        icu::UnicodeString one(static_cast<UChar32>(cp));
-        one.toLower(icu::Locale::getRoot());
-        one.toUTF8String(out);
+        out += icu_transform(
+            std::string_view(s).substr(i, n),
+            [&](const std::u16string& a, std::u16string& b, int* err) {
+              return icu->to_lower(b.data(), static_cast<int32_t>(b.size()), a.data(),
+                                   static_cast<int32_t>(a.size()), "", err);
+            },
+            "lowercasing");
       }
       i += n;
     }
@@ -573,7 +691,7 @@ struct DigitsPreTokenizer : PreTokenizer {
       const std::string& s = p.text;
       for (size_t i = 0; i < s.size();) {
         size_t n = utf8_len(static_cast<unsigned char>(s[i]));
-        bool digit = u_isdigit(static_cast<UChar32>(utf8_decode(s, i)));
+        bool digit = is_numeric(utf8_decode(s, i));
         if (digit) {
           if (!individual && !m.empty() && m.back().second == i)
             m.back().second = i + n;
@@ -1025,15 +1143,18 @@ struct Loader {
     }
     if (t == "NFC" || t == "NFD" || t == "NFKC" || t == "NFKD") {
       auto n = std::make_unique<IcuNormalizer>();
-      UErrorCode st = U_ZERO_ERROR;
-      n->n = t == "NFC"    ? icu::Normalizer2::getNFCInstance(st)
-             : t == "NFD"  ? icu::Normalizer2::getNFDInstance(st)
-             : t == "NFKC" ? icu::Normalizer2::getNFKCInstance(st)
-                           : icu::Normalizer2::getNFKDInstance(st);
-      if (U_FAILURE(st)) fail(where, str("ICU ", t, " is unavailable: ", u_errorName(st)));
+      n->icu = &icu(str(source, ": ", where, " (", t, ")"));
+      int k = t == "NFC" ? 0 : t == "NFD" ? 1 : t == "NFKC" ? 2 : 3;
+      int err = 0;
+      n->form = n->icu->instance[k](&err);
+      if (err > 0 || !n->form) fail(where, str("ICU has no ", t, " (UErrorCode ", err, ")"));
       return n;
     }
-    if (t == "Lowercase") return std::make_unique<LowercaseNormalizer>();
+    if (t == "Lowercase") {
+      auto n = std::make_unique<LowercaseNormalizer>();
+      n->icu = &icu(str(source, ": ", where, " (Lowercase)"));
+      return n;
+    }
     if (t == "Prepend") {
       auto p = std::make_unique<PrependNormalizer>();
       p->prepend = str_of(v, "prepend", where);
@@ -1563,3 +1684,51 @@ std::optional<int32_t> Tokenizer::eos_id() const {
 }
 
 }  // namespace colossal::data
+
+#else  // !COLOSSAL_WITH_PCRE2: the library builds, and using a tokenizer says what is missing.
+
+namespace colossal::data {
+
+struct Tokenizer::Impl {};
+
+Tokenizer Tokenizer::from_file(const std::string& path) {
+  return from_json("", path);
+}
+Tokenizer Tokenizer::from_json(std::string_view, const std::string& source) {
+  throw InputError(str(source,
+                       ": this build has no tokenizer support: PCRE2 was not found when it "
+                       "was configured (apt-get install libpcre2-dev, or point "
+                       "COLOSSAL_PCRE2_ROOT at its headers and library, and rebuild)"));
+}
+Tokenizer::Tokenizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
+Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
+Tokenizer::~Tokenizer() = default;
+std::vector<int32_t> Tokenizer::encode(std::string_view, bool) const {
+  return {};
+}
+std::string Tokenizer::decode(const std::vector<int32_t>&, bool) const {
+  return {};
+}
+int64_t Tokenizer::vocab_size() const {
+  return 0;
+}
+std::optional<int32_t> Tokenizer::token_to_id(std::string_view) const {
+  return std::nullopt;
+}
+std::string Tokenizer::id_to_token(int32_t) const {
+  return {};
+}
+bool Tokenizer::is_special(int32_t) const {
+  return false;
+}
+std::optional<int32_t> Tokenizer::bos_id() const {
+  return std::nullopt;
+}
+std::optional<int32_t> Tokenizer::eos_id() const {
+  return std::nullopt;
+}
+
+}  // namespace colossal::data
+
+#endif  // COLOSSAL_WITH_PCRE2
