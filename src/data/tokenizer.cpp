@@ -218,18 +218,56 @@ pcre2_match_data* thread_match_data() {
   return h.md;
 }
 
+// The White_Space property as a class body: Oniguruma's `\s` (what the package's patterns
+// mean). PCRE2 10.42's UCP `\s` also takes U+180E, which Unicode 6.3 moved out of White_Space.
+constexpr const char* kWhiteSpaceClass =
+    "\\t-\\r "
+    "\\x{85}\\x{a0}\\x{1680}\\x{2000}-\\x{200a}\\x{2028}\\x{2029}\\x{202f}\\x{205f}\\x{3000}";
+
+// Rewrites `\s` / `\S` to the White_Space class (inside a class `\s` becomes its body; `\S`
+// inside a class has no such rewrite and is left to PCRE2, which differs only on U+180E).
+std::string onig_compatible(const std::string& p) {
+  std::string out;
+  bool in_class = false;
+  for (size_t i = 0; i < p.size(); ++i) {
+    char c = p[i];
+    if (c == '\\' && i + 1 < p.size()) {
+      char n = p[++i];
+      if (n == 's')
+        out += in_class ? str(kWhiteSpaceClass) : str("[", kWhiteSpaceClass, "]");
+      else if (n == 'S' && !in_class)
+        out += str("[^", kWhiteSpaceClass, "]");
+      else
+        out += {c, n};
+      continue;
+    }
+    if (c == '[' && !in_class) {
+      in_class = true;
+      out += c;
+      // A ']' right after '[' or '[^' is a literal, not the end of the class.
+      if (i + 1 < p.size() && p[i + 1] == '^') out += p[++i];
+      if (i + 1 < p.size() && p[i + 1] == ']') out += p[++i];
+      continue;
+    }
+    if (c == ']' && in_class) in_class = false;
+    out += c;
+  }
+  return out;
+}
+
 class Regex {
  public:
-  Regex(const std::string& pattern, const std::string& where) {
+  Regex(const std::string& original, const std::string& where) {
     int err = 0;
     PCRE2_SIZE off = 0;
+    const std::string pattern = onig_compatible(original);
     code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
                           PCRE2_UTF | PCRE2_UCP, &err, &off, nullptr);
     if (!code_) {
       PCRE2_UCHAR msg[256];
       pcre2_get_error_message(err, msg, sizeof(msg));
-      throw InputError(str(where, ": regex '", pattern, "' does not compile at offset ", off, ": ",
-                           reinterpret_cast<const char*>(msg)));
+      throw InputError(str(where, ": regex '", original, "' does not compile (as '", pattern,
+                           "') at offset ", off, ": ", reinterpret_cast<const char*>(msg)));
     }
     jit_ = pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE) == 0;
     mctx_ = pcre2_match_context_create(nullptr);
