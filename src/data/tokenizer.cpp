@@ -1567,6 +1567,9 @@ Tokenizer Tokenizer::from_json(std::string_view json_text, const std::string& so
       int64_t id = idv.as_int(source + ": model.vocab[\"" + tok + "\"]");
       if (id < 0 || id > kMaxId)
         L.fail("model.vocab", str("id ", id, " of '", tok, "' is out of range"));
+      // Tokens reach the regex engine (decoders' Replace), which is told its input is UTF-8.
+      size_t bad = 0;
+      if (!utf8_valid(tok, &bad)) L.fail("model.vocab", str("token ", id, " is not valid UTF-8"));
       bpe.vocab[tok] = static_cast<int32_t>(id);
       max_id = std::max(max_id, id);
     }
@@ -1648,6 +1651,8 @@ Tokenizer Tokenizer::from_json(std::string_view json_text, const std::string& so
       a.id = static_cast<int32_t>(id);
       a.content = L.str_of(t, "content", where);
       if (a.content.empty()) L.fail(where + ".content", "is empty");
+      size_t bad = 0;
+      if (!utf8_valid(a.content, &bad)) L.fail(where + ".content", "is not valid UTF-8");
       a.special = L.opt_bool(t, "special", false, where);
       a.single_word = L.opt_bool(t, "single_word", false, where);
       a.lstrip = L.opt_bool(t, "lstrip", false, where);

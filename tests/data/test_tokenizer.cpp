@@ -146,6 +146,10 @@ TEST(Tokenizer, MalformedFilesNameFileAndField) {
   expect(edit([&](json::Value& v) { model(v).set("vocab", json::parse(R"({"a": -3})")); }),
          {"model.vocab", "-3"});
   expect(edit([&](json::Value& v) { model(v).set("dropout", 0.1); }), {"model.dropout"});
+  expect(edit([&](json::Value& v) {
+           model(v).set("vocab", json::Value(json::Value::Object{{"a\xff", json::Value(0)}}));
+         }),
+         {"model.vocab", "UTF-8"});
   expect(edit([&](json::Value& v) { model(v).set("unk_token", "<unk>"); }),
          {"model.unk_token", "<unk>"});
   expect(edit([](json::Value& v) { v.set("normalizer", json::parse(R"({"type": "Bert"})")); }),
