@@ -74,6 +74,11 @@ EDGE = [
     "a\u2028b", "a \u2029 b", "x\x1c\x1d\x1e\x1fy", "a\u180eb", "a \u200b b", "\u0085\u0085x",
     "a\x0bb\x0cc", " \u00a0 x", "a  \u3000\u3000b", "1\u00b2\u00bd", "K\u212a's", "\u0130's",
     "x'\u017f", "\u01c4'LL", "a'\u0131d", "\u2066x", "\u0600", "\U000e0041", "\u0345'",
+    # Letters and digits of Unicode 15/16 (CJK ext. H, Kawi, Nag Mundari, Egyptian ext. A, ...),
+    # which the package's Oniguruma knows and PCRE2 10.42 does not.
+    "a\U00031350b", "(\U00013c0d\U000c33be", "\U0001e4d0\U0001e4f0x", "x\U00011f04 y",
+    " \U00010d40\U00010d41 1", "\ua7cbab\u1c89", "1\U0001e5f1\U0001e5f2", "\U0002ebf0's",
+    "hello_world\u0308", "hello_world\u00b2", "hello_world\u203f", "\u0301hello_world", "hello_world\u200d",
     "é<mask>", "日本hello_world語", "hello_world\u00e9", "\u00a0<mask>\u3000", "[ROLE]\u3000\u00a0x",
 ]
 
@@ -228,6 +233,9 @@ def misc(variant):
             pre_tokenizers.Split(Regex(r"\p{P}+"), behavior="merged_with_next", invert=True),
             pre_tokenizers.Digits(individual_digits=False),
             pre_tokenizers.Split(Regex(r"[aeiou]"), behavior="contiguous"),
+            # Every letter/number run its own piece, each of which Metaspace marks with a ▁:
+            # makes a \p{L} / \p{N} that disagrees with the package's visible in the ids.
+            pre_tokenizers.Split(Regex(r"\p{L}+|\p{N}+|[^\s\p{L}\p{N}]+"), behavior="isolated"),
             pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True),
         ])
         trainer = trainers.BpeTrainer(vocab_size=400, show_progress=False, limit_alphabet=60,
