@@ -78,6 +78,8 @@ EDGE = [
     # which the package's Oniguruma knows and PCRE2 10.42 does not.
     "a\U00031350b", "(\U00013c0d\U000c33be", "\U0001e4d0\U0001e4f0x", "x\U00011f04 y",
     " \U00010d40\U00010d41 1", "\ua7cbab\u1c89", "1\U0001e5f1\U0001e5f2", "\U0002ebf0's",
+    # Long whitespace runs (the regex JIT's stack) and words past the word cache's limit.
+    "a" + " " * 20000 + "b", "\n" * 5000 + "x", "x" * 3000, "日本" * 1000, " \t" * 3000 + "!",
     "hello_world\u0308", "hello_world\u00b2", "hello_world\u203f", "\u0301hello_world", "hello_world\u200d",
     "é<mask>", "日本hello_world語", "hello_world\u00e9", "\u00a0<mask>\u3000", "[ROLE]\u3000\u00a0x",
 ]
