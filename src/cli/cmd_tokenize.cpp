@@ -45,6 +45,13 @@ int run_tokenize(int argc, char** argv) {
     ++lineno;
     out.clear();
     const std::string where = str("stdin line ", lineno);
+    auto encode = [&](const std::string& text, bool special) {
+      try {
+        return tok.encode(text, special);
+      } catch (const InputError& e) {
+        throw InputError(str(where, ": ", e.what()));
+      }
+    };
     if (jsonl) {
       // A string (encode) or an array (decode) as the flags say, or an object naming its own
       // request: {"text": ..., "special": bool} or {"ids": [...], "skip_special": bool}.
@@ -61,13 +68,13 @@ int run_tokenize(int argc, char** argv) {
       }
       if (enc) {
         json::Value a = json::Value::array();
-        for (int32_t id : tok.encode(arg->as_string(where), special)) a.push_back(id);
+        for (int32_t id : encode(arg->as_string(where), special)) a.push_back(id);
         out = a.dump();
       } else {
         out = json::Value(tok.decode(ids_of(*arg, where), !special)).dump();
       }
     } else if (!decode) {
-      auto ids = tok.encode(line, !no_special);
+      auto ids = encode(line, !no_special);
       for (size_t i = 0; i < ids.size(); ++i) out += (i ? " " : "") + std::to_string(ids[i]);
     } else {
       std::vector<int32_t> ids;

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <mutex>
@@ -1562,6 +1563,9 @@ Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
 Tokenizer::~Tokenizer() = default;
 
 Tokenizer Tokenizer::from_file(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw InputError(str(path, ": is a folder, not a tokenizer.json file"));
   std::ifstream f(path, std::ios::binary);
   if (!f) throw InputError(str(path, ": cannot open the tokenizer file: ", std::strerror(errno)));
   std::ostringstream ss;

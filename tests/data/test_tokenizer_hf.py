@@ -404,4 +404,5 @@ def test_invalid_utf8_refused(built):
     _, path = built["gpt2"]
     r = subprocess.run([BIN, "tokenize", "--tokenizer", str(path)], input=b"ok\xff\xfe\n",
                        capture_output=True)
-    assert r.returncode != 0 and "UTF-8" in r.stderr.decode() and "2" in r.stderr.decode()
+    err = r.stderr.decode()
+    assert r.returncode != 0 and "UTF-8" in err and "stdin line 1" in err and "offset 2" in err
