@@ -7,10 +7,11 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${COLOSSAL_VENV:-$ROOT/.venv}
 PY=${PYTHON:-python3}
 
-# libsentencepiece-dev: SentencePiece .model tokenizers; chromium: the headless browser
+# libsentencepiece-dev: SentencePiece .model tokenizers; libpcre2-dev, libicu-dev: the
+# tokenizer.json pre-tokenizer regex and normalizers; chromium: the headless browser
 # tests/app/test_report.py renders `colossal report`'s page in.
 APT_PKGS=(build-essential cmake ninja-build ccache git libgloo-dev libgtest-dev libgmock-dev openmpi-bin
-          libsentencepiece-dev pkg-config
+          libsentencepiece-dev libpcre2-dev libicu-dev pkg-config
           python3 python3-venv python3-dev chromium)
 missing=()
 for p in "${APT_PKGS[@]}"; do

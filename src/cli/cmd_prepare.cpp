@@ -10,25 +10,39 @@
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
 #include "colossal/data/sentencepiece.h"
+#include "colossal/data/tokenizer.h"
 
 namespace {
 
-// The tokenizer named by --tokenizer: a SentencePiece .model file, or a folder holding
-// tokenizer.model.
+// The tokenizer named by --tokenizer: a Hugging Face tokenizer.json, a SentencePiece .model
+// file, or a folder holding either (tokenizer.json first, as transformers' fast tokenizers).
 colossal::app::TextEncoder load_encoder(const std::string& arg) {
   namespace fs = std::filesystem;
   std::string path = arg;
   if (fs::is_directory(path)) {
-    COLOSSAL_CHECK_INPUT(fs::is_regular_file(fs::path(path) / "tokenizer.model"),
-                         "--tokenizer: folder ", path, " holds no tokenizer.model");
-    path = (fs::path(path) / "tokenizer.model").string();
+    const fs::path json = fs::path(path) / "tokenizer.json",
+                   model = fs::path(path) / "tokenizer.model";
+    COLOSSAL_CHECK_INPUT(fs::is_regular_file(json) || fs::is_regular_file(model),
+                         "--tokenizer: folder ", path,
+                         " holds neither tokenizer.json nor tokenizer.model");
+    path = (fs::is_regular_file(json) ? json : model).string();
   }
-  COLOSSAL_CHECK_INPUT(fs::path(path).extension() == ".model", "--tokenizer: ", path,
-                       " is not a SentencePiece .model file (or a folder holding one)");
-  auto sp = std::make_shared<colossal::data::SentencePieceTokenizer>(
-      colossal::data::SentencePieceTokenizer::from_file(path));
   colossal::app::TextEncoder e;
   e.name = path;
+  if (fs::path(path).extension() == ".json") {
+    auto t =
+        std::make_shared<colossal::data::Tokenizer>(colossal::data::Tokenizer::from_file(path));
+    e.encode = [t](std::string_view text) { return t->encode(text, /*add_special_tokens=*/false); };
+    e.vocab_size = t->vocab_size();
+    e.bos_id = t->bos_id();
+    e.eos_id = t->eos_id();
+    return e;
+  }
+  COLOSSAL_CHECK_INPUT(fs::path(path).extension() == ".model", "--tokenizer: ", path,
+                       " is neither a tokenizer.json nor a SentencePiece .model file (nor a "
+                       "folder holding one)");
+  auto sp = std::make_shared<colossal::data::SentencePieceTokenizer>(
+      colossal::data::SentencePieceTokenizer::from_file(path));
   e.encode = [sp](std::string_view text) { return sp->encode(text); };
   e.vocab_size = sp->vocab_size();
   e.bos_id = sp->bos_id();
@@ -38,14 +52,14 @@ colossal::app::TextEncoder load_encoder(const std::string& arg) {
 
 int run_prepare(int argc, char** argv) {
   colossal::cli::Args args("prepare", "tokenize text into a token file for colossal train");
-  args.option("tokenizer", "SentencePiece .model file, or a folder holding tokenizer.model", "",
+  args.option("tokenizer", "tokenizer.json, SentencePiece .model, or a folder holding one", "",
               true)
       .option("out", "output token file (llm.c format); the document index goes to <out>.docs", "",
               true)
       .option("jsonl_field", "the field holding each record's text in *.jsonl files", "text")
       .option("dtype", "auto | u16 | u32 (auto: u16 when the vocabulary fits)", "auto")
       .option("threads", "encoding threads (0: every core)", "0")
-      .flag("no_bos", "do not put the tokenizer's BOS before each document")
+      .flag("no_bos", "no BOS before each document (default: the tokenizer's BOS, if it has one)")
       .flag("eos", "put the tokenizer's EOS after each document")
       .rest("inputs", "text files, folders (read recursively) and .jsonl files, options first");
   args.parse(argc, argv);
@@ -58,10 +72,17 @@ int run_prepare(int argc, char** argv) {
   COLOSSAL_CHECK_INPUT(threads >= 0 && threads <= 4096, "--threads must be in [0, 4096], got ",
                        threads);
   o.threads = static_cast<int>(threads);
-  o.add_bos = !args.on("no_bos");
   o.add_eos = args.on("eos");
   o.progress = true;
   const auto enc = load_encoder(args.str("tokenizer"));
+  // BOS before each document is the default where the tokenizer has one (Llama, Mistral);
+  // byte-level BPEs without a template (GPT-2) have none: the index alone marks documents.
+  o.add_bos = !args.on("no_bos") && enc.bos_id.has_value();
+  colossal::log_info(
+      "tokenizer ", enc.name, ": ", enc.vocab_size, " ids; each document ",
+      o.add_bos ? colossal::str("starts with BOS ", *enc.bos_id) : std::string("has no BOS"),
+      o.add_eos && enc.eos_id ? colossal::str(" and ends with EOS ", *enc.eos_id)
+                              : std::string(""));
   const auto r = colossal::app::prepare(enc, o);
   colossal::log_info("prepared ", r.documents, " documents from ", r.files, " files: ", r.tokens,
                      " tokens (", colossal::data::to_string(r.format), ") from ",

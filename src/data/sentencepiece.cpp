@@ -1,11 +1,50 @@
 // SentencePiece `.model` files through libsentencepiece (see colossal/data/sentencepiece.h).
 #include "colossal/data/sentencepiece.h"
 
-#include <sentencepiece_processor.h>
-
 #include <filesystem>
 
 #include "colossal/core/error.h"
+
+#ifndef COLOSSAL_WITH_SENTENCEPIECE
+namespace colossal::data {
+// Built without libsentencepiece: every way in is a named error.
+struct SentencePieceTokenizer::Impl {};
+SentencePieceTokenizer SentencePieceTokenizer::from_file(const std::string& path) {
+  throw InputError(str("SentencePiece model ", path,
+                       ": this build has no SentencePiece support (install libsentencepiece-dev "
+                       "and rebuild)"));
+}
+std::vector<int32_t> SentencePieceTokenizer::encode(std::string_view, bool, bool) const {
+  return {};
+}
+std::string SentencePieceTokenizer::decode(const std::vector<int32_t>&) const {
+  return {};
+}
+int64_t SentencePieceTokenizer::vocab_size() const {
+  return 0;
+}
+std::optional<int32_t> SentencePieceTokenizer::bos_id() const {
+  return std::nullopt;
+}
+std::optional<int32_t> SentencePieceTokenizer::eos_id() const {
+  return std::nullopt;
+}
+std::optional<int32_t> SentencePieceTokenizer::pad_id() const {
+  return std::nullopt;
+}
+int32_t SentencePieceTokenizer::unk_id() const {
+  return 0;
+}
+std::optional<int32_t> SentencePieceTokenizer::piece_to_id(std::string_view) const {
+  return std::nullopt;
+}
+std::string SentencePieceTokenizer::id_to_piece(int32_t) const {
+  return {};
+}
+}  // namespace colossal::data
+#else
+
+#include <sentencepiece_processor.h>
 
 namespace colossal::data {
 
@@ -97,3 +136,4 @@ std::string SentencePieceTokenizer::id_to_piece(int32_t id) const {
 }
 
 }  // namespace colossal::data
+#endif  // COLOSSAL_WITH_SENTENCEPIECE

@@ -141,6 +141,35 @@ def test_prepare_bad_input(sp_model, tmp_path):
     assert r.returncode == 2 and "tok.json" in r.stderr
 
 
+def test_prepare_tokenizer_json(corpus, tmp_path):
+    """A Hugging Face tokenizer.json (byte-level BPE with a BOS template, trained here): each
+    document is what `tokenizers` encodes with its special tokens; a folder holding the file
+    works too. Without a BOS in the template, documents get none."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    root, recs = corpus
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(DOCS.values()) * 10 + [r["text"] for r in RECORDS], trainer)
+    plain = tmp_path / "plain.json"
+    tok.save(str(plain))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    docs = expected_docs(root, recs)
+    out = tmp_path / "hf.bin"
+    r = prepare("--tokenizer", folder, "--out", out, root, recs)
+    assert r.returncode == 0, r.stderr
+    assert read_tokens(out) == [t for d in docs for t in tok.encode(d).ids]
+    r = prepare("--tokenizer", plain, "--out", out, root, recs)
+    assert r.returncode == 0 and "has no BOS" in r.stderr, r.stderr
+    assert read_tokens(out) == [t for d in docs for t in Tokenizer.from_file(str(plain)).encode(d).ids]
+    assert read_index(str(out) + ".docs")[-1] == len(read_tokens(out))
+
+
 def test_prepare_u16_overflow(tmp_path):
     # A vocabulary past 65536 ids: auto picks uint32, u16 is refused before anything is written.
     d = tmp_path / "big"
