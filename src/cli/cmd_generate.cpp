@@ -1,7 +1,8 @@
-// `colossal generate`: continuation of token ids by a Hugging Face model folder (llama, mistral,
+// `colossal generate`: continuation of a prompt by a Hugging Face model folder (llama, mistral,
 // qwen2) with a KV cache: greedy by default, or sampled (temperature, top-k, top-p, seed), with
-// an optional repetition penalty, as HF's generate(). Prints the new ids space-separated on one
-// stdout line, each as soon as it is chosen.
+// an optional repetition penalty, as HF's generate(). --prompt TEXT goes through the folder's
+// tokenizer and the new text is printed as it is generated; --prompt-ids prints the new ids
+// space-separated on one stdout line, each as soon as it is chosen.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 
@@ -9,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,6 +19,7 @@
 #include "colossal/checkpoint/pretrained.h"
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
+#include "colossal/data/text_tokenizer.h"
 #include "colossal/models/llama/config.h"
 #include "colossal/models/llama/model.h"
 
@@ -47,7 +50,11 @@ std::vector<int64_t> parse_ids(const std::string& s) {
 int run_generate(int argc, char** argv) {
   colossal::cli::Args args("generate", "text generation from a Hugging Face model folder");
   args.option("model", "model folder (config.json + *.safetensors)", "", true)
-      .option("prompt-ids", "comma-separated prompt token ids, e.g. 1,2,3", "", true)
+      .option("prompt",
+              "prompt text, encoded by the model folder's tokenizer (or --tokenizer);"
+              " the new text is printed as it is generated")
+      .option("prompt-ids", "comma-separated prompt token ids, e.g. 1,2,3 (instead of --prompt)")
+      .option("tokenizer", "tokenizer.json, .model or folder for --prompt (default: --model)")
       .option("max-new-tokens", "number of tokens to generate", "32")
       .option("dtype", "fp32 | bf16", "fp32")
       .option("device", "cpu | cuda", "cpu")
@@ -100,7 +107,21 @@ int run_generate(int argc, char** argv) {
   }
   const int64_t max_new = args.i64("max-new-tokens");
   COLOSSAL_CHECK_INPUT(max_new >= 0, "--max-new-tokens must be >= 0, got ", max_new);
-  std::vector<int64_t> ids = parse_ids(args.str("prompt-ids"));
+  COLOSSAL_CHECK_INPUT(args.given("prompt") != args.given("prompt-ids"),
+                       "give the prompt as --prompt TEXT or as --prompt-ids 1,2,3 (one of them)");
+  COLOSSAL_CHECK_INPUT(!args.given("tokenizer") || args.given("prompt"),
+                       "--tokenizer is for --prompt (text); --prompt-ids needs none");
+  std::optional<colossal::data::TextTokenizer> tok;
+  std::vector<int64_t> ids;
+  if (args.given("prompt")) {
+    tok = colossal::data::load_tokenizer(args.given("tokenizer") ? args.str("tokenizer")
+                                                                 : args.str("model"));
+    for (int32_t id : tok->encode(args.str("prompt"), /*add_special=*/true)) ids.push_back(id);
+    COLOSSAL_CHECK_INPUT(!ids.empty(), "--prompt: the tokenizer ", tok->path,
+                         " turns this prompt into no tokens; give some text");
+  } else {
+    ids = parse_ids(args.str("prompt-ids"));
+  }
 
   // Positions past max_position_embeddings are outside what the model was trained for: refuse
   // (there is no option to stop at the limit instead) before the weights are read. Dynamic NTK
@@ -110,7 +131,7 @@ int run_generate(int argc, char** argv) {
   if (std::filesystem::is_regular_file(cfg_path)) {
     const auto mc = colossal::models::ModelConfig::from_file(cfg_path.string());
     const int64_t room = mc.max_position_embeddings - static_cast<int64_t>(ids.size());
-    COLOSSAL_CHECK_INPUT(max_new <= room || mc.rope.type == "dynamic", "--prompt-ids (", ids.size(),
+    COLOSSAL_CHECK_INPUT(max_new <= room || mc.rope.type == "dynamic", "the prompt (", ids.size(),
                          " tokens) + --max-new-tokens (", max_new,
                          ") positions exceed the model's max_position_embeddings (",
                          mc.max_position_embeddings, ", ", cfg_path.string(),
@@ -123,8 +144,10 @@ int run_generate(int argc, char** argv) {
   auto model = colossal::checkpoint::load_pretrained(args.str("model"), po);
   const auto& cfg = model->config();
   for (int64_t id : ids) {
-    COLOSSAL_CHECK_INPUT(id < cfg.vocab_size, "--prompt-ids: token ", id,
-                         " is outside the vocabulary of ", cfg.vocab_size);
+    COLOSSAL_CHECK_INPUT(
+        id < cfg.vocab_size, "prompt token ", id, " is outside the model's vocabulary of ",
+        cfg.vocab_size,
+        tok ? colossal::str(" (is ", tok->path, " this model's tokenizer?)") : std::string());
   }
   std::optional<int64_t> eos;
   if (args.on("stop-at-eos")) {
@@ -142,13 +165,36 @@ int run_generate(int argc, char** argv) {
   go.max_new_tokens = max_new;
   go.eos_token_id = eos;
   int64_t printed = 0;
+  // Text: decode everything generated so far and print what is new up to the first U+FFFD: a
+  // byte-level model may emit part of a UTF-8 character, which decodes as U+FFFD until (and
+  // unless) its other bytes follow, so text from there on may still change; the rest is final.
+  std::vector<int32_t> generated;
+  std::string shown;
+  auto show_text = [&](bool final) {
+    std::string text = tok->decode(generated, /*skip_special=*/true);
+    if (!final) text = text.substr(0, text.find("\xEF\xBF\xBD"));
+    if (text.compare(0, shown.size(), shown) != 0) {
+      colossal::log_warn("the tokenizer's decoding of the new tokens changed text already printed");
+      return;
+    }
+    std::fwrite(text.data() + shown.size(), 1, text.size() - shown.size(), stdout);
+    std::fflush(stdout);
+    shown = std::move(text);
+  };
   go.on_token = [&](const at::Tensor& next) {
-    std::printf(printed++ ? " %lld" : "%lld", static_cast<long long>(next[0].item<int64_t>()));
+    const int64_t id = next[0].item<int64_t>();
+    if (tok) {
+      generated.push_back(static_cast<int32_t>(id));
+      show_text(false);
+      return;
+    }
+    std::printf(printed++ ? " %lld" : "%lld", static_cast<long long>(id));
     std::fflush(stdout);
   };
   auto t0 = std::chrono::steady_clock::now();
   at::Tensor out = colossal::models::generate(*model, prompt, go);
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (tok) show_text(true);
   std::printf("\n");
   std::fflush(stdout);
   colossal::log_info("generated ", out.size(1), " tokens in ", secs, " s (",

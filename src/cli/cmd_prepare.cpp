@@ -9,44 +9,20 @@
 #include "colossal/app/prepare.h"
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
-#include "colossal/data/sentencepiece.h"
-#include "colossal/data/tokenizer.h"
+#include "colossal/data/text_tokenizer.h"
 
 namespace {
 
-// The tokenizer named by --tokenizer: a Hugging Face tokenizer.json, a SentencePiece .model
-// file, or a folder holding either (tokenizer.json first, as transformers' fast tokenizers).
+// The tokenizer named by --tokenizer (a file or a folder holding one); documents are encoded
+// without special tokens, prepare frames them.
 colossal::app::TextEncoder load_encoder(const std::string& arg) {
-  namespace fs = std::filesystem;
-  std::string path = arg;
-  if (fs::is_directory(path)) {
-    const fs::path json = fs::path(path) / "tokenizer.json",
-                   model = fs::path(path) / "tokenizer.model";
-    COLOSSAL_CHECK_INPUT(fs::is_regular_file(json) || fs::is_regular_file(model),
-                         "--tokenizer: folder ", path,
-                         " holds neither tokenizer.json nor tokenizer.model");
-    path = (fs::is_regular_file(json) ? json : model).string();
-  }
+  auto t = std::make_shared<colossal::data::TextTokenizer>(colossal::data::load_tokenizer(arg));
   colossal::app::TextEncoder e;
-  e.name = path;
-  if (fs::path(path).extension() == ".json") {
-    auto t =
-        std::make_shared<colossal::data::Tokenizer>(colossal::data::Tokenizer::from_file(path));
-    e.encode = [t](std::string_view text) { return t->encode(text, /*add_special_tokens=*/false); };
-    e.vocab_size = t->vocab_size();
-    e.bos_id = t->bos_id();
-    e.eos_id = t->eos_id();
-    return e;
-  }
-  COLOSSAL_CHECK_INPUT(fs::path(path).extension() == ".model", "--tokenizer: ", path,
-                       " is neither a tokenizer.json nor a SentencePiece .model file (nor a "
-                       "folder holding one)");
-  auto sp = std::make_shared<colossal::data::SentencePieceTokenizer>(
-      colossal::data::SentencePieceTokenizer::from_file(path));
-  e.encode = [sp](std::string_view text) { return sp->encode(text); };
-  e.vocab_size = sp->vocab_size();
-  e.bos_id = sp->bos_id();
-  e.eos_id = sp->eos_id();
+  e.name = t->path;
+  e.encode = [t](std::string_view text) { return t->encode(text, /*add_special=*/false); };
+  e.vocab_size = t->vocab_size;
+  e.bos_id = t->bos_id;
+  e.eos_id = t->eos_id;
   return e;
 }
 

@@ -174,8 +174,11 @@ def test_generate_sampling_matches_hf(case, tmp_path_factory):
     kw = dict(kw)
     seed = kw.pop("seed", 0)
     torch.manual_seed(seed)
-    out = m.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, eos_token_id=None,
-                     pad_token_id=0, top_k=kw.pop("top_k", 0), top_p=kw.pop("top_p", 1.0),
+    # No eos anywhere: HF neither stops early nor masks eos (min_new_tokens would, and that
+    # changes top-p's nucleus).
+    m.generation_config.eos_token_id = None
+    out = m.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                     max_new_tokens=32, pad_token_id=0, top_k=kw.pop("top_k", 0), top_p=kw.pop("top_p", 1.0),
                      temperature=kw.pop("temperature", 1.0), **kw)
     assert ours == out[0, len(prompt):].tolist(), case
     if kw["do_sample"]:  # another seed, other tokens
@@ -203,6 +206,90 @@ def test_generate_sampling_errors(tmp_path_factory):
                          (["--do-sample", "--seed", "-4"], "--seed must be >= 0")]:
         r = gen(*args)
         assert r.returncode == 2 and needle in r.stderr, (args, r.stderr)
+
+
+def text_model(tmp_path, kind):
+    """A random tiny Llama whose vocabulary is a tokenizer's, trained here: a byte-level BPE
+    tokenizer.json with a BOS template, or a SentencePiece tokenizer.model."""
+    corpus = ["Hello world, this is a small corpus for a tiny tokenizer %d." % i for i in range(200)] + [
+        "Größe café 東京 😀 naïve", "def f(x):\n    return x * 2"] * 20
+    d = tmp_path / kind
+    d.mkdir()
+    if kind == "json":
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.train_from_iterator(corpus, trainers.BpeTrainer(
+            vocab_size=320, special_tokens=["<s>", "</s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+        tok.save(str(d / "tokenizer.json"))
+        vocab = tok.get_vocab_size()
+        encode = lambda t: tok.encode(t).ids
+        decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
+    else:
+        import sentencepiece as spm
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(corpus), model_prefix=str(d / "tokenizer"),
+                                       vocab_size=400, model_type="bpe", byte_fallback=True,
+                                       minloglevel=2, num_threads=1)
+        sp = spm.SentencePieceProcessor(model_file=str(d / "tokenizer.model"))
+        vocab = sp.get_piece_size()
+        encode = lambda t: sp.encode(t, add_bos=True)
+        decode = lambda ids: sp.decode(ids)
+    cfg = LlamaConfig(**{**BASE, "vocab_size": vocab})
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.normal_(0, 0.15) if not n.endswith("norm.weight") else p.copy_(1 + 0.2 * torch.randn_like(p))
+    model.save_pretrained(d)
+    return d, encode, decode
+
+
+@pytest.mark.parametrize("kind", ["json", "model"])
+def test_generate_text_prompt(kind, tmp_path):
+    """--prompt TEXT through the model folder's tokenizer (tokenizer.json or tokenizer.model):
+    the printed text equals the tokenizer's decoding of HF's tokens for the same prompt, greedy
+    and sampled, although it was printed piece by piece as the tokens came."""
+    d, encode, decode = text_model(tmp_path, kind)
+    prompt = "Hello world, café"
+    ids = encode(prompt)
+    r = subprocess.run([BIN, "generate", "--model", str(d), "--prompt", prompt, "--max-new-tokens", "24"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == decode(hf_greedy(d, ids, 24)) + "\n"
+    m = AutoModelForCausalLM.from_pretrained(d, attn_implementation="sdpa", dtype=torch.float32).eval()
+    torch.manual_seed(11)
+    m.generation_config.eos_token_id = None  # as above: no early stop, no eos mask
+    # An explicit mask: HF would take the BOS (id 0 here, as pad_token_id) for padding.
+    out = m.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                     max_new_tokens=24, pad_token_id=0, do_sample=True, top_k=0, top_p=0.95, temperature=0.9)
+    r = subprocess.run([BIN, "generate", "--model", str(d), "--prompt", prompt, "--max-new-tokens", "24",
+                        "--do-sample", "--top-p", "0.95", "--temperature", "0.9", "--seed", "11"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == decode(out[0, len(ids):].tolist()) + "\n"
+
+
+def test_generate_text_prompt_errors(tmp_path):
+    d, _, _ = text_model(tmp_path, "json")
+
+    def gen(*args):
+        return subprocess.run([BIN, "generate", "--model", str(d), *map(str, args)],
+                              capture_output=True, text=True, timeout=60)
+
+    r = gen("--prompt", "hi", "--prompt-ids", "1,2")
+    assert r.returncode == 2 and "one of them" in r.stderr
+    r = gen()
+    assert r.returncode == 2 and "one of them" in r.stderr
+    r = gen("--prompt-ids", "1,2", "--tokenizer", d)
+    assert r.returncode == 2 and "--tokenizer is for --prompt" in r.stderr
+    r = gen("--prompt", "hi", "--tokenizer", tmp_path / "nothing-here")
+    assert r.returncode == 2 and "nothing-here" in r.stderr
+    (tmp_path / "empty").mkdir()
+    r = gen("--prompt", "hi", "--tokenizer", tmp_path / "empty")
+    assert r.returncode == 2 and "neither tokenizer.json nor tokenizer.model" in r.stderr
 
 
 def test_save_pretrained_round_trip(tmp_path_factory, tmp_path):
