@@ -116,45 +116,79 @@ void check_utf8(const Doc& d, size_t offset_base = 0) {
                        " (convert the file to UTF-8 first, e.g. iconv -f latin1 -t utf-8)");
 }
 
-// Documents of one file, appended to `docs`.
-void read_docs(const std::string& path, const std::string& field, std::vector<Doc>& docs) {
-  std::string text = read_file(path);
-  const bool jsonl = path.size() >= 6 && path.compare(path.size() - 6, 6, ".jsonl") == 0;
-  if (!jsonl) {
-    Doc d{std::move(text), path};
-    check_utf8(d);
-    docs.push_back(std::move(d));
-    return;
+// The documents of the inputs, in order, a window at a time: a plain-text file whole, a JSONL
+// file line by line (so a corpus of one 50 GB JSONL file is never held whole).
+class DocStream {
+ public:
+  DocStream(const std::vector<std::string>& files, std::string field)
+      : files_(files), field_(std::move(field)) {}
+
+  // Appends documents until at least `budget` bytes were read or the inputs end; returns the
+  // bytes read.
+  int64_t fill(std::vector<Doc>& docs, int64_t budget) {
+    int64_t got = 0;
+    while (got < budget) {
+      if (!jsonl_.is_open()) {
+        if (next_ == files_.size()) break;
+        path_ = files_[next_++];
+        ++opened_;
+        const bool jsonl = path_.size() >= 6 && path_.compare(path_.size() - 6, 6, ".jsonl") == 0;
+        if (!jsonl) {
+          Doc d{read_file(path_), path_};
+          check_utf8(d);
+          got += static_cast<int64_t>(d.text.size());
+          docs.push_back(std::move(d));
+          continue;
+        }
+        jsonl_.open(path_, std::ios::binary);
+        COLOSSAL_CHECK_INPUT(jsonl_.good(), "cannot read ", path_);
+        line_no_ = 0;
+      }
+      std::string line;
+      if (!std::getline(jsonl_, line)) {
+        COLOSSAL_CHECK_INPUT(!jsonl_.bad(), "error while reading ", path_);
+        jsonl_.close();
+        continue;
+      }
+      ++line_no_;
+      got += static_cast<int64_t>(line.size()) + 1;
+      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank line
+      docs.push_back(parse_record(line));
+    }
+    return got;
   }
-  size_t pos = 0;
-  int64_t line_no = 0;
-  while (pos < text.size()) {
-    size_t end = text.find('\n', pos);
-    if (end == std::string::npos) end = text.size();
-    std::string_view line(text.data() + pos, end - pos);
-    pos = end + 1;
-    ++line_no;
-    if (line.find_first_not_of(" \t\r") == std::string_view::npos) continue;  // blank line
-    const std::string where = str(path, ":", line_no);
+  int64_t files_opened() const { return opened_; }
+
+ private:
+  Doc parse_record(std::string_view line) const {
+    const std::string where = str(path_, ":", line_no_);
     size_t bad = invalid_utf8_at(line);
-    COLOSSAL_CHECK_INPUT(bad == std::string_view::npos, "", where, ": invalid UTF-8 at byte ", bad,
+    COLOSSAL_CHECK_INPUT(bad == std::string_view::npos, where, ": invalid UTF-8 at byte ", bad,
                          " of the line");
     json::Value v;
     try {
       v = json::parse(line, where);
     } catch (const std::exception& e) {
-      throw InputError(str("", where, " is not valid JSON: ", e.what()));
+      throw InputError(str(where, " is not valid JSON: ", e.what()));
     }
-    COLOSSAL_CHECK_INPUT(v.is_object(), "", where, " is not a JSON object");
-    const json::Value* f = v.find(field);
-    COLOSSAL_CHECK_INPUT(f, "", where, " has no field \"", field,
+    COLOSSAL_CHECK_INPUT(v.is_object(), where, " is not a JSON object");
+    const json::Value* f = v.find(field_);
+    COLOSSAL_CHECK_INPUT(f, where, " has no field \"", field_,
                          "\" (choose the field with --jsonl_field)");
-    COLOSSAL_CHECK_INPUT(f->is_string(), "", where, ": field \"", field, "\" is not a string");
+    COLOSSAL_CHECK_INPUT(f->is_string(), where, ": field \"", field_, "\" is not a string");
     Doc d{f->as_string(), where};
     check_utf8(d);  // \u escapes can still encode lone surrogates
-    docs.push_back(std::move(d));
+    return d;
   }
-}
+
+  const std::vector<std::string>& files_;
+  std::string field_;
+  size_t next_ = 0;
+  int64_t opened_ = 0;
+  std::ifstream jsonl_;
+  std::string path_;
+  int64_t line_no_ = 0;
+};
 
 std::string human_bytes(double b) {
   char buf[32];
@@ -200,20 +234,14 @@ PrepareResult prepare(const TextEncoder& enc, const PrepareOptions& o) {
 
   // Windows of about 64 MB of text: read in order, encoded by every thread, written in order.
   constexpr int64_t kWindowBytes = int64_t{64} << 20;
-  size_t next_file = 0;
+  DocStream stream(files, o.jsonl_field);
   int64_t read_bytes = 0;
   int last_pct = -1;
   const bool tty = ::isatty(STDERR_FILENO) == 1;
-  while (next_file < files.size()) {
+  while (true) {
     std::vector<Doc> docs;
-    int64_t window = 0;
-    while (next_file < files.size() && window < kWindowBytes) {
-      const std::string& f = files[next_file++];
-      const int64_t size = static_cast<int64_t>(fs::file_size(f));
-      read_docs(f, o.jsonl_field, docs);
-      window += size;
-      ++res.files;
-    }
+    const int64_t window = stream.fill(docs, kWindowBytes);
+    if (window == 0 && docs.empty()) break;
     read_bytes += window;
     std::vector<std::vector<int32_t>> ids(docs.size());
     std::atomic<size_t> next{0};
@@ -268,7 +296,9 @@ PrepareResult prepare(const TextEncoder& enc, const PrepareOptions& o) {
     if (o.progress) {
       const double secs =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      const int pct = total_bytes > 0 ? static_cast<int>(100 * read_bytes / total_bytes) : 100;
+      const int pct = total_bytes > 0
+                          ? static_cast<int>(std::min<int64_t>(100, 100 * read_bytes / total_bytes))
+                          : 100;
       if (tty || pct / 10 != last_pct / 10) {
         std::fprintf(stderr,
                      "%sprepare: %3d%% (%s of %s, %lld documents, %lld tokens, %.0f tok/s)%s",
@@ -302,6 +332,7 @@ PrepareResult prepare(const TextEncoder& enc, const PrepareOptions& o) {
   out.commit();
   index.commit();
   res.bytes = read_bytes;
+  res.files = stream.files_opened();
   res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return res;
 }
