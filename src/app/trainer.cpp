@@ -154,6 +154,12 @@ void on_stop_signal(int sig) {
     return;
   }
   g_stop_signal = sig;
+  // Only async-signal-safe calls here: a fixed text through write(2). Before the first step
+  // (a long load, a resume) nothing else would show that the signal was taken.
+  static const char kMsg[] =
+      "colossal train: stop signal received: saving at the next step boundary, then exiting "
+      "(send it again to stop at once)\n";
+  [[maybe_unused]] ssize_t n = ::write(STDERR_FILENO, kMsg, sizeof kMsg - 1);
 }
 
 const int kStopSignals[] = {SIGTERM, SIGUSR1, SIGINT};
@@ -326,6 +332,11 @@ class Trainer {
   const TrainConfig& c_;
   const json::Value& config_json_;
   const bool distributed_, rank0_;
+  // SIGTERM / SIGUSR1 / SIGINT are caught from the start of construction, before the first
+  // collective: a signal that comes while the ranks are still setting up or resuming is held
+  // and acted on at the first step boundary (save, exit 128+signo) on every rank, instead of
+  // killing a rank that had not yet installed the handler.
+  StopSignals stop_signals_;
   // rank 0: save_dir is this job's from before step 1 to exit. Declared before booster_, so it is
   // released after it: a Trainer unwinding from an error destroys the Booster, whose AsyncWriter
   // still finishes (and may publish) the save in flight, and that must happen while the folder
@@ -989,7 +1000,6 @@ void Trainer::commit_async(std::unique_ptr<checkpoint::StagedDirectory> staged,
 }
 
 TrainResult Trainer::run() {
-  StopSignals stop_signals;
   if (!c_.resume.empty()) start_ = resume(c_.resume);
   if (rank0_) {
     log_info("training ", model_->config().model_type, " (",

@@ -105,6 +105,6 @@ def test_generate_past_max_positions(tmp_path):
     (folder / "config.json").write_text(json.dumps(MODEL))  # max_position_embeddings 64
     prompt = ",".join(["5"] * 60)
     refused(["generate", "--model", str(folder), "--prompt-ids", prompt, "--max-new-tokens", "5"],
-            "--prompt-ids (60 tokens) + --max-new-tokens (5)", "max_position_embeddings (64")
+            "the prompt (60 tokens) + --max-new-tokens (5)", "max_position_embeddings (64")
     refused(["generate", "--model", str(folder), "--prompt-ids", "1,2", "--max-new-tokens", "9223372036854775807"],
             "max_position_embeddings (64")
