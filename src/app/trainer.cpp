@@ -34,6 +34,7 @@
 #include "colossal/core/logging.h"
 #include "colossal/core/options.h"
 #include "colossal/data/dataloader.h"
+#include "colossal/data/documents.h"
 #include "colossal/data/sampler.h"
 #include "colossal/data/token_file.h"
 #include "colossal/dist/parallel_dims.h"
@@ -56,6 +57,9 @@ void TrainConfig::register_options(OptionSet& s) {
            {"auto", "u16", "u32", "llmc", "llmc-llama3"})
       .add("data", "seq_len", &seq_len, "sequence length S")
       .add("data", "shuffle", &shuffle, "shuffle samples (a permutation seeded by seed and epoch)")
+      .add("data", "doc_mask", &doc_mask,
+           "keep each document of <data>.docs to itself: positions restart, attention stays "
+           "inside it, no target crosses into it (a loss mask <data>.mask is always honoured)")
       .add("train", "micro_batch", &micro_batch, "sequences per rank per micro-step (B)")
       .add("train", "accumulation", &accumulation, "micro-steps per optimizer step")
       .add("train", "steps", &steps, "optimizer steps in total")
@@ -432,6 +436,37 @@ void Trainer::build_data() {
   COLOSSAL_CHECK_INPUT(dataset_->num_samples() >= 1, c_.data, " holds ", file->size(),
                        " tokens: too few for one sample of seq_len ", c_.seq_len, " (needs ",
                        c_.seq_len + 1, ")");
+  // What `colossal prepare` writes next to the tokens: the loss mask is always honoured (it is
+  // part of the data: SFT prompts must not be trained on), the document index under doc_mask.
+  const std::string mask_path = c_.data + ".mask", docs_path = c_.data + ".docs";
+  std::error_code ec;
+  if (fs::exists(mask_path, ec)) {
+    dataset_->set_loss_mask(std::make_shared<data::LossMaskFile>(mask_path));
+    if (rank0_) {
+      const auto* m = dataset_->loss_mask()->data();
+      int64_t on = 0;
+      for (int64_t i = 0; i < file->size(); ++i) on += m[i];
+      log_info("loss mask ", mask_path, ": ", on, " of ", file->size(), " tokens (",
+               100.0 * static_cast<double>(on) / static_cast<double>(file->size()),
+               " %) are trained targets",
+               dataset_->loss_mask()->packed_seq_len() > 0
+                   ? str(", packed for seq_len ", dataset_->loss_mask()->packed_seq_len())
+                   : std::string());
+    }
+  }
+  if (c_.doc_mask) {
+    COLOSSAL_CHECK_INPUT(fs::exists(docs_path, ec), "option 'doc_mask' needs the document index ",
+                         docs_path, " (colossal prepare writes it next to the token file)");
+    COLOSSAL_CHECK_INPUT(!plugin_->support_pipeline(),
+                         "option 'doc_mask' is not supported with pipeline parallelism yet "
+                         "(pp_size > 1)");
+    dataset_->set_documents(data::read_doc_index(docs_path), docs_path);
+    dataset_->set_document_mask(true);
+  }
+  COLOSSAL_CHECK_INPUT(!dataset_->masks_targets() || !plugin_->support_pipeline(),
+                       "the loss mask ", mask_path,
+                       " is not supported with pipeline parallelism yet (pp_size > 1): its "
+                       "schedule averages each micro-batch on its own");
   // The whole file once, now: an id past the vocabulary would otherwise surface only when its
   // batch comes up (check_tokens), possibly hours in and without its position.
   const int64_t vocab = model_->config().vocab_size;
@@ -668,6 +703,7 @@ Trainer::StepStats Trainer::train_step() {
   auto t0 = std::chrono::steady_clock::now();
   st.lr = boosted_.lr_scheduler->lrs().front();
   double local_loss = 0.0;
+  int64_t counted = -1;  // targets that count in the global batch; -1: every target counts
   for (int64_t a = 0; a < A; ++a) {
     if (plugin_->support_pipeline()) {
       // Pipeline stages: the plugin's schedule runs forward and backward over micro-batches of
@@ -692,10 +728,10 @@ Trainer::StepStats Trainer::train_step() {
       local_loss += out.loss.item<double>();
       continue;
     }
-    auto [inputs, targets] = dataloader.next();
-    check_tokens(inputs, targets);
-    inputs = inputs.to(device_);
-    targets = targets.to(device_);
+    if (a == 0 && dataset_->masks_targets()) counted = dataloader.counted_targets_of_step();
+    data::Batch b = dataloader.next_batch();
+    check_tokens(b.inputs, b.targets);
+    at::Tensor inputs = b.inputs.to(device_), targets = b.targets.to(device_);
     std::unique_ptr<NoSyncGuard> guard;
     if (a + 1 < A) guard = booster_->no_sync(mw, &opt);
     // This rank's part (a sequence shard under sequence parallelism); the loss below is the
@@ -705,6 +741,26 @@ Trainer::StepStats Trainer::train_step() {
     fo.seq_offset = lb.seq_offset;
     fo.global_seq_len = lb.global_seq_len;
     if (lb.positions.defined()) fo.positions = lb.positions.to(lb.inputs.device());
+    if (b.document_ids.defined()) {
+      COLOSSAL_CHECK_INPUT(lb.global_seq_len == 0 && !lb.positions.defined() &&
+                               lb.loss_weight == 1.0,
+                           "option 'doc_mask' needs whole sequences on every rank: it is not "
+                           "supported with sequence parallelism yet");
+      fo.position_ids = b.position_ids.to(device_);
+      fo.document_ids = b.document_ids;  // CPU: the model builds the document layout from it
+    }
+    // Masked targets: the loss is the sum over this rank's counted targets divided so that,
+    // after the gradient averaging of the layout and over the ranks, it is the mean over the
+    // `counted` targets of the global batch (the unmasked form: the mean over G*S targets,
+    // each rank's mean over its own n_local).
+    double divisor = 0;
+    if (counted >= 0) {
+      const double n_local = static_cast<double>(lb.targets.numel());
+      divisor = counted > 0 ? n_local * static_cast<double>(counted) /
+                                  static_cast<double>(G_ * c_.seq_len)
+                            : n_local;  // nothing counts: the sum is 0 whatever divides it
+      fo.loss_divisor = divisor;
+    }
     at::Tensor loss;
     // A head sharded over the vocabulary (the tensor-parallel plan's) returns sharded logits:
     // its loss is always the vocab-parallel one (one chunk of every token without fused_ce).
@@ -714,9 +770,12 @@ Trainer::StepStats Trainer::train_step() {
              static_cast<double>(A);
     } else {
       at::Tensor logits = model_->forward(lb.inputs, fo);
-      loss = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
-                                    lb.targets.reshape({-1})) /
-             static_cast<double>(A);
+      at::Tensor flat = logits.reshape({-1, logits.size(-1)}).to(at::kFloat);
+      loss = divisor > 0 ? at::cross_entropy_loss(flat, lb.targets.reshape({-1}), std::nullopt,
+                                                  at::Reduction::Sum) /
+                               divisor
+                         : at::cross_entropy_loss(flat, lb.targets.reshape({-1}));
+      loss = loss / static_cast<double>(A);
     }
     // This rank's share of the loss of the ranks holding parts of the same sequences.
     booster_->backward(lb.loss_weight == 1.0 ? loss : loss * lb.loss_weight, opt);

@@ -12,8 +12,10 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <tuple>
 
 #include "colossal/core/error.h"
+#include "colossal/data/documents.h"
 
 namespace colossal::data {
 
@@ -269,6 +271,106 @@ std::pair<at::Tensor, at::Tensor> TokenDataset::batch(const std::vector<int64_t>
     tg[static_cast<int64_t>(i)].copy_(y);
   }
   return {in, tg};
+}
+
+void TokenDataset::set_loss_mask(std::shared_ptr<LossMaskFile> mask) {
+  if (mask) {
+    COLOSSAL_CHECK_INPUT(mask->size() == file_->size(), "loss mask ", mask->path(), " covers ",
+                         mask->size(), " tokens but ", file_->path(), " holds ", file_->size(),
+                         " (were they prepared together?)");
+    COLOSSAL_CHECK_INPUT(mask->packed_seq_len() == 0 || mask->packed_seq_len() == seq_len_,
+                         mask->path(), ": the records were packed for seq_len ",
+                         mask->packed_seq_len(), " but training uses seq_len ", seq_len_,
+                         " (prepare again with --pack ", seq_len_, ")");
+  }
+  mask_ = std::move(mask);
+}
+
+void TokenDataset::set_documents(std::vector<uint64_t> offsets, std::string source) {
+  COLOSSAL_CHECK_INPUT(!offsets.empty() && offsets.back() == static_cast<uint64_t>(file_->size()),
+                       "document index ", source, " ends at token ",
+                       offsets.empty() ? 0 : offsets.back(), " but ", file_->path(), " holds ",
+                       file_->size(), " tokens (were they prepared together?)");
+  docs_ = std::move(offsets);
+}
+
+void TokenDataset::set_document_mask(bool on) {
+  COLOSSAL_CHECK_INPUT(!on || !docs_.empty(),
+                       "the document mask needs the document index of the token file");
+  doc_mask_ = on;
+}
+
+namespace {
+
+// The distinct document starts t with lo < t <= hi, in order.
+std::vector<int64_t> starts_in(const std::vector<uint64_t>& docs, int64_t lo, int64_t hi) {
+  std::vector<int64_t> out;
+  auto it = std::upper_bound(docs.begin(), docs.end(), static_cast<uint64_t>(lo));
+  for (; it != docs.end() && *it <= static_cast<uint64_t>(hi); ++it) {
+    if (out.empty() || out.back() != static_cast<int64_t>(*it))
+      out.push_back(static_cast<int64_t>(*it));
+  }
+  return out;
+}
+
+}  // namespace
+
+int64_t TokenDataset::counted_targets(int64_t k) const {
+  COLOSSAL_CHECK(k >= 0 && k < num_samples_, "sample ", k, " out of range [0, ", num_samples_, ")");
+  const int64_t base = k * seq_len_;
+  // Targets are tokens base+1 .. base+S.
+  if (!mask_ && !doc_mask_) return seq_len_;
+  int64_t n = seq_len_;
+  if (mask_) {
+    const uint8_t* m = mask_->data() + base + 1;
+    n = 0;
+    for (int64_t j = 0; j < seq_len_; ++j) n += m[j];
+  }
+  if (doc_mask_) {
+    for (int64_t t : starts_in(docs_, base, base + seq_len_)) {
+      if (!mask_ || mask_->data()[t]) --n;  // counted by the mask, dropped as a document start
+    }
+  }
+  return n;
+}
+
+Batch TokenDataset::make_batch(const std::vector<int64_t>& indices) const {
+  Batch b;
+  std::tie(b.inputs, b.targets) = batch(indices);
+  const int64_t n = static_cast<int64_t>(indices.size()), S = seq_len_;
+  if (mask_) {
+    int64_t* tg = b.targets.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      const uint8_t* m = mask_->data() + indices[static_cast<size_t>(i)] * S + 1;
+      for (int64_t j = 0; j < S; ++j) {
+        if (!m[j]) tg[i * S + j] = kIgnore;
+      }
+    }
+  }
+  if (!doc_mask_) return b;
+  b.position_ids = at::empty({n, S}, at::kLong);
+  b.document_ids = at::empty({n, S}, at::kLong);
+  int64_t* tg = b.targets.data_ptr<int64_t>();
+  int64_t* pos = b.position_ids.data_ptr<int64_t>();
+  int64_t* doc = b.document_ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t base = indices[static_cast<size_t>(i)] * S;
+    const std::vector<int64_t> starts = starts_in(docs_, base, base + S);
+    size_t next = 0;
+    int64_t p = 0, d = 0;
+    for (int64_t j = 0; j < S; ++j) {
+      if (next < starts.size() && starts[next] == base + j) {
+        ++next;
+        p = 0;
+        ++d;
+      }
+      pos[i * S + j] = p++;
+      doc[i * S + j] = d;
+    }
+    // Target j is token base+j+1: a document's first token is not predicted across documents.
+    for (int64_t t : starts) tg[i * S + (t - base - 1)] = kIgnore;
+  }
+  return b;
 }
 
 }  // namespace colossal::data

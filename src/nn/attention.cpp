@@ -31,11 +31,86 @@ std::pair<at::Tensor, at::Tensor> KVCache::update(int64_t layer, const at::Tenso
   return {k[layer], v[layer]};
 }
 
+// ---- Documents ----------------------------------------------------------------------------
+DocumentMask make_documents(const at::Tensor& ids_cpu, const at::Device& device) {
+  COLOSSAL_CHECK(ids_cpu.dim() == 2 && ids_cpu.scalar_type() == at::kLong && ids_cpu.is_cpu(),
+                 "document ids must be an int64 [batch, seq] CPU tensor, got ",
+                 ids_cpu.scalar_type(), " ", ids_cpu.sizes(), " on ", ids_cpu.device());
+  at::Tensor ids = ids_cpu.contiguous();
+  const int64_t B = ids.size(0), S = ids.size(1);
+  const int64_t* p = ids.data_ptr<int64_t>();
+  std::vector<int32_t> cu{0};
+  int64_t max_len = 0, start = 0;
+  COLOSSAL_CHECK(B * S < (int64_t{1} << 31), "document masks: ", B, " x ", S,
+                 " tokens exceed the int32 offsets of the variable-length kernels");
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t j = 0; j < S; ++j) {
+      const int64_t t = b * S + j;
+      if (j > 0 && p[t] == p[t - 1]) continue;
+      if (t > 0) {
+        cu.push_back(static_cast<int32_t>(t));
+        max_len = std::max(max_len, t - start);
+      }
+      start = t;
+    }
+  }
+  if (B * S > 0) {
+    cu.push_back(static_cast<int32_t>(B * S));
+    max_len = std::max(max_len, B * S - start);
+  }
+  DocumentMask d;
+  d.ids = ids.to(device);
+  d.cu_seqlens = at::tensor(cu, at::kInt).to(device);
+  d.max_len = max_len;
+  return d;
+}
+
+at::Tensor document_causal_mask(const at::Tensor& ids) {
+  const int64_t S = ids.size(1);
+  at::Tensor same = ids.unsqueeze(2) == ids.unsqueeze(1);  // [B, S, S]
+  at::Tensor causal = at::ones({S, S}, ids.options().dtype(at::kBool)).tril();
+  return (same & causal).unsqueeze(1);
+}
+
 // ---- Core attention -----------------------------------------------------------------------
+namespace {
+
+// Packed documents through the variable-length flash kernel: q [B, Hq, S, D] -> the tokens as
+// [B*S, H, D] rows, causal inside each cu_seqlens segment. Differentiable (ATen's
+// FlashAttentionBackward0).
+at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const DocumentMask& d) {
+  const int64_t B = q.size(0), S = q.size(2), D = q.size(3);
+  auto rows = [&](const at::Tensor& x) { return x.transpose(1, 2).reshape({B * S, x.size(1), D}); };
+  auto out = std::get<0>(at::_flash_attention_forward(rows(q), rows(k), rows(v), d.cu_seqlens,
+                                                      d.cu_seqlens, d.max_len, d.max_len, 0.0,
+                                                      /*is_causal=*/true, false));
+  return out.view({B, S, q.size(1), D}).transpose(1, 2);
+}
+
+}  // namespace
+
+bool varlen_attention_applies(const at::Tensor& q, const AttentionMask& mask) {
+  const auto dt = q.scalar_type();
+  return mask.documents.defined() && !mask.mask.defined() && q.is_cuda() &&
+         (dt == at::kHalf || dt == at::kBFloat16) && q.size(3) % 8 == 0 && q.size(3) <= 256;
+}
+
 at::Tensor SdpaAttention::forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const AttentionMask& mask, const SequenceInfo& seq) {
   ForwardScope scope(*this);
   const bool gqa = q.size(1) != k.size(1);
+  if (mask.documents.defined()) {
+    COLOSSAL_CHECK(seq.past == 0 && !seq.sharded() && k.size(2) == q.size(2) &&
+                       mask.documents.ids.size(0) == q.size(0) &&
+                       mask.documents.ids.size(1) == q.size(2),
+                   "document masks apply to whole sequences without a KV cache: q ", q.sizes(),
+                   ", k ", k.sizes(), ", document ids ", mask.documents.ids.sizes());
+    if (varlen_attention_applies(q, mask)) return varlen_attention(q, k, v, mask.documents);
+    at::Tensor dense = document_causal_mask(mask.documents.ids);
+    if (mask.mask.defined()) dense = dense & mask.mask;
+    return at::scaled_dot_product_attention(q, k, v, dense, 0.0, false, std::nullopt, gqa);
+  }
   if (mask.mask.defined())
     return at::scaled_dot_product_attention(q, k, v, mask.mask, 0.0, false, std::nullopt, gqa);
   // is_causal aligns the query block at the top-left of the keys: right only without a cache

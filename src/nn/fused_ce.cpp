@@ -26,11 +26,18 @@ struct VocabGroup : torch::CustomClassHolder {
   VocabParallel vp;
 };
 
+// 1 / the number of counted targets as a device scalar (no host sync), or 1 / divisor.
+at::Tensor inverse_count(const at::Tensor& valid, double divisor) {
+  if (divisor > 0) return at::full({}, 1.0 / divisor, valid.options().dtype(at::kFloat));
+  return valid.sum().to(at::kFloat).reciprocal();
+}
+
 struct FusedLinearCE : public torch::autograd::Function<FusedLinearCE> {
   // h [N, H], w [V, H], t [N] int64. Returns the fp32 scalar mean loss; saves dL/dh and dL/dw
   // (already divided by the number of counted tokens) for backward.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& w,
-                            const at::Tensor& t, int64_t chunk, int64_t ignore_index) {
+                            const at::Tensor& t, int64_t chunk, int64_t ignore_index,
+                            double divisor) {
     const bool need_h = h.requires_grad(), need_w = w.requires_grad();
     const int64_t n_tok = h.size(0);
     const at::ScalarType dtype = h.scalar_type();
@@ -40,8 +47,9 @@ struct FusedLinearCE : public torch::autograd::Function<FusedLinearCE> {
     // and apply 1/count together with the incoming gradient in backward.
     const bool defer = dtype == at::kHalf;
     at::Tensor valid = t != ignore_index;
-    // 1 / number of counted tokens, as a device scalar (no host sync); inf when none counts.
-    at::Tensor inv = valid.sum().to(at::kFloat).reciprocal();
+    // 1 / number of counted tokens (or the caller's divisor), as a device scalar (no host
+    // sync); inf when none counts.
+    at::Tensor inv = inverse_count(valid, divisor);
     at::Tensor loss_sum = at::zeros({}, h.options().dtype(at::kFloat));
     at::Tensor grad_h = need_h ? at::empty_like(h, at::MemoryFormat::Contiguous) : at::Tensor();
     at::Tensor grad_w32 =
@@ -106,7 +114,7 @@ struct FusedLinearCE : public torch::autograd::Function<FusedLinearCE> {
     at::Tensor g = defer ? grad_outputs[0].to(at::kFloat) * saved[2] : grad_outputs[0];
     at::Tensor gh = saved[0].defined() ? saved[0] * g : at::Tensor();
     at::Tensor gw = saved[1].defined() ? (saved[1] * g).to(wdtype) : at::Tensor();
-    return {gh, gw, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {gh, gw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -120,7 +128,7 @@ void all_reduce_(at::Tensor& t, const dist::Communicator& g, dist::ReduceOp op) 
 struct VocabParallelLinearCE : public torch::autograd::Function<VocabParallelLinearCE> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& w,
                             const at::Tensor& t, int64_t chunk, int64_t ignore_index,
-                            const c10::intrusive_ptr<VocabGroup>& vg) {
+                            double divisor, const c10::intrusive_ptr<VocabGroup>& vg) {
     const VocabParallel& vp = vg->vp;
     const bool need_h = h.requires_grad(), need_w = w.requires_grad();
     const int64_t n_tok = h.size(0);
@@ -135,7 +143,7 @@ struct VocabParallelLinearCE : public torch::autograd::Function<VocabParallelLin
     at::Tensor owned = valid & (t >= vp.vocab_begin) & (t < vp.vocab_begin + rows);
     // Local target columns; -1 where the target is another rank's (or the row is ignored).
     at::Tensor local_t = at::where(owned, t - vp.vocab_begin, -1);
-    at::Tensor inv = valid.sum().to(at::kFloat).reciprocal();
+    at::Tensor inv = inverse_count(valid, divisor);
     at::Tensor loss_sum = at::zeros({}, h.options().dtype(at::kFloat));
     at::Tensor grad_h = need_h ? at::empty_like(h, at::MemoryFormat::Contiguous) : at::Tensor();
     at::Tensor grad_w32 =
@@ -222,6 +230,8 @@ void check_inputs(const char* op, const at::Tensor& hidden, const at::Tensor& we
       targets.scalar_type(), " ", targets.sizes());
   COLOSSAL_CHECK(opts.chunk_tokens >= 0, op, ": chunk_tokens must be >= 0, got ",
                  opts.chunk_tokens);
+  COLOSSAL_CHECK(std::isfinite(opts.divisor) && opts.divisor >= 0, op,
+                 ": divisor must be finite and >= 0 (0: the mean), got ", opts.divisor);
 }
 
 }  // namespace
@@ -233,7 +243,7 @@ at::Tensor fused_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor
   at::Tensor t = targets.reshape({-1}).to(h.device());
   const int64_t chunk =
       opts.chunk_tokens == 0 ? std::max<int64_t>(h.size(0), 1) : opts.chunk_tokens;
-  return FusedLinearCE::apply(h, weight, t, chunk, opts.ignore_index);
+  return FusedLinearCE::apply(h, weight, t, chunk, opts.ignore_index, opts.divisor);
 }
 
 at::Tensor vocab_parallel_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
@@ -248,7 +258,7 @@ at::Tensor vocab_parallel_linear_cross_entropy(const at::Tensor& hidden, const a
   at::Tensor t = targets.reshape({-1}).to(h.device());
   const int64_t chunk =
       opts.chunk_tokens == 0 ? std::max<int64_t>(h.size(0), 1) : opts.chunk_tokens;
-  return VocabParallelLinearCE::apply(h, weight, t, chunk, opts.ignore_index,
+  return VocabParallelLinearCE::apply(h, weight, t, chunk, opts.ignore_index, opts.divisor,
                                       c10::make_intrusive<VocabGroup>(vp));
 }
 

@@ -65,6 +65,9 @@ namespace {
 void check_no_mask(const AttentionMask& mask, const SequenceInfo& seq, const char* mode) {
   COLOSSAL_CHECK_INPUT(!mask.mask.defined(), "sequence parallelism ", mode,
                        " takes no explicit attention mask (padding, sliding window or KV cache)");
+  COLOSSAL_CHECK_INPUT(!mask.documents.defined(), "sequence parallelism ", mode,
+                       " does not keep attention inside packed documents (--doc_mask); train "
+                       "with sp_size 1 or without --doc_mask");
   COLOSSAL_CHECK_INPUT(seq.past == 0, "sequence parallelism ", mode, " takes no KV cache (",
                        seq.past, " cached tokens)");
 }

@@ -26,6 +26,10 @@ struct TrainConfig {
   std::string data_format = "auto";
   int64_t seq_len = 256;
   bool shuffle = true;
+  // Packed documents keep to themselves: positions restart and attention stays inside each
+  // document of <data>.docs, and no target predicts a document's first token from the one
+  // before (data::TokenDataset). A loss mask <data>.mask, when present, is always honoured.
+  bool doc_mask = false;
   // [train]
   int64_t micro_batch = 4;
   int64_t accumulation = 1;

@@ -20,6 +20,12 @@ class DataLoader {
 
   // This rank's next micro-batch {inputs, targets}, each int64 [micro_batch, seq_len] on the CPU.
   std::pair<at::Tensor, at::Tensor> next();
+  // The same with the dataset's document fields (Batch).
+  Batch next_batch();
+  // The targets that count (TokenDataset::counted_targets) in the whole global batch of the
+  // step about to be read, over every data-parallel rank's samples (the sampler knows them all):
+  // the same number on every rank, without communication. Call at a step boundary.
+  int64_t counted_targets_of_step() const;
 
   const TokenDataset& dataset() const { return *dataset_; }
   DistributedSampler& sampler() { return sampler_; }

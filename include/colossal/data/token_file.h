@@ -66,9 +66,22 @@ class TokenFile {
 void write_token_file(const std::string& path, const std::vector<int64_t>& tokens,
                       TokenFormat format);
 
-// Fixed-length samples over one token file.
+class LossMaskFile;
+
+// A batch of samples: inputs and targets int64 [n, S]; with documents, position_ids (restarting
+// at 0 where each document starts inside the sample) and document_ids (0, 1, ... per row) too.
+struct Batch {
+  at::Tensor inputs, targets, position_ids, document_ids;
+};
+
+// Fixed-length samples over one token file, optionally with what `colossal prepare` writes next
+// to it (documents.h): a loss mask (targets whose mask byte is 0 become ignore_index -100) and
+// the document index, whose documents keep to themselves under set_document_mask(true): the
+// positions restart at each document, attention stays inside it (Batch::document_ids), and the
+// target that would predict a document's first token from the previous document is -100.
 class TokenDataset {
  public:
+  static constexpr int64_t kIgnore = -100;
   TokenDataset(std::shared_ptr<TokenFile> file, int64_t seq_len);
   int64_t seq_len() const { return seq_len_; }
   int64_t num_samples() const { return num_samples_; }  // floor((tokens - 1) / S)
@@ -76,12 +89,32 @@ class TokenDataset {
   std::pair<at::Tensor, at::Tensor> sample(int64_t k) const;
   // Stacked samples: {inputs, targets}, each int64 [n, S].
   std::pair<at::Tensor, at::Tensor> batch(const std::vector<int64_t>& indices) const;
+  // The same with the document fields (defined under the document mask).
+  Batch make_batch(const std::vector<int64_t>& indices) const;
   const TokenFile& file() const { return *file_; }
 
+  // The loss mask: InputError when it does not cover the token file exactly, or was packed for
+  // another sequence length.
+  void set_loss_mask(std::shared_ptr<LossMaskFile> mask);
+  // The document offsets (read_doc_index): InputError unless they end at the token count.
+  void set_documents(std::vector<uint64_t> offsets, std::string source);
+  // Keep attention and positions inside documents (needs set_documents).
+  void set_document_mask(bool on);
+  bool masks_targets() const { return mask_ != nullptr || doc_mask_; }
+  bool document_mask() const { return doc_mask_; }
+  const LossMaskFile* loss_mask() const { return mask_.get(); }
+  // Targets of sample k that count (not -100), without building it.
+  int64_t counted_targets(int64_t k) const;
+
  private:
+  // Whether token t (0 < t) starts a document.
+  bool starts_document(int64_t t) const;
   std::shared_ptr<TokenFile> file_;
   int64_t seq_len_;
   int64_t num_samples_;
+  std::shared_ptr<LossMaskFile> mask_;
+  std::vector<uint64_t> docs_;
+  bool doc_mask_ = false;
 };
 
 }  // namespace colossal::data

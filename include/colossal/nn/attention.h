@@ -14,11 +14,30 @@
 
 namespace colossal::nn {
 
+// Documents packed into one sequence (training with --doc_mask): a token attends only to the
+// tokens before it in its own document. `ids` [B, S] int64 on the compute device numbers the
+// documents of each row (equal ids = one document, contiguous); `cu_seqlens` int32 [n + 1] on
+// the same device is where each of the n documents of the flattened [B*S] tokens starts (the
+// layout of variable-length attention kernels), `max_len` the longest one. Built by
+// make_documents() from ids on the CPU (one pass, no device sync).
+struct DocumentMask {
+  at::Tensor ids;
+  at::Tensor cu_seqlens;
+  int64_t max_len = 0;
+  bool defined() const { return ids.defined(); }
+};
+DocumentMask make_documents(const at::Tensor& ids_cpu, const at::Device& device);
+// The dense form: bool [B, 1, S, S], true where query i may attend key j (same document, j <= i).
+at::Tensor document_causal_mask(const at::Tensor& ids);
+
 // What attention masks out. An undefined `mask` with causal=true is the plain causal case
-// (SDPA's is_causal); otherwise `mask` is a bool [B|1, 1, S, kv_len] (true = attend).
+// (SDPA's is_causal); otherwise `mask` is a bool [B|1, 1, S, kv_len] (true = attend). With
+// `documents`, attention also stays inside each document (and `mask`, if defined, still
+// applies: a sliding window). A core attention that cannot honour documents must refuse them.
 struct AttentionMask {
   at::Tensor mask;
   bool causal = true;
+  DocumentMask documents;
 };
 
 // Where this rank's tokens sit in the sequence: positions [past + offset, past + offset +
@@ -54,7 +73,13 @@ class CoreAttention : public Module {
                              const AttentionMask& mask, const SequenceInfo& seq) = 0;
 };
 
-// at::scaled_dot_product_attention (LibTorch picks flash, cuDNN, efficient or math).
+// Whether SdpaAttention takes the variable-length kernel for these queries and mask.
+bool varlen_attention_applies(const at::Tensor& q, const AttentionMask& mask);
+
+// at::scaled_dot_product_attention (LibTorch picks flash, cuDNN, efficient or math). Documents:
+// on CUDA in fp16/bf16 the variable-length flash kernel (at::_flash_attention_forward over
+// cu_seqlens: no [S, S] mask, no work across documents); otherwise SDPA with the dense
+// document-causal mask (the masked composite).
 class SdpaAttention : public CoreAttention {
  public:
   at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -17,6 +17,10 @@ struct FusedCEOptions {
   // working-dtype copy of them). 0: one chunk holding every token (the unfused memory profile).
   int64_t chunk_tokens = 4096;
   int64_t ignore_index = -100;
+  // > 0: the loss is the sum over counted targets divided by this (a caller normalizing over
+  // more than this call's targets: a global batch of masked targets); 0: the mean over the
+  // counted targets of this call.
+  double divisor = 0;
 };
 
 // hidden [..., H] (fp32, bf16 or fp16), weight [V, H] of the same dtype, targets [...] int64

@@ -438,6 +438,7 @@ at::Tensor CausalLM::forward_chunk_loss(int64_t c, const at::Tensor& input,
   at::Tensor h = forward_blocks(begin, end - 1, input, opts);
   nn::FusedCEOptions fo;
   fo.chunk_tokens = chunk_tokens;
+  fo.divisor = opts.loss_divisor;
   // A head sharded over the vocabulary (lm_head, or the embedding it is tied to) takes the
   // vocab-parallel loss, which owns its collectives and never gathers the logits.
   if (lm_head && lm_head->vocab_parallel_head())
@@ -450,6 +451,11 @@ at::Tensor CausalLM::forward_chunk_loss(int64_t c, const at::Tensor& input,
     COLOSSAL_CHECK(logits.size(-1) == config_.vocab_size, "lm_head ", lm_head->name(), " returned ",
                    logits.size(-1), " logits per token for a vocabulary of ", config_.vocab_size,
                    " (a vocab-sharded head of this kind cannot take the loss)");
+    if (opts.loss_divisor > 0)
+      return at::cross_entropy_loss(logits.to(at::kFloat).reshape({-1, logits.size(-1)}),
+                                    targets.to(logits.device()).reshape({-1}), std::nullopt,
+                                    at::Reduction::Sum, -100) /
+             opts.loss_divisor;
     return at::cross_entropy_loss(logits.to(at::kFloat).reshape({-1, logits.size(-1)}),
                                   targets.to(logits.device()).reshape({-1}), std::nullopt,
                                   at::Reduction::Mean, -100);
@@ -493,6 +499,17 @@ at::Tensor CausalLM::forward_blocks(int64_t begin, int64_t stop, const at::Tenso
         "CausalLM::forward: positions take no KV cache, position_ids or "
         "attention_mask");
   }
+  if (opts.document_ids.defined()) {
+    COLOSSAL_CHECK_INPUT(
+        opts.document_ids.dim() == 2 && opts.document_ids.size(0) == input.size(0) &&
+            opts.document_ids.size(1) == s && opts.document_ids.scalar_type() == at::kLong,
+        "CausalLM::forward: document_ids must be int64 [", input.size(0), ", ", s, "], got ",
+        opts.document_ids.scalar_type(), " ", opts.document_ids.sizes());
+    COLOSSAL_CHECK_INPUT(!opts.cache && !opts.attention_mask.defined() && !seq.sharded() &&
+                             !opts.positions.defined(),
+                         "CausalLM::forward: document_ids take no KV cache, attention_mask, "
+                         "positions or sequence shard");
+  }
   if (opts.cache) {
     const int64_t first_layer = std::max<int64_t>(begin - 1, 0);
     if (first_layer < L) seq.past = opts.cache->length(first_layer);
@@ -528,6 +545,8 @@ at::Tensor CausalLM::forward_blocks(int64_t begin, int64_t stop, const at::Tenso
         const bool explicit_full = opts.attention_mask.defined() || (past > 0 && q_len > 1);
         if (explicit_full)
           full.mask.mask = build_mask(past, q_len, std::nullopt, opts.attention_mask, x.device());
+        if (opts.document_ids.defined())
+          full.mask.documents = nn::make_documents(opts.document_ids.cpu(), x.device());
         sliding = full;  // the window covers every key unless longer than it
         if (config_.sliding_window && kv > *config_.sliding_window) {
           sliding.mask.mask =

@@ -126,6 +126,14 @@ struct ForwardOptions {
   // (the layers gather them), so a later stage's [B, S/tp, hidden] input is S tokens. 0: the
   // input's own length.
   int64_t input_tokens = 0;
+  // Optional int64 [B, S] on the CPU: packed documents (--doc_mask). Equal ids mark one document
+  // of a row (contiguous); each token attends only to the tokens before it in its document
+  // (nn::DocumentMask). Pair it with position_ids restarting at each document. Takes no KV
+  // cache, attention_mask or sequence shard.
+  at::Tensor document_ids;
+  // forward_loss: > 0 divides the summed loss of the counted targets by this instead of taking
+  // their mean (the trainer's global normalization of masked targets; fused_ce.h).
+  double loss_divisor = 0;
 };
 
 // One pipeline unit: its HF name prefix and module.
