@@ -463,8 +463,8 @@ void Trainer::build_data() {
     dataset_->set_documents(data::read_doc_index(docs_path), docs_path);
     dataset_->set_document_mask(true);
   }
-  COLOSSAL_CHECK_INPUT(!dataset_->masks_targets() || !plugin_->support_pipeline(),
-                       "the loss mask ", mask_path,
+  COLOSSAL_CHECK_INPUT(!dataset_->masks_targets() || !plugin_->support_pipeline(), "the loss mask ",
+                       mask_path,
                        " is not supported with pipeline parallelism yet (pp_size > 1): its "
                        "schedule averages each micro-batch on its own");
   // The whole file once, now: an id past the vocabulary would otherwise surface only when its
@@ -742,10 +742,10 @@ Trainer::StepStats Trainer::train_step() {
     fo.global_seq_len = lb.global_seq_len;
     if (lb.positions.defined()) fo.positions = lb.positions.to(lb.inputs.device());
     if (b.document_ids.defined()) {
-      COLOSSAL_CHECK_INPUT(lb.global_seq_len == 0 && !lb.positions.defined() &&
-                               lb.loss_weight == 1.0,
-                           "option 'doc_mask' needs whole sequences on every rank: it is not "
-                           "supported with sequence parallelism yet");
+      COLOSSAL_CHECK_INPUT(
+          lb.global_seq_len == 0 && !lb.positions.defined() && lb.loss_weight == 1.0,
+          "option 'doc_mask' needs whole sequences on every rank: it is not "
+          "supported with sequence parallelism yet");
       fo.position_ids = b.position_ids.to(device_);
       fo.document_ids = b.document_ids;  // CPU: the model builds the document layout from it
     }
@@ -756,9 +756,9 @@ Trainer::StepStats Trainer::train_step() {
     double divisor = 0;
     if (counted >= 0) {
       const double n_local = static_cast<double>(lb.targets.numel());
-      divisor = counted > 0 ? n_local * static_cast<double>(counted) /
-                                  static_cast<double>(G_ * c_.seq_len)
-                            : n_local;  // nothing counts: the sum is 0 whatever divides it
+      divisor = counted > 0
+                    ? n_local * static_cast<double>(counted) / static_cast<double>(G_ * c_.seq_len)
+                    : n_local;  // nothing counts: the sum is 0 whatever divides it
       fo.loss_divisor = divisor;
     }
     at::Tensor loss;
