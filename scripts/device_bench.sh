@@ -233,6 +233,46 @@ for phase in "$@"; do
         fi
       done
     done ;;
+  docmask)
+    # Issue 22: packed documents on the GPU. W1's shape (1b, seq 2048, batch 8, bf16, ddp) by
+    # `colossal train` on random tokens cut into documents of 32..1024 tokens (a mask on 70 %):
+    # plain, with the loss mask, and with --doc_mask (variable-length flash attention); tok/s
+    # over steps 6..N from each metrics file, the three runs back to back.
+    step "doc_mask: W1 train plain / mask / doc_mask"
+    TOK=/tmp/dm_tokens.bin
+    $PY - $TOK <<'PYEOF'
+import numpy as np, sys
+rng = np.random.default_rng(0)
+n = 3_000_000
+t = rng.integers(0, 32000, size=n).astype(np.uint16)
+h = np.zeros(256, np.int32); h[0], h[1], h[2] = 20240520, 1, n
+open(sys.argv[1], "wb").write(h.tobytes() + t.tobytes())
+lens = rng.integers(32, 1025, size=n // 32)
+off = np.concatenate([[0], np.cumsum(lens)]); off = off[off < n]; off = np.append(off, n)
+h = np.zeros(256, np.int32); h[0], h[1], h[2] = 20241204, 1, len(off) - 1
+open(sys.argv[1] + ".docs", "wb").write(h.tobytes() + off.astype(np.uint64).tobytes())
+PYEOF
+    N=${DM_STEPS:-40}
+    for mode in plain mask docmask; do
+      rm -f $TOK.mask; extra=""
+      if [ $mode != plain ]; then
+        $PY -c "import numpy as np; n=3_000_000; h=np.zeros(256,np.int32); h[0],h[1],h[2]=20241205,1,n; m=(np.random.default_rng(1).random(n)<0.7).astype(np.uint8); open('$TOK.mask','wb').write(h.tobytes()+m.tobytes())"
+      fi
+      [ $mode = docmask ] && extra="--doc_mask true"
+      timeout 600 $C train --device cuda --model 1b --precision bf16 --plugin ddp --data $TOK \
+        --seq_len 2048 --micro_batch 8 --steps $N --lr 1e-4 --warmup 5 --log_every 10 \
+        --metrics_file "$LOGS/dm_$mode.jsonl" $extra > "$LOGS/dm_$mode.log" 2>&1 &
+      wait $!; rc=$?
+      $PY - "$LOGS/dm_$mode.jsonl" $mode $rc <<'PYEOF' | tee -a "$SUMMARY"
+import json, sys
+by = {r["step"]: r for r in map(json.loads, open(sys.argv[1]))}
+last = max(by)
+dt = sorted(by[s]["elapsed_s"] - by[s - 1]["elapsed_s"] for s in by if s > 5 and s - 1 in by)
+med = dt[len(dt) // 2]
+print("dm_w1 %-8s rc %s: %d steps, median step %.4f s = %.0f tok/s, loss %.4f -> %.4f"
+      % (sys.argv[2], sys.argv[3], last, med, 8 * 2048 / med, by[1]["loss"], by[last]["loss"]))
+PYEOF
+    done ;;
   ckpt)
     # Issue 23: checkpoints with bounded memory and asynchronous writes. CKPT_PARTS picks:
     #   w1    W1 (1b, seq 2048, batch 8) `colossal train` for CKPT_STEPS steps: no saves, async
