@@ -201,8 +201,8 @@ class DocStream {
   std::string sft_string(const json::Value& v, const std::string& field, const char* option,
                          const std::string& where) const {
     const json::Value* f = v.find(field);
-    COLOSSAL_CHECK_INPUT(f, where, " has no field \"", field, "\" (choose the field with --",
-                         option, ")");
+    COLOSSAL_CHECK_INPUT(f, where, " has no field \"", field, "\"",
+                         option ? str(" (choose the field with --", option, ")") : std::string());
     COLOSSAL_CHECK_INPUT(f->is_string(), where, ": field \"", field, "\" is not a string");
     Doc d = make_doc(f->as_string(), where);
     check_utf8(d);
@@ -221,13 +221,12 @@ class DocStream {
       d.chat = true;
       for (size_t i = 0; i < m->as_array().size(); ++i) {
         const json::Value& msg = m->as_array()[i];
-        const std::string mw = str(where, ": message ", i);
+        const std::string mw = str(where, ": ", sft_.messages_field, "[", i, "]");
         COLOSSAL_CHECK_INPUT(msg.is_object(), mw, " is not a JSON object");
-        std::string role = sft_string(msg, "role", sft_.messages_field.c_str(), mw);
+        std::string role = sft_string(msg, "role", nullptr, mw);
         COLOSSAL_CHECK_INPUT(role == "system" || role == "user" || role == "assistant", mw,
                              " has role \"", role, "\"; the roles are system, user, assistant");
-        d.messages.emplace_back(std::move(role),
-                                sft_string(msg, "content", sft_.messages_field.c_str(), mw));
+        d.messages.emplace_back(std::move(role), sft_string(msg, "content", nullptr, mw));
       }
       return d;
     }
@@ -383,10 +382,13 @@ Encoded encode_sft(const TextEncoder& enc, const PrepareOptions& o, const Doc& d
     // transformers' apply_chat_template(return_assistant_tokens_mask=True): the tokens from
     // char_to_token(start) to char_to_token(end - 1); no token at the start stops the marking,
     // none at the end marks to the end.
+    // Spans start and end in non-decreasing order, so the first token ending after `byte` is
+    // the only candidate.
     auto token_at = [&](size_t byte) -> std::optional<size_t> {
-      for (size_t i = 0; i < off.size(); ++i)
-        if (off[i].first <= byte && byte < off[i].second) return i;
-      return std::nullopt;
+      auto it = std::partition_point(off.begin(), off.end(),
+                                     [&](const auto& sp) { return sp.second <= byte; });
+      if (it == off.end() || it->first > byte) return std::nullopt;
+      return static_cast<size_t>(it - off.begin());
     };
     for (auto [a, b] : chat.generation) {
       const auto first = token_at(a);

@@ -72,9 +72,12 @@ def corpus_lines():
     return lines * 20
 
 
-def train(path, specials):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+def train(path, specials, nfc=False):
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import trainers
     tok = Tokenizer(models.BPE())
+    if nfc:
+        tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=["<s>", "</s>"] + specials,
@@ -166,6 +169,25 @@ def test_templates_equal_transformers(tok_path, tmp_path, template):
     assert f"prepared {len(convs)} SFT records" in r.stderr, r.stderr
     frac = re.search(r"fraction ([0-9.]+)", r.stderr).group(1)
     assert abs(float(frac) - sum(want_mask) / len(want_mask)) < 1e-4
+
+
+def test_template_with_nfc_normalizer(tmp_path):
+    """A normalizer that changes the text (NFC on decomposed characters, as Qwen2's): the mask
+    still equals transformers' where the changes are inside the content."""
+    tok = tmp_path / "nfc.json"
+    train(tok, CHATML_TOKENS, nfc=True)
+    convs = [[{"role": "user", "content": "cafe\u0301?"},
+              {"role": "assistant", "content": "e\u0301te\u0301 \u212b and cafe\u0301"}],
+             [{"role": "system", "content": "\u212bngstro\u0308m"},
+              {"role": "user", "content": "x"},
+              {"role": "assistant", "content": " na\u0131\u0308ve cafe\u0301 "}]]
+    src = write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in convs])
+    out = tmp_path / "nfc.bin"
+    r = prepare("--tokenizer", tok, "--out", out, "--sft", "--chat_template", "chatml", src)
+    assert r.returncode == 0, r.stderr
+    want = [hf_chat(tok, "chatml", c) for c in convs]
+    assert read_tokens(out) == [t for ids, _ in want for t in ids]
+    assert read_mask(str(out) + ".mask")[0] == [m for _, mask in want for m in mask]
 
 
 def test_prompt_response(tok_path, tmp_path):
@@ -298,10 +320,14 @@ def test_bad_input(tok_path, tmp_path):
           bad)
     write_jsonl(bad, [{"messages": [{"role": "user", "content": "x"},
                                     {"role": "tool", "content": "y"}]}])
-    fails(f'{bad}:1: message 1 has role "tool"', "--chat_template", "chatml", bad)
+    fails(f'{bad}:1: messages[1] has role "tool"', "--chat_template", "chatml", bad)
     write_jsonl(bad, [{"messages": [{"role": "user", "content": 3}]}])
-    fails(f'{bad}:1: message 0: field "content" is not a string', "--chat_template", "chatml",
+    fails(f'{bad}:1: messages[0]: field "content" is not a string', "--chat_template", "chatml",
           bad)
+    write_jsonl(bad, [{"messages": [{"content": "no role"}]}])
+    fails(f'{bad}:1: messages[0] has no field "role"', "--chat_template", "chatml", bad)
+    write_jsonl(bad, [{"messages": []}])
+    fails(f'{bad}:1: field "messages" is not a non-empty array', "--chat_template", "chatml", bad)
     write_jsonl(bad, [good, {"prompt": "long " * 40, "response": "x"}])
     r = prepare("--tokenizer", tok_path, "--out", tmp_path / "ok.bin", "--sft", "--pack", 400, bad)
     assert r.returncode == 0, r.stderr  # fits in 400
@@ -319,3 +345,64 @@ def test_bad_input(tok_path, tmp_path):
     r = prepare("--tokenizer", small, "--out", tmp_path / "ok.bin", "--sft", "--chat_template",
                 "chatml", bad)
     assert r.returncode == 0, r.stderr
+
+
+LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+OFFSET_TEXTS = [
+    "<|im_start|>assistant\n\n\n😀 emoji after newlines\n<|im_end|>\n",
+    "Tokyo (東京) is the capital. Größe 12345 über  \t\n  spaces  ",
+    "  leading<|eot_id|>trailing  👨‍👩‍👧 🇩🇪 ",
+    "caf\u00e9 and cafe\u0301 (decomposed), \u212b, e\u0301\u0301 at the end e\u0301",
+]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama3", "qwen2_nfc", "prefix_space"])
+def test_token_offsets_equal_tokenizers(tmp_path, kind):
+    """data::Tokenizer::encode_with_offsets against tokenizers' offsets (characters, rounded out
+    from our bytes): exact for every token where the normalizer leaves the text as it is, and
+    before the first character NFC changes."""
+    import unicodedata
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import trainers
+    tok = Tokenizer(models.BPE())
+    if kind in ("gpt2", "prefix_space"):
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=kind == "prefix_space")
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(LLAMA3_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if kind == "qwen2_nfc":
+        tok.normalizer = normalizers.NFC()
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=CHATML_TOKENS + LLAMA3_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus_lines() + OFFSET_TEXTS * 5, trainer)
+    path = tmp_path / "tok.json"
+    tok.save(str(path))
+    r = subprocess.run([os.path.join(BUILD, "tests", "data", "offsets_tool"), str(path)],
+                       input="".join(json.dumps(t) + "\n" for t in OFFSET_TEXTS),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    for text, line in zip(OFFSET_TEXTS, r.stdout.splitlines()):
+        ours = json.loads(line)
+        enc = tok.encode(text, add_special_tokens=False)
+        assert [t[0] for t in ours] == enc.ids
+        char_of_byte = []
+        for ci, ch in enumerate(text):
+            char_of_byte += [ci] * len(ch.encode("utf-8"))
+        exact_until = len(text)
+        if kind == "qwen2_nfc":
+            exact_until = next((i for i in range(len(text))
+                                if unicodedata.normalize("NFC", text[:i + 1]) != text[:i + 1]
+                                or unicodedata.normalize("NFC", text[i:i + 2]) != text[i:i + 2]),
+                               len(text))
+        checked = 0
+        for (tid, b, e), (cs, ce) in zip(ours, enc.offsets):
+            assert 0 <= b < e <= len(char_of_byte), (text, tid, b, e)
+            if ce > exact_until:
+                continue
+            assert (char_of_byte[b], char_of_byte[e - 1] + 1) == (cs, ce), (kind, text, tid)
+            checked += 1
+        assert checked > 0
