@@ -15,12 +15,14 @@
 #include <fstream>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "colossal/checkpoint/atomic.h"
 #include "colossal/core/error.h"
 #include "colossal/core/json.h"
 #include "colossal/core/logging.h"
+#include "colossal/data/documents.h"
 
 namespace fs = std::filesystem;
 
@@ -107,7 +109,20 @@ size_t invalid_utf8_at(std::string_view s) {
 struct Doc {
   std::string text;
   std::string where;  // "file" or "file:line", for messages
+  // SFT records: a prompt/response pair (text, response) or a conversation (role, content).
+  std::string response;
+  std::vector<std::pair<std::string, std::string>> messages;
+  bool chat = false;
 };
+
+Doc make_doc(std::string text, std::string where) {
+  Doc d;
+  d.text = std::move(text);
+  d.where = std::move(where);
+  return d;
+}
+
+std::string known_templates();  // "chatml, llama3"
 
 void check_utf8(const Doc& d, size_t offset_base = 0) {
   size_t bad = invalid_utf8_at(d.text);
@@ -120,8 +135,8 @@ void check_utf8(const Doc& d, size_t offset_base = 0) {
 // file line by line (so a corpus of one 50 GB JSONL file is never held whole).
 class DocStream {
  public:
-  DocStream(const std::vector<std::string>& files, std::string field)
-      : files_(files), field_(std::move(field)) {}
+  DocStream(const std::vector<std::string>& files, std::string field, const SftOptions& sft)
+      : files_(files), field_(std::move(field)), sft_(sft) {}
 
   // Appends documents until at least `budget` bytes were read or the inputs end; returns the
   // bytes read.
@@ -134,7 +149,7 @@ class DocStream {
         ++opened_;
         const bool jsonl = path_.size() >= 6 && path_.compare(path_.size() - 6, 6, ".jsonl") == 0;
         if (!jsonl) {
-          Doc d{read_file(path_), path_};
+          Doc d = make_doc(read_file(path_), path_);
           check_utf8(d);
           got += static_cast<int64_t>(d.text.size());
           docs.push_back(std::move(d));
@@ -172,23 +187,220 @@ class DocStream {
       throw InputError(str(where, " is not valid JSON: ", e.what()));
     }
     COLOSSAL_CHECK_INPUT(v.is_object(), where, " is not a JSON object");
+    if (sft_.enabled) return parse_sft(v, where);
     const json::Value* f = v.find(field_);
     COLOSSAL_CHECK_INPUT(f, where, " has no field \"", field_,
                          "\" (choose the field with --jsonl_field)");
     COLOSSAL_CHECK_INPUT(f->is_string(), where, ": field \"", field_, "\" is not a string");
-    Doc d{f->as_string(), where};
+    Doc d = make_doc(f->as_string(), where);
     check_utf8(d);  // \u escapes can still encode lone surrogates
+    return d;
+  }
+
+  // A string field of an SFT record, checked like a document.
+  std::string sft_string(const json::Value& v, const std::string& field, const char* option,
+                         const std::string& where) const {
+    const json::Value* f = v.find(field);
+    COLOSSAL_CHECK_INPUT(f, where, " has no field \"", field, "\"",
+                         option ? str(" (choose the field with --", option, ")") : std::string());
+    COLOSSAL_CHECK_INPUT(f->is_string(), where, ": field \"", field, "\" is not a string");
+    Doc d = make_doc(f->as_string(), where);
+    check_utf8(d);
+    return d.text;
+  }
+
+  Doc parse_sft(const json::Value& v, const std::string& where) const {
+    Doc d;
+    d.where = where;
+    if (const json::Value* m = v.find(sft_.messages_field)) {
+      COLOSSAL_CHECK_INPUT(!sft_.chat_template.empty(), where, ": a \"", sft_.messages_field,
+                           "\" record needs a chat template (--chat_template ", known_templates(),
+                           ")");
+      COLOSSAL_CHECK_INPUT(m->is_array() && m->size() > 0, where, ": field \"", sft_.messages_field,
+                           "\" is not a non-empty array of messages");
+      d.chat = true;
+      for (size_t i = 0; i < m->as_array().size(); ++i) {
+        const json::Value& msg = m->as_array()[i];
+        const std::string mw = str(where, ": ", sft_.messages_field, "[", i, "]");
+        COLOSSAL_CHECK_INPUT(msg.is_object(), mw, " is not a JSON object");
+        std::string role = sft_string(msg, "role", nullptr, mw);
+        COLOSSAL_CHECK_INPUT(role == "system" || role == "user" || role == "assistant", mw,
+                             " has role \"", role, "\"; the roles are system, user, assistant");
+        d.messages.emplace_back(std::move(role), sft_string(msg, "content", nullptr, mw));
+      }
+      return d;
+    }
+    COLOSSAL_CHECK_INPUT(
+        v.find(sft_.prompt_field) || v.find(sft_.response_field), where, " has neither a \"",
+        sft_.messages_field, "\" field nor \"", sft_.prompt_field, "\" and \"", sft_.response_field,
+        "\" (choose them with --messages_field, --prompt_field, --response_field)");
+    d.text = sft_string(v, sft_.prompt_field, "prompt_field", where);
+    d.response = sft_string(v, sft_.response_field, "response_field", where);
+    if (!sft_.chat_template.empty()) {
+      d.chat = true;
+      d.messages = {{"user", std::move(d.text)}, {"assistant", std::move(d.response)}};
+      d.text.clear();
+      d.response.clear();
+    }
     return d;
   }
 
   const std::vector<std::string>& files_;
   std::string field_;
+  const SftOptions& sft_;
   size_t next_ = 0;
   int64_t opened_ = 0;
   std::ifstream jsonl_;
   std::string path_;
   int64_t line_no_ = 0;
 };
+
+// ---- Chat templates ----------------------------------------------------------------------
+
+// A template in the shape both known ones have: a text once before the conversation, then per
+// message `header_open role header_close content end_token separator`, where the content may be
+// trimmed (Jinja's `trim`, Python's str.strip()). The generation span of an assistant message is
+// its content plus the end token, as `{% generation %}` wraps them.
+struct ChatTemplate {
+  const char* name;
+  const char* begin;  // before the first message
+  const char* header_open;
+  const char* header_close;
+  const char* end;        // closes each message (the end-of-turn special token)
+  const char* separator;  // after the end token
+  bool trim;
+  std::vector<std::string> special;  // the special tokens the template writes
+};
+
+const std::vector<ChatTemplate>& templates() {
+  static const std::vector<ChatTemplate> t = {
+      // Qwen2's ChatML, without the default system message.
+      {"chatml",
+       "",
+       "<|im_start|>",
+       "\n",
+       "<|im_end|>",
+       "\n",
+       false,
+       {"<|im_start|>", "<|im_end|>"}},
+      // Llama 3's (and 3.1's without tools and dates): content | trim.
+      {"llama3",
+       "<|begin_of_text|>",
+       "<|start_header_id|>",
+       "<|end_header_id|>\n\n",
+       "<|eot_id|>",
+       "",
+       true,
+       {"<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"}},
+  };
+  return t;
+}
+
+std::string known_templates() {
+  std::string out;
+  for (const auto& t : templates()) out += (out.empty() ? "" : ", ") + std::string(t.name);
+  return out;
+}
+
+const ChatTemplate& find_template(const std::string& name) {
+  for (const auto& t : templates())
+    if (name == t.name) return t;
+  throw InputError(str("unknown chat template '", name, "'; known: ", known_templates()));
+}
+
+// Python's str.isspace() for one code point (what Jinja's trim strips).
+bool py_space(uint32_t c) {
+  return (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20) || c == 0x85 || c == 0xA0 ||
+         c == 0x1680 || (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F ||
+         c == 0x205F || c == 0x3000;
+}
+
+// str.strip() on valid UTF-8.
+std::string_view py_strip(std::string_view s) {
+  auto decode_at = [&](size_t i, size_t& len) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    len = c < 0x80 ? 1 : (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3 : 4;
+    uint32_t cp = len == 1 ? c : c & (0x7F >> len);
+    for (size_t k = 1; k < len; ++k) cp = (cp << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3F);
+    return cp;
+  };
+  size_t a = 0;
+  while (a < s.size()) {
+    size_t len = 0;
+    if (!py_space(decode_at(a, len))) break;
+    a += len;
+  }
+  size_t b = s.size();
+  while (b > a) {
+    size_t k = b - 1;
+    while (k > a && (static_cast<unsigned char>(s[k]) & 0xC0) == 0x80) --k;
+    size_t len = 0;
+    if (!py_space(decode_at(k, len))) break;
+    b = k;
+  }
+  return s.substr(a, b - a);
+}
+
+// The ids of a template's special tokens, each of which the tokenizer must split out of text as
+// one token (an added token), as Hugging Face's tokenization of the rendered text does.
+void check_template_tokens(const TextEncoder& enc, const ChatTemplate& t) {
+  COLOSSAL_CHECK_INPUT(enc.encode_with_offsets && enc.token_to_id, "--chat_template ", t.name,
+                       " needs a tokenizer.json; ", enc.name,
+                       " is a SentencePiece model (not supported with chat templates)");
+  for (const auto& tok : t.special) {
+    const auto id = enc.token_to_id(tok);
+    COLOSSAL_CHECK_INPUT(id && enc.encode(tok) == std::vector<int32_t>{*id}, "chat template ",
+                         t.name, " needs the special token ", tok, ", which tokenizer ", enc.name,
+                         id ? " does not split out as one added token" : " does not have");
+  }
+}
+
+struct Encoded {
+  std::vector<int32_t> ids;
+  std::vector<uint8_t> mask;  // SFT only
+};
+
+// A record's tokens and loss mask (see prepare.h and docs/design.md).
+Encoded encode_sft(const TextEncoder& enc, const PrepareOptions& o, const Doc& d) {
+  Encoded e;
+  if (!d.chat) {
+    if (o.add_bos) e.ids.push_back(*enc.bos_id);
+    auto p = enc.encode(d.text);
+    e.ids.insert(e.ids.end(), p.begin(), p.end());
+    e.mask.assign(e.ids.size(), 0);
+    auto r = enc.encode(d.response);
+    e.ids.insert(e.ids.end(), r.begin(), r.end());
+    e.ids.push_back(*enc.eos_id);
+    e.mask.resize(e.ids.size(), 1);
+  } else {
+    const RenderedChat chat = render_chat(o.sft.chat_template, d.messages);
+    std::vector<std::pair<size_t, size_t>> off;
+    e.ids = enc.encode_with_offsets(chat.text, off);
+    COLOSSAL_CHECK(off.size() == e.ids.size(), "tokenizer ", enc.name, " gave ", off.size(),
+                   " offsets for ", e.ids.size(), " ids");
+    e.mask.assign(e.ids.size(), 0);
+    // transformers' apply_chat_template(return_assistant_tokens_mask=True): the tokens from
+    // char_to_token(start) to char_to_token(end - 1); no token at the start stops the marking,
+    // none at the end marks to the end.
+    // Spans start and end in non-decreasing order, so the first token ending after `byte` is
+    // the only candidate.
+    auto token_at = [&](size_t byte) -> std::optional<size_t> {
+      auto it = std::partition_point(off.begin(), off.end(),
+                                     [&](const auto& sp) { return sp.second <= byte; });
+      if (it == off.end() || it->first > byte) return std::nullopt;
+      return static_cast<size_t>(it - off.begin());
+    };
+    for (auto [a, b] : chat.generation) {
+      const auto first = token_at(a);
+      if (!first) break;
+      const auto last = b > a ? token_at(b - 1) : std::nullopt;
+      const size_t stop = last && *last > 0 ? *last + 1 : e.ids.size();
+      for (size_t i = *first; i < stop; ++i) e.mask[i] = 1;
+    }
+  }
+  if (!e.mask.empty()) e.mask[0] = 0;  // a record's first token is never predicted from it
+  return e;
+}
 
 std::string human_bytes(double b) {
   char buf[32];
@@ -201,6 +413,32 @@ std::string human_bytes(double b) {
 }
 
 }  // namespace
+
+std::vector<std::string> chat_template_names() {
+  std::vector<std::string> out;
+  for (const auto& t : templates()) out.emplace_back(t.name);
+  return out;
+}
+
+RenderedChat render_chat(const std::string& template_name,
+                         const std::vector<std::pair<std::string, std::string>>& messages) {
+  const ChatTemplate& t = find_template(template_name);
+  RenderedChat r;
+  r.text = t.begin;
+  for (const auto& [role, content] : messages) {
+    COLOSSAL_CHECK_INPUT(role == "system" || role == "user" || role == "assistant", "role \"", role,
+                         "\" is none of system, user, assistant");
+    r.text += t.header_open;
+    r.text += role;
+    r.text += t.header_close;
+    const size_t start = r.text.size();
+    r.text += t.trim ? py_strip(content) : std::string_view(content);
+    r.text += t.end;
+    if (role == "assistant") r.generation.emplace_back(start, r.text.size());
+    r.text += t.separator;
+  }
+  return r;
+}
 
 PrepareResult prepare(const TextEncoder& enc, const PrepareOptions& o) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -218,7 +456,48 @@ PrepareResult prepare(const TextEncoder& enc, const PrepareOptions& o) {
   PrepareResult res;
   res.format = u16 ? data::TokenFormat::LlmcGpt2 : data::TokenFormat::LlmcLlama3;
 
+  const SftOptions& sft = o.sft;
+  const ChatTemplate* tmpl = nullptr;
+  int32_t pad = -1;
+  if (sft.enabled) {
+    if (!sft.chat_template.empty()) {
+      tmpl = &find_template(sft.chat_template);
+      check_template_tokens(enc, *tmpl);
+    } else {
+      COLOSSAL_CHECK_INPUT(enc.eos_id, "tokenizer ", enc.name,
+                           " defines no EOS token, which ends each prompt/response record; use a "
+                           "tokenizer with one or a --chat_template");
+    }
+    COLOSSAL_CHECK_INPUT(sft.pack >= 0 && sft.pack <= std::numeric_limits<int32_t>::max(),
+                         "--pack must be a sequence length >= 1 (0: no packing), got ", sft.pack);
+    COLOSSAL_CHECK_INPUT(!sft.truncate || sft.pack > 0, "--truncate needs --pack");
+    if (sft.pack > 0) {
+      if (sft.pad_id) {
+        pad = *sft.pad_id;
+      } else if (enc.eos_id) {
+        pad = *enc.eos_id;
+      } else if (tmpl) {
+        pad = *enc.token_to_id(tmpl->end);
+      }
+      COLOSSAL_CHECK_INPUT(pad >= 0, "tokenizer ", enc.name,
+                           " defines no EOS token to pad packed bins with; give --pad_id");
+      COLOSSAL_CHECK_INPUT(pad < enc.vocab_size, "--pad_id ", pad, " is outside the vocabulary of ",
+                           enc.vocab_size, " ids of tokenizer ", enc.name);
+      res.pad_id = pad;
+    }
+  } else {
+    COLOSSAL_CHECK_INPUT(sft.chat_template.empty() && sft.pack == 0 && !sft.truncate && !sft.pad_id,
+                         "--chat_template, --pack, --pad_id and --truncate are for SFT records "
+                         "(--sft)");
+  }
+
   const std::vector<std::string> files = collect_files(o.inputs);
+  if (sft.enabled) {
+    for (const auto& f : files) {
+      COLOSSAL_CHECK_INPUT(f.size() >= 6 && f.compare(f.size() - 6, 6, ".jsonl") == 0,
+                           "--sft reads JSONL records (*.jsonl) only; ", f, " is not one");
+    }
+  }
   int64_t total_bytes = 0;
   for (const auto& f : files) total_bytes += static_cast<int64_t>(fs::file_size(f));
   const int threads = o.threads > 0
@@ -230,27 +509,63 @@ PrepareResult prepare(const TextEncoder& enc, const PrepareOptions& o) {
   checkpoint::AtomicFile out(o.output);
   std::vector<char> header(static_cast<size_t>(data::kLlmcHeaderBytes), 0);
   out.write(header.data(), header.size());  // the real one once the count is known
-  std::vector<uint64_t> offsets{0};
+  std::optional<checkpoint::AtomicFile> mask_out;
+  if (sft.enabled) {
+    mask_out.emplace(o.output + ".mask");
+    mask_out->write(header.data(), header.size());
+  }
+  // Document starts; the end of the last one is appended at the end, so padding after a record
+  // belongs to it.
+  std::vector<uint64_t> offsets;
 
   // Windows of about 64 MB of text: read in order, encoded by every thread, written in order.
   constexpr int64_t kWindowBytes = int64_t{64} << 20;
-  DocStream stream(files, o.jsonl_field);
-  int64_t read_bytes = 0;
+  DocStream stream(files, o.jsonl_field, sft);
+  int64_t read_bytes = 0, bin_fill = 0;
   int last_pct = -1;
   const bool tty = ::isatty(STDERR_FILENO) == 1;
+  std::vector<char> buf;
+  std::vector<uint8_t> mbuf;
+  auto put = [&](int32_t id, uint8_t m) {
+    if (u16) {
+      uint16_t v = static_cast<uint16_t>(id);
+      buf.insert(buf.end(), reinterpret_cast<char*>(&v), reinterpret_cast<char*>(&v) + 2);
+    } else {
+      uint32_t v = static_cast<uint32_t>(id);
+      buf.insert(buf.end(), reinterpret_cast<char*>(&v), reinterpret_cast<char*>(&v) + 4);
+    }
+    if (sft.enabled) {
+      mbuf.push_back(m);
+      res.masked += m;
+    }
+    ++res.tokens;
+  };
+  auto pad_to = [&](int64_t n) {  // n padding tokens (mask 0) after the last record
+    for (int64_t i = 0; i < n; ++i) put(pad, 0);
+    res.padding += n;
+  };
   while (true) {
     std::vector<Doc> docs;
     const int64_t window = stream.fill(docs, kWindowBytes);
     if (window == 0 && docs.empty()) break;
     read_bytes += window;
-    std::vector<std::vector<int32_t>> ids(docs.size());
+    std::vector<Encoded> enc_docs(docs.size());
     std::atomic<size_t> next{0};
     std::exception_ptr error;
     std::mutex error_mu;
     auto work = [&] {
       for (size_t i = next++; i < docs.size(); i = next++) {
         try {
-          ids[i] = enc.encode(docs[i].text);
+          if (sft.enabled) {
+            enc_docs[i] = encode_sft(enc, o, docs[i]);
+          } else {
+            auto ids = enc.encode(docs[i].text);
+            auto& d = enc_docs[i].ids;
+            d.reserve(ids.size() + 2);
+            if (o.add_bos) d.push_back(*enc.bos_id);
+            d.insert(d.end(), ids.begin(), ids.end());
+            if (o.add_eos) d.push_back(*enc.eos_id);
+          }
         } catch (...) {
           std::lock_guard<std::mutex> g(error_mu);
           if (!error) error = std::current_exception();
@@ -266,33 +581,47 @@ PrepareResult prepare(const TextEncoder& enc, const PrepareOptions& o) {
       for (auto& t : pool) t.join();
     }
     if (error) std::rethrow_exception(error);
-    std::vector<char> buf;
+    buf.clear();
+    mbuf.clear();
     for (size_t i = 0; i < docs.size(); ++i) {
-      std::vector<int32_t> doc;
-      doc.reserve(ids[i].size() + 2);
-      if (o.add_bos) doc.push_back(*enc.bos_id);
-      doc.insert(doc.end(), ids[i].begin(), ids[i].end());
-      if (o.add_eos) doc.push_back(*enc.eos_id);
-      for (int32_t id : doc) {
+      Encoded& d = enc_docs[i];
+      for (int32_t id : d.ids) {
         COLOSSAL_CHECK(id >= 0 && id < enc.vocab_size, "tokenizer ", enc.name, " produced id ", id,
                        " outside its vocabulary of ", enc.vocab_size, " (", docs[i].where, ")");
-        if (u16) {
-          uint16_t v = static_cast<uint16_t>(id);
-          buf.insert(buf.end(), reinterpret_cast<char*>(&v), reinterpret_cast<char*>(&v) + 2);
-        } else {
-          uint32_t v = static_cast<uint32_t>(id);
-          buf.insert(buf.end(), reinterpret_cast<char*>(&v), reinterpret_cast<char*>(&v) + 4);
+      }
+      if (sft.pack > 0) {
+        auto len = static_cast<int64_t>(d.ids.size());
+        if (len > sft.pack) {
+          COLOSSAL_CHECK_INPUT(sft.truncate, docs[i].where, ": the record has ", len,
+                               " tokens, more than --pack ", sft.pack,
+                               " holds (cut such records with --truncate, or pack longer bins)");
+          d.ids.resize(static_cast<size_t>(sft.pack));
+          d.mask.resize(static_cast<size_t>(sft.pack));
+          len = sft.pack;
+          ++res.truncated;
+        }
+        if (bin_fill + len > sft.pack) {  // does not fit: pad the bin, start the next
+          pad_to(sft.pack - bin_fill);
+          bin_fill = 0;
+          ++res.bins;
+        }
+        bin_fill += len;
+        if (bin_fill == sft.pack) {
+          bin_fill = 0;
+          ++res.bins;
         }
       }
-      res.tokens += static_cast<int64_t>(doc.size());
       offsets.push_back(static_cast<uint64_t>(res.tokens));
+      for (size_t k = 0; k < d.ids.size(); ++k) put(d.ids[k], sft.enabled ? d.mask[k] : 0);
       ++res.documents;
     }
-    COLOSSAL_CHECK_INPUT(res.tokens <= std::numeric_limits<int32_t>::max(), "more than ",
-                         std::numeric_limits<int32_t>::max(),
-                         " tokens, the most an llm.c token file counts; prepare the inputs in "
-                         "several parts");
+    COLOSSAL_CHECK_INPUT(
+        res.tokens + (sft.pack > 0 ? sft.pack + 1 : 0) <= std::numeric_limits<int32_t>::max(),
+        "more than ", std::numeric_limits<int32_t>::max(),
+        " tokens, the most an llm.c token file counts; prepare the inputs in "
+        "several parts");
     out.write(buf.data(), buf.size());
+    if (mask_out) mask_out->write(mbuf.data(), mbuf.size());
     if (o.progress) {
       const double secs =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -312,6 +641,21 @@ PrepareResult prepare(const TextEncoder& enc, const PrepareOptions& o) {
     }
   }
   if (o.progress && tty) std::fprintf(stderr, "\n");
+  if (sft.enabled) COLOSSAL_CHECK_INPUT(res.documents > 0, "the inputs hold no records");
+  if (sft.pack > 0 && res.tokens > 0) {
+    // The last bin is padded to full length, and one more padding token follows it: sample k
+    // reads tokens [kS, kS + S + 1), so the last bin needs a target after it to be a sample.
+    buf.clear();
+    mbuf.clear();
+    if (bin_fill > 0) {
+      pad_to(sft.pack - bin_fill);
+      ++res.bins;
+    }
+    pad_to(1);
+    out.write(buf.data(), buf.size());
+    mask_out->write(mbuf.data(), mbuf.size());
+  }
+  offsets.push_back(static_cast<uint64_t>(res.tokens));
 
   // The header now that the count is known (llm.c: magic, version, token count).
   std::vector<int32_t> h(256, 0);
@@ -320,10 +664,21 @@ PrepareResult prepare(const TextEncoder& enc, const PrepareOptions& o) {
   h[2] = static_cast<int32_t>(res.tokens);
   COLOSSAL_CHECK(::pwrite(out.fd(), h.data(), data::kLlmcHeaderBytes, 0) == data::kLlmcHeaderBytes,
                  "cannot write the header of ", o.output, ": ", std::strerror(errno));
+  if (mask_out) {
+    std::vector<int32_t> mh(256, 0);
+    mh[0] = data::kLossMaskMagic;
+    mh[1] = 1;
+    mh[2] = static_cast<int32_t>(static_cast<uint64_t>(res.tokens) & 0xFFFFFFFFu);
+    mh[3] = static_cast<int32_t>(static_cast<uint64_t>(res.tokens) >> 32);
+    mh[4] = static_cast<int32_t>(sft.pack);
+    COLOSSAL_CHECK(
+        ::pwrite(mask_out->fd(), mh.data(), data::kLlmcHeaderBytes, 0) == data::kLlmcHeaderBytes,
+        "cannot write the header of ", o.output, ".mask: ", std::strerror(errno));
+  }
 
   checkpoint::AtomicFile index(o.output + ".docs");
   std::vector<int32_t> ih(256, 0);
-  ih[0] = kDocIndexMagic;
+  ih[0] = data::kDocIndexMagic;
   ih[1] = 1;
   ih[2] = static_cast<int32_t>(static_cast<uint64_t>(res.documents) & 0xFFFFFFFFu);
   ih[3] = static_cast<int32_t>(static_cast<uint64_t>(res.documents) >> 32);
@@ -331,32 +686,16 @@ PrepareResult prepare(const TextEncoder& enc, const PrepareOptions& o) {
   index.write(offsets.data(), offsets.size() * sizeof(uint64_t));
   out.commit();
   index.commit();
+  if (mask_out) {
+    mask_out->commit();
+  } else {
+    // A loss mask left by an earlier SFT run of the same output would no longer match it.
+    ::unlink((o.output + ".mask").c_str());
+  }
   res.bytes = read_bytes;
   res.files = stream.files_opened();
   res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return res;
-}
-
-std::vector<uint64_t> read_doc_index(const std::string& path) {
-  std::string s = read_file(path);
-  COLOSSAL_CHECK_INPUT(s.size() >= static_cast<size_t>(data::kLlmcHeaderBytes), "document index ",
-                       path, " is shorter than its header");
-  int32_t h[4];
-  std::memcpy(h, s.data(), sizeof h);
-  COLOSSAL_CHECK_INPUT(h[0] == kDocIndexMagic && h[1] == 1, "document index ", path, " has magic ",
-                       h[0], " version ", h[1], "; expected ", kDocIndexMagic, " version 1");
-  const uint64_t count = static_cast<uint32_t>(h[2]) | (static_cast<uint64_t>(h[3]) << 32);
-  const uint64_t want = static_cast<uint64_t>(data::kLlmcHeaderBytes) + (count + 1) * 8;
-  COLOSSAL_CHECK_INPUT(count < (uint64_t{1} << 40) && s.size() == want, "document index ", path,
-                       " holds ", s.size(), " bytes; ", count, " documents need ", want);
-  std::vector<uint64_t> off(count + 1);
-  std::memcpy(off.data(), s.data() + data::kLlmcHeaderBytes, off.size() * 8);
-  for (size_t i = 1; i < off.size(); ++i) {
-    COLOSSAL_CHECK_INPUT(off[i] >= off[i - 1], "document index ", path,
-                         ": offsets decrease at document ", i - 1);
-  }
-  COLOSSAL_CHECK_INPUT(off[0] == 0, "document index ", path, ": the first offset is not 0");
-  return off;
 }
 
 }  // namespace colossal::app

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -1427,16 +1428,19 @@ struct Tokenizer::Impl {
   std::unique_ptr<PostProcessor> post_processor;
   std::unique_ptr<Decoder> decoder;
   int32_t max_id = -1;
+  bool byte_level = false;  // a ByteLevel pre-tokenizer or decoder: tokens spell bytes
 
   // AddedVocabulary::split_with_indices over `p`: added-token matches become token pieces
   // (`out_ids` >= 0), the rest text pieces (-1).
+  // `out_starts`, when given, receives each piece's byte offset in `p`.
   void split_added(const Piece& p, const AddedMatcher& m, std::vector<Piece>& out_text,
-                   std::vector<int32_t>& out_ids) const {
+                   std::vector<int32_t>& out_ids, std::vector<size_t>* out_starts = nullptr) const {
     const std::string& s = p.text;
     if (m.empty() || s.empty()) {
       if (!s.empty()) {
         out_text.push_back(p);
         out_ids.push_back(-1);
+        if (out_starts) out_starts->push_back(0);
       }
       return;
     }
@@ -1445,6 +1449,7 @@ struct Tokenizer::Impl {
       if (b <= a) return;
       out_text.push_back({s.substr(a, b - a), p.at_start && a == 0});
       out_ids.push_back(id);
+      if (out_starts) out_starts->push_back(a);
     };
     while (true) {
       auto [start, stop, tok] = m.next(s, from);
@@ -1489,29 +1494,20 @@ struct Tokenizer::Impl {
     if (start_offset != s.size()) emit(start_offset, s.size(), -1);
   }
 
-  std::vector<int32_t> encode(std::string_view text, bool add_special) const {
+  void check_utf8(std::string_view text) const {
     size_t bad = 0;
     if (!utf8_valid(text, &bad))
       throw InputError(
           str("tokenizer ", source, ": the text is not valid UTF-8 (byte offset ", bad, ")"));
-    std::vector<int32_t> ids;
-    // 1. Added tokens matched on the raw text.
-    std::vector<Piece> pieces;
-    std::vector<int32_t> piece_ids;
-    split_added(Piece{std::string(text), true}, raw_matcher, pieces, piece_ids);
-    // 2. Normalize the rest, then split out the normalized added tokens.
+  }
+
+  // Steps 2 and 3 of encoding for one text piece left by the raw added-token split: normalize
+  // it, split out the normalized added tokens, pre-tokenize and run the model.
+  void encode_text_piece(Piece piece, std::vector<int32_t>& ids) const {
     std::vector<Piece> pieces2;
     std::vector<int32_t> ids2;
-    for (size_t i = 0; i < pieces.size(); ++i) {
-      if (piece_ids[i] >= 0) {
-        pieces2.push_back(std::move(pieces[i]));
-        ids2.push_back(piece_ids[i]);
-        continue;
-      }
-      if (normalizer) normalizer->normalize(pieces[i].text);
-      split_added(pieces[i], normalized_matcher, pieces2, ids2);
-    }
-    // 3. Pre-tokenize and run the model on each text piece.
+    if (normalizer) normalizer->normalize(piece.text);
+    split_added(piece, normalized_matcher, pieces2, ids2);
     std::vector<Piece> words;
     for (size_t i = 0; i < pieces2.size(); ++i) {
       if (ids2[i] >= 0) {
@@ -1523,7 +1519,113 @@ struct Tokenizer::Impl {
       if (pre_tokenizer) pre_tokenizer->pre_tokenize(words);
       for (const auto& w : words) bpe.tokenize(w.text, ids);
     }
+  }
+
+  std::vector<int32_t> encode(std::string_view text, bool add_special) const {
+    check_utf8(text);
+    std::vector<int32_t> ids;
+    // 1. Added tokens matched on the raw text; 2. and 3. for the text between them.
+    std::vector<Piece> pieces;
+    std::vector<int32_t> piece_ids;
+    split_added(Piece{std::string(text), true}, raw_matcher, pieces, piece_ids);
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      if (piece_ids[i] >= 0)
+        ids.push_back(piece_ids[i]);
+      else
+        encode_text_piece(std::move(pieces[i]), ids);
+    }
     if (add_special && post_processor) post_processor->process(ids);
+    return ids;
+  }
+
+  // The bytes a token stands for: an added token's content; a byte-level token's string mapped
+  // back through the byte alphabet; otherwise the string with `▁` read as a space and `<0xNN>`
+  // as byte NN (SentencePiece-style vocabularies).
+  void append_surface(int32_t id, std::string& out) const {
+    if (auto it = added_by_id.find(id); it != added_by_id.end()) {
+      out += added[it->second].content;
+      return;
+    }
+    if (id < 0 || static_cast<size_t>(id) >= bpe.id_to_token.size()) return;
+    const std::string& t = bpe.id_to_token[id];
+    if (byte_level) {
+      const auto& alpha = byte_alphabet();
+      for (size_t i = 0; i < t.size();) {
+        const size_t n = std::min(utf8_len(static_cast<unsigned char>(t[i])), t.size() - i);
+        auto it = alpha.char_to_byte.find(utf8_decode(t, i));
+        if (it != alpha.char_to_byte.end())
+          out.push_back(static_cast<char>(it->second));
+        else
+          out.append(t, i, n);
+        i += n;
+      }
+      return;
+    }
+    if (t.size() == 6 && t.compare(0, 3, "<0x") == 0 && t[5] == '>' &&
+        std::isxdigit(static_cast<unsigned char>(t[3])) &&
+        std::isxdigit(static_cast<unsigned char>(t[4]))) {
+      out.push_back(static_cast<char>(std::stoi(t.substr(3, 2), nullptr, 16)));
+      return;
+    }
+    static const std::string kMeta = "\xE2\x96\x81";  // U+2581
+    for (size_t i = 0; i < t.size();) {
+      if (t.compare(i, kMeta.size(), kMeta) == 0) {
+        out.push_back(' ');
+        i += kMeta.size();
+      } else {
+        out.push_back(t[i++]);
+      }
+    }
+  }
+
+  std::vector<int32_t> encode_with_offsets(std::string_view text,
+                                           std::vector<std::pair<size_t, size_t>>& offsets) const {
+    check_utf8(text);
+    std::vector<int32_t> ids;
+    offsets.clear();
+    std::vector<Piece> pieces;
+    std::vector<int32_t> piece_ids;
+    std::vector<size_t> starts;
+    split_added(Piece{std::string(text), true}, raw_matcher, pieces, piece_ids, &starts);
+    std::string surface;
+    std::vector<size_t> ends;
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      const size_t base = starts[i], len = pieces[i].text.size();
+      if (piece_ids[i] >= 0) {
+        ids.push_back(piece_ids[i]);
+        offsets.emplace_back(base, base + len);
+        continue;
+      }
+      const std::string orig = pieces[i].text;
+      const size_t first = ids.size();
+      encode_text_piece(std::move(pieces[i]), ids);
+      // Where the tokens' bytes spell the piece, each token's span is exact. Where they do not
+      // (a normalizer changed the text, a prefix space was added), the common prefix and suffix
+      // of the two still map exactly and a span inside the changed middle widens to all of it.
+      surface.clear();
+      ends.clear();
+      for (size_t k = first; k < ids.size(); ++k) {
+        append_surface(ids[k], surface);
+        ends.push_back(surface.size());
+      }
+      const size_t n = orig.size(), m = surface.size();
+      size_t pre = 0;
+      while (pre < n && pre < m && orig[pre] == surface[pre]) ++pre;
+      size_t suf = 0;
+      while (suf < n - pre && suf < m - pre && orig[n - 1 - suf] == surface[m - 1 - suf]) ++suf;
+      auto map = [&](size_t x, bool begin) -> size_t {
+        if (x <= pre) return x;
+        if (x >= m - suf) return x - (m - suf) + (n - suf);
+        return begin ? pre : n - suf;
+      };
+      size_t prev = 0;
+      for (size_t k = 0; k < ends.size(); ++k) {
+        size_t a = map(prev, true), b = map(ends[k], false);
+        if (b < a) b = a;
+        offsets.emplace_back(base + a, base + b);
+        prev = ends[k];
+      }
+    }
     return ids;
   }
 
@@ -1676,6 +1778,24 @@ Tokenizer Tokenizer::from_json(std::string_view json_text, const std::string& so
   if (const Value* p = nonnull("pre_tokenizer"))
     impl->pre_tokenizer = L.pre_tokenizer(*p, "pre_tokenizer");
   if (const Value* d = nonnull("decoder")) impl->decoder = L.decoder(*d, "decoder");
+  {
+    // Byte-level vocabularies: a ByteLevel step anywhere in the pre-tokenizer or decoder.
+    std::function<bool(const Value&)> has_byte_level = [&](const Value& v) {
+      if (v.is_array()) {
+        for (const auto& e : v.as_array())
+          if (has_byte_level(e)) return true;
+      } else if (v.is_object()) {
+        for (const auto& [k, e] : v.as_object()) {
+          if (k == "type" && e.is_string() && e.as_string() == "ByteLevel") return true;
+          if (has_byte_level(e)) return true;
+        }
+      }
+      return false;
+    };
+    const Value* p = nonnull("pre_tokenizer");
+    const Value* d = nonnull("decoder");
+    impl->byte_level = (p && has_byte_level(*p)) || (d && has_byte_level(*d));
+  }
 
   if (const Value* at = nonnull("added_tokens")) {
     const auto& arr = at->as_array(source + ": added_tokens");
@@ -1725,6 +1845,11 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_t
 
 std::string Tokenizer::decode(const std::vector<int32_t>& ids, bool skip_special_tokens) const {
   return impl_->decode(ids, skip_special_tokens);
+}
+
+std::vector<int32_t> Tokenizer::encode_with_offsets(
+    std::string_view text, std::vector<std::pair<size_t, size_t>>& offsets) const {
+  return impl_->encode_with_offsets(text, offsets);
 }
 
 int64_t Tokenizer::vocab_size() const {
@@ -1787,6 +1912,10 @@ Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
 Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
 Tokenizer::~Tokenizer() = default;
 std::vector<int32_t> Tokenizer::encode(std::string_view, bool) const {
+  return {};
+}
+std::vector<int32_t> Tokenizer::encode_with_offsets(std::string_view,
+                                                    std::vector<std::pair<size_t, size_t>>&) const {
   return {};
 }
 std::string Tokenizer::decode(const std::vector<int32_t>&, bool) const {

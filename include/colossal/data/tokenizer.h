@@ -22,6 +22,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace colossal::data {
@@ -41,6 +42,14 @@ class Tokenizer {
 
   // tokenizers' `encode(text, add_special_tokens=...).ids`.
   std::vector<int32_t> encode(std::string_view text, bool add_special_tokens = true) const;
+  // encode(text, false) and where each id came from: `offsets[i]` is the byte span [first,
+  // second) of `text` that id i stands for (tokenizers' offsets, in bytes). Exact wherever the
+  // tokens' bytes spell the text (byte-level BPE without a normalizer, or one that leaves the text
+  // as it is, e.g. NFC on NFC text; added tokens always); where a normalizer changed a stretch of
+  // text, spans outside the changed bytes stay exact and a span inside them widens to all of them.
+  // A prefix space the pre-tokenizer adds belongs to the first token, as in tokenizers.
+  std::vector<int32_t> encode_with_offsets(std::string_view text,
+                                           std::vector<std::pair<size_t, size_t>>& offsets) const;
   // tokenizers' `decode(ids, skip_special_tokens=...)`: ids the tokenizer does not know are
   // dropped, as the package does.
   std::string decode(const std::vector<int32_t>& ids, bool skip_special_tokens = false) const;
