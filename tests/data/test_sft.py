@@ -406,3 +406,36 @@ def test_token_offsets_equal_tokenizers(tmp_path, kind):
             assert (char_of_byte[b], char_of_byte[e - 1] + 1) == (cs, ce), (kind, text, tid)
             checked += 1
         assert checked > 0
+
+
+def test_prepared_sft_trains_with_doc_mask(tok_path, tmp_path):
+    """End to end: `prepare --sft --pack` output trains under --doc_mask on two ranks; training
+    reads the mask prepare wrote (its count of trained targets in the first log lines) and the
+    loss of step 1 equals one process's (the global masked mean)."""
+    src = write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in CONVERSATIONS] * 8)
+    out = tmp_path / "sft.bin"
+    r = prepare("--tokenizer", tok_path, "--out", out, "--sft", "--chat_template", "chatml",
+                "--pack", 64, src)
+    assert r.returncode == 0, r.stderr
+    mask, _ = read_mask(str(out) + ".mask")
+    model = {"model_type": "llama", "vocab_size": 704, "hidden_size": 32, "intermediate_size": 64,
+             "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+    (tmp_path / "model.json").write_text(json.dumps(model))
+    losses = []
+    for nproc in (0, 2):
+        args = [BIN, "train", "--model", tmp_path / "model.json", "--data", out, "--seq_len", 64,
+                "--micro_batch", 4 if nproc == 0 else 2, "--steps", 2, "--doc_mask", "true",
+                "--shuffle", "false", "--metrics_file", tmp_path / f"m{nproc}.jsonl"]
+        if nproc:
+            args = [BIN, "run", "--nproc_per_node", nproc, "--master_port", 0] + args
+        p = subprocess.run(list(map(str, args)), capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert f"{sum(mask)} of {len(mask)} tokens" in p.stderr, p.stderr[-3000:]
+        rows = [json.loads(l) for l in (tmp_path / f"m{nproc}.jsonl").read_text().splitlines()]
+        losses.append([m["loss"] for m in rows])
+    assert len(losses[0]) == 2
+    # fp32 on the CPU, reordered sums (tests/booster/test_doc_mask.py): 1e-5 relative.
+    for a, b in zip(*losses):
+        assert abs(a - b) <= 1e-5 * abs(b), losses
