@@ -9,9 +9,10 @@ PY=${PYTHON:-python3}
 
 # libsentencepiece-dev: SentencePiece .model tokenizers; libpcre2-dev, libicu-dev: the
 # tokenizer.json pre-tokenizer regex and normalizers; chromium: the headless browser
-# tests/app/test_report.py renders `colossal report`'s page in.
+# tests/app/test_report.py renders `colossal report`'s page in; libprotobuf-dev,
+# protobuf-compiler: `train --tensorboard`'s event files (protoc generates their code).
 APT_PKGS=(build-essential cmake ninja-build ccache git libgloo-dev libgtest-dev libgmock-dev openmpi-bin
-          libsentencepiece-dev libpcre2-dev libicu-dev pkg-config
+          libsentencepiece-dev libpcre2-dev libicu-dev pkg-config libprotobuf-dev protobuf-compiler
           python3 python3-venv python3-dev chromium)
 missing=()
 for p in "${APT_PKGS[@]}"; do

@@ -26,6 +26,7 @@
 
 #include "colossal/app/report.h"
 #include "colossal/app/run_dir.h"
+#include "colossal/app/tensorboard.h"
 #include "colossal/booster/booster.h"
 #include "colossal/checkpoint/atomic.h"
 #include "colossal/checkpoint/pretrained.h"
@@ -97,6 +98,10 @@ void TrainConfig::register_options(OptionSet& s) {
       .add("checkpoint", "metrics_file", &metrics_file,
            "append one JSON line per optimizer step (rank 0); lines after the step a run starts "
            "from (0, or the resumed step) are dropped first")
+      .add("checkpoint", "tensorboard", &tensorboard,
+           "write TensorBoard event files into this folder (rank 0): the metrics file's loss, "
+           "lr, grad_norm, loss_scale, tok_s and memory figures as scalars train/<name>, one "
+           "point per optimizer step (view with `tensorboard --logdir DIR`)")
       .add("checkpoint", "report", &report,
            "at the end, write report.html (plots of the metrics file, summary, configuration) "
            "into save_dir, or next to metrics_file without one")
@@ -130,6 +135,10 @@ void TrainConfig::validate() const {
   COLOSSAL_CHECK_INPUT(keep_last == 0 || !save_dir.empty(), "option 'keep_last' needs 'save_dir'");
   COLOSSAL_CHECK_INPUT(!report || !metrics_file.empty(),
                        "option 'report' needs 'metrics_file' (the report plots its rows)");
+  COLOSSAL_CHECK_INPUT(
+      tensorboard.empty() || tensorboard_available(), "option 'tensorboard' (", tensorboard,
+      "): this build has no protobuf support, so it cannot write TensorBoard event "
+      "files (install libprotobuf-dev and protobuf-compiler, then rebuild)");
   COLOSSAL_CHECK_INPUT(!overwrite || resume.empty(),
                        "options 'overwrite' and 'resume' contradict each other: overwrite starts "
                        "a fresh run, resume continues one");
@@ -318,6 +327,7 @@ class Trainer {
                                  const json::Value& base_lrs);
   void open_metrics();
   void write_metrics_line(const std::string& line);
+  void open_tensorboard();
   StepStats train_step();
   void log_step(int64_t done, const StepStats& st, double elapsed);
   void check_finite_step(int64_t done, const StepStats& st);
@@ -358,6 +368,7 @@ class Trainer {
   int64_t start_ = 0;
   double run_seconds_ = 0;
   std::FILE* metrics_ = nullptr;
+  std::unique_ptr<TensorBoardWriter> tb_;  // rank 0, --tensorboard
   bool bar_ = false;
   mutable json::Value data_fingerprint_;  // of c_.data, read once (null until then)
   int64_t nonfinite_run_ = 0;             // consecutive non-finite steps so far
@@ -803,7 +814,7 @@ void Trainer::log_step(int64_t done, const StepStats& st, double elapsed) {
   const int64_t S = c_.seq_len;
   OptimizerWrapper& opt = *boosted_.optimizer;
   const double tok_s = static_cast<double>(G_ * S) / st.seconds;
-  if (metrics_) {
+  if (metrics_ || tb_) {
     json::Value m = json::Value::object();
     m.set("step", done);
     m.set("loss", st.loss);
@@ -820,7 +831,16 @@ void Trainer::log_step(int64_t done, const StepStats& st, double elapsed) {
       m.set("device_allocated_bytes", ms.allocated);
       m.set("device_peak_allocated_bytes", ms.peak_allocated);
     }
-    write_metrics_line(m.dump() + "\n");
+    if (metrics_) write_metrics_line(m.dump() + "\n");
+    if (tb_) {
+      // The metrics row's figures, one scalar each, flushed per step for a live TensorBoard.
+      const double wall = TensorBoardWriter::now();
+      for (const char* key : {"loss", "lr", "grad_norm", "loss_scale", "tok_s", "host_rss_bytes",
+                              "device_allocated_bytes", "device_peak_allocated_bytes"})
+        if (m.contains(key) && m.at(key).is_number())
+          tb_->add_scalar(str("train/", key), m.at(key).as_double(key), done, wall);
+      tb_->flush();
+    }
   }
   double eta =
       run_seconds_ / static_cast<double>(done - start_) * static_cast<double>(c_.steps - done);
@@ -868,6 +888,19 @@ void Trainer::open_metrics() {
   metrics_ = std::fopen(path.c_str(), "a");
   COLOSSAL_CHECK_INPUT(metrics_, "option 'metrics_file' (", path,
                        "): cannot open it: ", std::strerror(errno));
+}
+
+// Rank 0, --tensorboard: a new event file in the folder, opened by a SessionLog START at the
+// run's first step. TensorBoard takes every START after the folder's first as a restart and drops
+// the points of that step and later read before it: what an earlier attempt wrote after the
+// checkpoint a run resumes from, or all of an older run when a fresh one starts there (as the
+// metrics file drops its lines).
+void Trainer::open_tensorboard() {
+  if (!rank0_ || c_.tensorboard.empty()) return;
+  tb_ = std::make_unique<TensorBoardWriter>(c_.tensorboard);
+  tb_->session_start(start_ + 1);
+  tb_->flush();
+  log_info("TensorBoard event file: ", tb_->path());
 }
 
 // Every line is flushed and checked: a full disk or a broken file stops the run at once,
@@ -1070,6 +1103,8 @@ TrainResult Trainer::run() {
   }
   if (!c_.save_dir.empty()) on_rank0_shared([&] { delete_old_run(); }, "--overwrite");
   open_metrics();
+  // Every rank stops with the error when rank 0 cannot open the folder (not at a collective).
+  if (!c_.tensorboard.empty()) on_rank0_shared([&] { open_tensorboard(); }, "option 'tensorboard'");
   bar_ = rank0_ && draw_progress_bar();
 
   TrainResult result;
@@ -1108,6 +1143,10 @@ TrainResult Trainer::run() {
     if (!ok)
       throw Error(
           str("cannot write the metrics file ", c_.metrics_file, ": ", std::strerror(errno)));
+  }
+  if (tb_) {
+    tb_->close();
+    tb_.reset();
   }
   if (result.stop_signal == 0 && !c_.save_dir.empty() && (start_ < c_.steps || c_.resume.empty()))
     result.last_checkpoint = save(c_.steps);

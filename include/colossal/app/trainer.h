@@ -62,6 +62,9 @@ struct TrainConfig {
   bool async_save = false;
   std::string resume;  // a step folder, or a save_dir (its `latest`)
   std::string metrics_file;
+  // TensorBoard event files (colossal/app/tensorboard.h) written into this folder by rank 0:
+  // the metrics row's figures as scalars, one point per optimizer step (empty: none).
+  std::string tensorboard;
   // At the end of the run, write report.html (colossal/app/report.h) into save_dir, or next to
   // metrics_file without one.
   bool report = false;
