@@ -26,12 +26,13 @@ test: build
 	@$(MAKE) --no-print-directory test-asan
 	@$(MAKE) --no-print-directory format-check
 
-# The parsers of untrusted input (JSON, TOML, options, safetensors headers, token files) again
+# The parsers of untrusted input (JSON, TOML, options, safetensors headers, token files, document
+# indexes and loss masks) again
 # under AddressSanitizer + UndefinedBehaviorSanitizer. (LibTorch itself is not instrumented;
 # its exit-time allocations are not ours, so leak checking is off.) The sanitizer build compiles
 # only what those tests link (core, io, dist, data), without CUDA sources: it is part of CI's time.
 ASAN_BUILD ?= build-asan
-ASAN_TESTS := core/test_json core/test_options core/test_toml checkpoint/test_safetensors data/test_data
+ASAN_TESTS := core/test_json core/test_options core/test_toml checkpoint/test_safetensors data/test_data data/test_documents
 test-asan: setup
 	@if [ ! -f $(ASAN_BUILD)/build.ninja ]; then \
 	  cmake -S . -B $(ASAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DCOLOSSAL_SANITIZE=address,undefined -DCOLOSSAL_CUDA=OFF -DCOLOSSAL_HEADER_CHECK=OFF $(CMAKE_ARGS); \
