@@ -23,6 +23,7 @@
 #include "colossal/core/json.h"
 #include "colossal/core/logging.h"
 #include "colossal/data/documents.h"
+#include "colossal/data/utf8.h"
 
 namespace fs = std::filesystem;
 
@@ -72,40 +73,6 @@ std::string read_file(const std::string& path) {
   return s;
 }
 
-// Offset of the first byte that does not start or continue a valid UTF-8 sequence (overlong
-// forms, surrogates and code points above U+10FFFF are invalid), or npos.
-size_t invalid_utf8_at(std::string_view s) {
-  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
-  const size_t n = s.size();
-  size_t i = 0;
-  while (i < n) {
-    unsigned char c = p[i];
-    if (c < 0x80) {
-      ++i;
-      continue;
-    }
-    size_t len = 0;
-    uint32_t cp = 0, min = 0;
-    if ((c & 0xE0) == 0xC0) {
-      len = 2, cp = c & 0x1F, min = 0x80;
-    } else if ((c & 0xF0) == 0xE0) {
-      len = 3, cp = c & 0x0F, min = 0x800;
-    } else if ((c & 0xF8) == 0xF0) {
-      len = 4, cp = c & 0x07, min = 0x10000;
-    } else {
-      return i;
-    }
-    if (i + len > n) return i;
-    for (size_t k = 1; k < len; ++k) {
-      if ((p[i + k] & 0xC0) != 0x80) return i;
-      cp = (cp << 6) | (p[i + k] & 0x3F);
-    }
-    if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return i;
-    i += len;
-  }
-  return std::string_view::npos;
-}
-
 struct Doc {
   std::string text;
   std::string where;  // "file" or "file:line", for messages
@@ -125,7 +92,7 @@ Doc make_doc(std::string text, std::string where) {
 std::string known_templates();  // "chatml, llama3"
 
 void check_utf8(const Doc& d, size_t offset_base = 0) {
-  size_t bad = invalid_utf8_at(d.text);
+  size_t bad = data::first_invalid_utf8(d.text);
   COLOSSAL_CHECK_INPUT(bad == std::string_view::npos, "", d.where, ": invalid UTF-8 at byte ",
                        offset_base + bad,
                        " (convert the file to UTF-8 first, e.g. iconv -f latin1 -t utf-8)");
@@ -177,7 +144,7 @@ class DocStream {
  private:
   Doc parse_record(std::string_view line) const {
     const std::string where = str(path_, ":", line_no_);
-    size_t bad = invalid_utf8_at(line);
+    size_t bad = data::first_invalid_utf8(line);
     COLOSSAL_CHECK_INPUT(bad == std::string_view::npos, where, ": invalid UTF-8 at byte ", bad,
                          " of the line");
     json::Value v;

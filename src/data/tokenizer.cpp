@@ -2,6 +2,7 @@
 // include/colossal/data/tokenizer.h. Each component below follows the package's Rust code
 // (tokenizers/src/...) closely, including its corner cases, because the goal is identical ids.
 #include "colossal/data/tokenizer.h"
+#include "colossal/data/utf8.h"
 
 #include <dlfcn.h>
 
@@ -49,71 +50,9 @@ inline uint32_t utf8_decode(std::string_view s, size_t i) {
   return ((c & 0x07u) << 18) | ((b(1) & 0x3Fu) << 12) | ((b(2) & 0x3Fu) << 6) | (b(3) & 0x3Fu);
 }
 
-// Length of the valid UTF-8 sequence at s[i], or 0 when the bytes there are not one (the
-// Unicode "maximal subpart" rules, which Rust's from_utf8_lossy follows: `bad` receives how many
-// bytes the invalid prefix spans, at least 1).
-size_t utf8_valid_at(std::string_view s, size_t i, size_t* bad) {
-  auto at = [&](size_t k) -> int {
-    return i + k < s.size() ? static_cast<unsigned char>(s[i + k]) : -1;
-  };
-  int c = at(0);
-  *bad = 1;
-  if (c < 0x80) return 1;
-  int n = 0, lo = 0x80, hi = 0xBF;
-  if (c >= 0xC2 && c <= 0xDF) {
-    n = 1;
-  } else if (c >= 0xE0 && c <= 0xEF) {
-    n = 2;
-    if (c == 0xE0) lo = 0xA0;
-    if (c == 0xED) hi = 0x9F;
-  } else if (c >= 0xF0 && c <= 0xF4) {
-    n = 3;
-    if (c == 0xF0) lo = 0x90;
-    if (c == 0xF4) hi = 0x8F;
-  } else {
-    return 0;
-  }
-  for (int k = 1; k <= n; ++k) {
-    int x = at(k);
-    int l = k == 1 ? lo : 0x80, h = k == 1 ? hi : 0xBF;
-    if (x < l || x > h) {
-      *bad = static_cast<size_t>(k);
-      return 0;
-    }
-  }
-  return static_cast<size_t>(n + 1);
-}
-
-// Rust's String::from_utf8_lossy: every maximal invalid subpart becomes one U+FFFD.
-std::string utf8_lossy(std::string_view s) {
-  std::string out;
-  out.reserve(s.size());
-  size_t i = 0;
-  while (i < s.size()) {
-    size_t bad = 1;
-    size_t n = utf8_valid_at(s, i, &bad);
-    if (n) {
-      out.append(s.substr(i, n));
-      i += n;
-    } else {
-      out.append("\xEF\xBF\xBD");
-      i += bad;
-    }
-  }
-  return out;
-}
-
 bool utf8_valid(std::string_view s, size_t* where) {
-  size_t i = 0, bad = 0;
-  while (i < s.size()) {
-    size_t n = utf8_valid_at(s, i, &bad);
-    if (!n) {
-      *where = i;
-      return false;
-    }
-    i += n;
-  }
-  return true;
+  *where = first_invalid_utf8(s);
+  return *where == std::string_view::npos;
 }
 
 void append_cp(std::string& out, uint32_t cp) {

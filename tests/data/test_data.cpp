@@ -12,6 +12,7 @@
 #include "colossal/core/error.h"
 #include "colossal/data/sampler.h"
 #include "colossal/data/token_file.h"
+#include "colossal/data/utf8.h"
 #include "common/temp_dir.h"
 
 using namespace colossal;
@@ -215,4 +216,21 @@ TEST(Sampler, ResumeFromState) {
   DistributedSampler c({40, 3, 2, 1, 2, true, 8});
   EXPECT_THROW(c.load_state_dict(a.state_dict()), InputError);               // different seed
   EXPECT_THROW(DistributedSampler({40, 3, 2, 2, 1, false, 0}), InputError);  // rank out of range
+}
+
+// The one UTF-8 validator of prepare and the tokenizers: maximal-subpart rules.
+TEST(Utf8, FirstInvalidByteAndLossyReplacement) {
+  using colossal::data::first_invalid_utf8;
+  constexpr size_t npos = std::string_view::npos;
+  EXPECT_EQ(first_invalid_utf8("plain ascii"), npos);
+  EXPECT_EQ(first_invalid_utf8("caf\xC3\xA9 \xE6\x9D\xB1 \xF0\x9F\x98\x80"), npos);
+  EXPECT_EQ(first_invalid_utf8("ab\xC0\xAF"), 2u);        // overlong '/'
+  EXPECT_EQ(first_invalid_utf8("x\xED\xA0\x80"), 1u);     // a surrogate (U+D800)
+  EXPECT_EQ(first_invalid_utf8("\xF4\x90\x80\x80"), 0u);  // above U+10FFFF
+  EXPECT_EQ(first_invalid_utf8("ok\xE6\x9D"), 2u);        // cut short
+  EXPECT_EQ(first_invalid_utf8(std::string("a\0b", 3)), npos);
+  EXPECT_EQ(colossal::data::utf8_lossy("a\xE6\x9D"
+                                       "b\xFF"),
+            "a\xEF\xBF\xBD"
+            "b\xEF\xBF\xBD");
 }
