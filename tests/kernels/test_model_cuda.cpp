@@ -19,6 +19,7 @@
 #include "colossal/models/llama/model.h"
 #include "colossal/nn/attention.h"
 #include "colossal/nn/init.h"
+#include "colossal/nn/lora.h"
 #include "nn/recording_layers.h"
 
 using namespace colossal;
@@ -180,4 +181,38 @@ TEST(ModelCuda, PackedDocumentsTakeTheVariableLengthKernel) {
         << "parameter " << i;
     ++i;
   }
+}
+
+// LoRA adapters on the q/k/v and gate/up projections, which the fused kernels would otherwise
+// compute as one concatenated GEMM each: with the fused kernels on, the adapted model computes
+// what it computes with them off (every projection's own forward), and that differs from the
+// base model by the adapters' contribution. fp32: the paths differ only by kernel rounding.
+TEST(ModelCuda, LoraProjectionsAreNeverFusedAway) {
+  if (!Accelerator::cuda().available()) GTEST_SKIP() << "no CUDA device";
+  models::ModelConfig cfg = models::ModelConfig::preset("tiny");
+  const at::Device dev = Accelerator::cuda().device();
+  auto model = std::make_shared<models::CausalLM>(cfg, at::TensorOptions().device(at::kMeta));
+  nn::InitOptions io;
+  io.seed = 3;
+  io.std = cfg.initializer_range;
+  io.device = dev;
+  nn::init_parameters(*model, io);
+  at::manual_seed(4);
+  at::Tensor ids = at::randint(0, cfg.vocab_size, {2, 64}, at::kLong).to(dev);
+  kernels::set_enabled(true);
+  at::Tensor base = model->forward(ids);
+  nn::LoraConfig lc;
+  lc.r = 4;
+  lc.target_modules = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"};
+  nn::apply_lora(*model, lc, 1);
+  for (const auto& p : model->named_parameters())
+    if (p.key().find(".lora_B") != std::string::npos)
+      p.value().set_data(at::randn_like(p.value()) * 0.05);
+  at::Tensor fused = model->forward(ids);
+  kernels::set_enabled(false);
+  at::Tensor plain = model->forward(ids);
+  kernels::set_enabled(true);
+  const double scale = plain.abs().max().item<double>();
+  EXPECT_LE((fused - plain).abs().max().item<double>(), 1e-4 * scale);
+  EXPECT_GT((fused - base).abs().max().item<double>(), 1e-3 * scale);
 }

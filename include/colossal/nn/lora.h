@@ -1,0 +1,63 @@
+// LoRA (Hu et al., 2021) as a layer kind of the linear family: LoraLinear takes the place of a
+// projection (Module::replace_child) and computes base(x) + B(A(dropout(x))) * scaling with the
+// base weight frozen. Being a derived Linear it is never folded into its siblings' fused GEMM
+// (Linear::fusable), so the adapter runs on every device. Parameter names follow PEFT's module
+// layout: "<projection>.lora_A.weight" [r, in] and "<projection>.lora_B.weight" [out, r] next to
+// the base's "<projection>.weight", so an adapter file maps name for name (checkpoint/lora.h).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "colossal/nn/linear.h"
+
+namespace colossal::nn {
+
+// PEFT's LoraConfig fields and defaults (peft.LoraConfig), where we support them.
+struct LoraConfig {
+  int64_t r = 8;
+  double lora_alpha = 8;
+  double lora_dropout = 0.0;
+  // Linear layers whose last name component is one of these ("q_proj", "down_proj", ...).
+  std::vector<std::string> target_modules;
+  std::string bias = "none";  // only "none": biases stay frozen
+  bool use_rslora = false;    // scaling alpha / sqrt(r) instead of alpha / r
+  // "default": A kaiming-uniform (bound 1/sqrt(in_features)), B zero, as PEFT's
+  // init_lora_weights=True; "gaussian": A normal(0, 1/r), B zero.
+  std::string init = "default";
+
+  double scaling() const;
+  // InputError naming the field for r <= 0, alpha <= 0, dropout outside [0, 1), no targets, a
+  // bias mode or init we do not implement.
+  void validate() const;
+};
+
+class LoraLinear : public Linear {
+ public:
+  // Wraps `base` (a plain, unsharded Linear): shares its weight and bias, frozen, and adds A and
+  // B in the base's dtype and device, initialised as cfg.init says from `seed`.
+  LoraLinear(const Linear& base, const LoraConfig& cfg, uint64_t seed);
+  at::Tensor forward(const at::Tensor& x) override;
+  // Tensor-parallel LoRA (A split like the base's input, B like its output) is not built yet:
+  // InputError.
+  void shard(const ShardSpec& spec) override;
+
+  double scaling() const { return scaling_; }
+  int64_t rank() const { return r_; }
+  std::shared_ptr<Linear> lora_A, lora_B;
+
+ private:
+  int64_t r_;
+  double scaling_, dropout_;
+};
+
+// Replaces every nn::Linear under `root` whose last name component is a target with a
+// LoraLinear, after freezing every parameter of `root`: only the adapters train. Returns the
+// adapted paths in module order. InputError for an invalid config, a target that matches no
+// linear layer (naming it and the linear layers there are), a layer that already has LoRA.
+std::vector<std::string> apply_lora(torch::nn::Module& root, const LoraConfig& cfg,
+                                    uint64_t seed = 0);
+
+}  // namespace colossal::nn

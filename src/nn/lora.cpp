@@ -1,0 +1,140 @@
+// LoRA layers (colossal/nn/lora.h).
+#include "colossal/nn/lora.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+#include "colossal/core/error.h"
+
+namespace colossal::nn {
+
+double LoraConfig::scaling() const {
+  return use_rslora ? lora_alpha / std::sqrt(static_cast<double>(r))
+                    : lora_alpha / static_cast<double>(r);
+}
+
+void LoraConfig::validate() const {
+  COLOSSAL_CHECK_INPUT(r > 0, "LoRA: r must be > 0, got ", r);
+  COLOSSAL_CHECK_INPUT(std::isfinite(lora_alpha) && lora_alpha > 0,
+                       "LoRA: lora_alpha must be a finite number > 0, got ", lora_alpha);
+  COLOSSAL_CHECK_INPUT(lora_dropout >= 0 && lora_dropout < 1,
+                       "LoRA: lora_dropout must be in [0, 1), got ", lora_dropout);
+  COLOSSAL_CHECK_INPUT(!target_modules.empty(),
+                       "LoRA: target_modules is empty (name the linear layers to adapt, e.g. "
+                       "q_proj,k_proj,v_proj,o_proj)");
+  COLOSSAL_CHECK_INPUT(bias == "none", "LoRA: bias '", bias,
+                       "' is not supported (only 'none': biases stay frozen)");
+  COLOSSAL_CHECK_INPUT(init == "default" || init == "gaussian", "LoRA: init '", init,
+                       "' is not supported (default | gaussian)");
+}
+
+namespace {
+
+// The base's options with meta storage: the constructor re-points weight and bias at the base's
+// own tensors, so nothing is allocated for them.
+LinearOptions on_meta(LinearOptions o) {
+  o.tensor_options(at::TensorOptions().device(at::kMeta));
+  return o;
+}
+
+}  // namespace
+
+LoraLinear::LoraLinear(const Linear& base, const LoraConfig& cfg, uint64_t seed)
+    : Linear(on_meta(base.options())), r_(cfg.r), scaling_(cfg.scaling()), dropout_(cfg.lora_dropout) {
+  cfg.validate();
+  COLOSSAL_CHECK_INPUT(
+      !base.shard_spec(),
+      "LoRA: the layer is sharded; tensor-parallel LoRA is not supported yet (apply LoRA "
+      "before the plugin shards the model, with tp_size 1)");
+  at::Tensor w = base.weight();
+  replace_parameter("weight", w);
+  if (has_bias()) replace_parameter("bias", base.param("bias"));
+  const at::TensorOptions opts = w.options().requires_grad(false);
+  lora_A = register_module(
+      "lora_A",
+      std::make_shared<Linear>(LinearOptions(in_features(), r_).bias(false).tensor_options(opts)));
+  lora_B = register_module(
+      "lora_B",
+      std::make_shared<Linear>(LinearOptions(r_, out_features()).bias(false).tensor_options(opts)));
+  // Drawn on a CPU generator in fp32 (the same values on any device), then cast.
+  at::NoGradGuard ng;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  at::Tensor a = at::empty({r_, in_features()}, at::kFloat);
+  if (w.device().is_meta()) {
+    lora_A->replace_parameter("weight", at::empty_like(lora_A->weight()));
+    lora_B->replace_parameter("weight", at::empty_like(lora_B->weight()));
+  } else {
+    if (cfg.init == "gaussian") {
+      a.normal_(0.0, 1.0 / static_cast<double>(r_), gen);
+    } else {
+      // kaiming_uniform_(a=sqrt(5)): gain sqrt(2 / (1 + 5)), bound gain * sqrt(3 / fan_in).
+      const double bound = 1.0 / std::sqrt(static_cast<double>(in_features()));
+      a.uniform_(-bound, bound, gen);
+    }
+    lora_A->weight().set_data(a.to(w.options()));
+    lora_B->weight().set_data(at::zeros({out_features(), r_}, w.options()));
+  }
+  for (auto& p : parameters(true)) p.set_requires_grad(false);
+  lora_A->weight().set_requires_grad(true);
+  lora_B->weight().set_requires_grad(true);
+}
+
+at::Tensor LoraLinear::forward(const at::Tensor& x) {
+  ForwardScope scope(*this);
+  at::Tensor y = local_linear(x, true);
+  at::Tensor h = dropout_ > 0 ? at::dropout(x, dropout_, is_training()) : x;
+  return y + lora_B->forward(lora_A->forward(h)) * scaling_;
+}
+
+void LoraLinear::shard(const ShardSpec& spec) {
+  (void)spec;
+  throw InputError(
+      str("LoRA: ", name(),
+          " cannot be sharded; tensor-parallel LoRA is not supported yet (tp_size 1)"));
+}
+
+std::vector<std::string> apply_lora(torch::nn::Module& root, const LoraConfig& cfg, uint64_t seed) {
+  cfg.validate();
+  std::vector<std::string> paths, linears;
+  std::set<std::string> matched;
+  const std::set<std::string> targets(cfg.target_modules.begin(), cfg.target_modules.end());
+  for (const auto& item : root.named_modules("", false)) {
+    auto lin = std::dynamic_pointer_cast<Linear>(item.value());
+    if (!lin) continue;
+    const std::string& path = item.key();
+    const std::string last =
+        path.substr(path.rfind('.') == std::string::npos ? 0 : path.rfind('.') + 1);
+    if (path.find(".lora_A") != std::string::npos || path.find(".lora_B") != std::string::npos)
+      continue;
+    linears.push_back(last);
+    if (!targets.count(last)) continue;
+    COLOSSAL_CHECK_INPUT(!std::dynamic_pointer_cast<LoraLinear>(lin), "LoRA: ", path,
+                         " already has a LoRA adapter");
+    COLOSSAL_CHECK_INPUT(!lin->shard_spec(), "LoRA: ", path,
+                         " is sharded; tensor-parallel LoRA is not supported yet (apply LoRA "
+                         "before the plugin shards the model, with tp_size 1)");
+    matched.insert(last);
+    paths.push_back(path);
+  }
+  for (const auto& t : cfg.target_modules) {
+    std::sort(linears.begin(), linears.end());
+    linears.erase(std::unique(linears.begin(), linears.end()), linears.end());
+    std::string known;
+    for (const auto& l : linears) known += (known.empty() ? "" : ", ") + l;
+    COLOSSAL_CHECK_INPUT(matched.count(t), "LoRA: target module '", t,
+                         "' matches no linear layer of the model (its linear layers: ", known, ")");
+  }
+  for (auto& p : root.parameters(true)) p.set_requires_grad(false);
+  uint64_t k = 0;
+  for (const auto& path : paths) {
+    auto lin = std::dynamic_pointer_cast<Linear>(find_module(root, path));
+    replace_module(root, path, std::make_shared<LoraLinear>(*lin, cfg, seed + 1000003 * k++));
+  }
+  return paths;
+}
+
+}  // namespace colossal::nn
