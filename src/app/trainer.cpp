@@ -20,6 +20,8 @@
 #include <functional>
 #include <iterator>
 #include <optional>
+#include <set>
+#include <sstream>
 #include <system_error>
 #include <thread>
 #include <vector>
@@ -29,6 +31,7 @@
 #include "colossal/app/tensorboard.h"
 #include "colossal/booster/booster.h"
 #include "colossal/checkpoint/atomic.h"
+#include "colossal/checkpoint/lora.h"
 #include "colossal/checkpoint/pretrained.h"
 #include "colossal/checkpoint/safetensors.h"
 #include "colossal/core/accelerator.h"
@@ -43,6 +46,7 @@
 #include "colossal/models/llama/config.h"
 #include "colossal/models/llama/model.h"
 #include "colossal/nn/init.h"
+#include "colossal/nn/lora.h"
 #include "colossal/optim/adamw.h"
 #include "colossal/optim/lr_scheduler.h"
 
@@ -61,6 +65,17 @@ void TrainConfig::register_options(OptionSet& s) {
       .add("data", "doc_mask", &doc_mask,
            "keep each document of <data>.docs to itself: positions restart, attention stays "
            "inside it, no target crosses into it (a loss mask <data>.mask is always honoured)")
+      .add("lora", "lora_r", &lora_r,
+           "LoRA rank: train adapters on lora_targets with the base frozen (0: off)")
+      .add("lora", "lora_alpha", &lora_alpha, "LoRA alpha (scaling alpha / r)")
+      .add("lora", "lora_dropout", &lora_dropout, "dropout on the adapters' input")
+      .add("lora", "lora_targets", &lora_targets,
+           "comma-separated linear layers to adapt (last name components, as PEFT's "
+           "target_modules)")
+      .add("lora", "lora_rslora", &lora_rslora, "rank-stabilised scaling alpha / sqrt(r)")
+      .add("lora", "lora_adapter", &lora_adapter,
+           "start from this PEFT adapter folder (adapter_config.json + "
+           "adapter_model.safetensors); its own r, alpha and targets apply")
       .add("train", "micro_batch", &micro_batch, "sequences per rank per micro-step (B)")
       .add("train", "accumulation", &accumulation, "micro-steps per optimizer step")
       .add("train", "steps", &steps, "optimizer steps in total")
@@ -124,6 +139,7 @@ void TrainConfig::register_options(OptionSet& s) {
   s.min("beta1", 0).max("beta1", 0.999999).min("beta2", 0).max("beta2", 0.99999999).min("eps", 0);
   s.min("max_grad_norm", 0).min("save_every", 0).min("ce_chunk_tokens", 1);
   s.min("keep_last", 0).min("max_nonfinite_steps", 0);
+  s.min("lora_r", 0).min("lora_alpha", 0).min("lora_dropout", 0).max("lora_dropout", 0.999999);
 }
 
 void TrainConfig::validate() const {
@@ -143,6 +159,14 @@ void TrainConfig::validate() const {
                        "options 'overwrite' and 'resume' contradict each other: overwrite starts "
                        "a fresh run, resume continues one");
   plugin.validate();
+  const bool lora = lora_r > 0 || !lora_adapter.empty();
+  COLOSSAL_CHECK_INPUT(lora_r == 0 || lora_adapter.empty(),
+                       "options 'lora_r' and 'lora_adapter' contradict each other: an adapter "
+                       "folder brings its own rank; give one of them");
+  static const std::set<std::string> kLoraPlugins{"none", "ddp", "low_level_zero", "zero1",
+                                                  "zero2"};
+  COLOSSAL_CHECK_INPUT(!lora || kLoraPlugins.count(plugin.name), "LoRA under plugin '", plugin.name,
+                       "' is not supported yet; use none, ddp, low_level_zero, zero1 or zero2");
 }
 
 namespace {
@@ -371,6 +395,7 @@ class Trainer {
   std::unique_ptr<TensorBoardWriter> tb_;  // rank 0, --tensorboard
   bool bar_ = false;
   mutable json::Value data_fingerprint_;  // of c_.data, read once (null until then)
+  std::optional<nn::LoraConfig> lora_;    // the adapters' config when training LoRA
   int64_t nonfinite_run_ = 0;             // consecutive non-finite steps so far
 };
 
@@ -433,6 +458,31 @@ void Trainer::build_model() {
     io.seed = static_cast<uint64_t>(c_.seed);
     io.std = cfg.initializer_range;
     nn::init_parameters(*model_, io);
+  }
+  if (!c_.lora_adapter.empty()) {
+    lora_ = checkpoint::load_lora_adapter(*model_, c_.lora_adapter);
+    log_info("LoRA adapter from ", c_.lora_adapter);
+  } else if (c_.lora_r > 0) {
+    nn::LoraConfig lc;
+    lc.r = c_.lora_r;
+    lc.lora_alpha = c_.lora_alpha;
+    lc.lora_dropout = c_.lora_dropout;
+    lc.use_rslora = c_.lora_rslora;
+    std::stringstream ss(c_.lora_targets);
+    for (std::string t; std::getline(ss, t, ',');)
+      if (!t.empty()) lc.target_modules.push_back(t);
+    nn::apply_lora(*model_, lc, static_cast<uint64_t>(c_.seed));
+    lora_ = lc;
+  }
+  if (lora_) {
+    int64_t trainable = 0, total = 0;
+    for (const auto& p : model_->parameters()) {
+      total += p.numel();
+      if (p.requires_grad()) trainable += p.numel();
+    }
+    log_info("LoRA: r ", lora_->r, ", alpha ", lora_->lora_alpha, " on ",
+             lora_->target_modules.size(), " kinds of layer; ", trainable, " of ", total,
+             " parameters train");
   }
   const models::ModelConfig& mcfg = model_->config();
   COLOSSAL_CHECK_INPUT(c_.seq_len <= mcfg.max_position_embeddings, "seq_len ", c_.seq_len,
@@ -1154,6 +1204,12 @@ TrainResult Trainer::run() {
     // The last checkpoint (also a signal's) is on disk and published before the run ends.
     finish_async_save();
     if (distributed_ && dist::world_size() > 1) dist::world_cpu().barrier();
+  }
+  // The adapter in PEFT's format (rank 0: ZeRO-1/2 keep every rank's parameters whole).
+  if (lora_ && !c_.save_dir.empty() && rank0_) {
+    const std::string dir = c_.save_dir + "/adapter";
+    checkpoint::save_lora_adapter(*model_, *lora_, dir, c_.init);
+    log_info("LoRA adapter: ", dir);
   }
   if (c_.report && rank0_) write_report();
   return result;

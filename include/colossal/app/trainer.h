@@ -30,6 +30,16 @@ struct TrainConfig {
   // document of <data>.docs, and no target predicts a document's first token from the one
   // before (data::TokenDataset). A loss mask <data>.mask, when present, is always honoured.
   bool doc_mask = false;
+  // [lora] LoRA fine-tuning (nn/lora.h): the base frozen, only the adapters trained. lora_r > 0
+  // adapts the layers named in lora_targets (comma-separated last name components) from our
+  // initialisation; lora_adapter starts from a PEFT adapter folder (its own r, alpha, targets).
+  // The trained adapter is written to <save_dir>/adapter in PEFT's format at the end.
+  int64_t lora_r = 0;
+  double lora_alpha = 16;
+  double lora_dropout = 0;
+  std::string lora_targets = "q_proj,k_proj,v_proj,o_proj";
+  bool lora_rslora = false;
+  std::string lora_adapter;
   // [train]
   int64_t micro_batch = 4;
   int64_t accumulation = 1;
