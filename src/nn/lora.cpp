@@ -44,7 +44,10 @@ LinearOptions on_meta(LinearOptions o) {
 }  // namespace
 
 LoraLinear::LoraLinear(const Linear& base, const LoraConfig& cfg, uint64_t seed)
-    : Linear(on_meta(base.options())), r_(cfg.r), scaling_(cfg.scaling()), dropout_(cfg.lora_dropout) {
+    : Linear(on_meta(base.options())),
+      r_(cfg.r),
+      scaling_(cfg.scaling()),
+      dropout_(cfg.lora_dropout) {
   cfg.validate();
   COLOSSAL_CHECK_INPUT(
       !base.shard_spec(),
