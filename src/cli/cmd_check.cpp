@@ -22,8 +22,7 @@ std::string or_none(const std::string& s, const char* none) {
 }
 
 int run_check(int argc, char** argv) {
-  Args args("colossal check",
-            "show versions, collective engines, devices and kernels of this build");
+  Args args("check", "show versions, collective engines, devices and kernels of this build");
   args.flag("json", "print one JSON object instead of text");
   args.parse(argc, argv);
 

@@ -18,8 +18,7 @@ namespace colossal::cli {
 namespace {
 
 int run_tokenize(int argc, char** argv) {
-  Args args("colossal tokenize",
-            "encode stdin lines with a tokenizer.json (or decode ids with --decode)");
+  Args args("tokenize", "encode stdin lines with a tokenizer.json (or decode ids with --decode)");
   args.option("tokenizer", "path of a Hugging Face tokenizer.json", "", true)
       .flag("decode", "read ids, write text")
       .flag("no_special", "encode: add no special tokens; decode: skip special tokens")

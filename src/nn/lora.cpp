@@ -140,4 +140,24 @@ std::vector<std::string> apply_lora(torch::nn::Module& root, const LoraConfig& c
   return paths;
 }
 
+std::vector<std::string> merge_lora(torch::nn::Module& root) {
+  std::vector<std::string> paths;
+  for (const auto& item : root.named_modules("", false))
+    if (std::dynamic_pointer_cast<LoraLinear>(item.value())) paths.push_back(item.key());
+  at::NoGradGuard ng;
+  for (const auto& path : paths) {
+    auto lora = std::dynamic_pointer_cast<LoraLinear>(find_module(root, path));
+    const at::Tensor& w = lora->weight();
+    at::Tensor delta =
+        at::mm(lora->lora_B->weight().to(at::kFloat), lora->lora_A->weight().to(at::kFloat)) *
+        lora->scaling();
+    auto plain = std::make_shared<Linear>(on_meta(lora->options()));
+    plain->replace_parameter("weight",
+                             (w.to(at::kFloat) + delta.to(w.device())).to(w.scalar_type()));
+    if (lora->has_bias()) plain->replace_parameter("bias", lora->param("bias"));
+    replace_module(root, path, plain);
+  }
+  return paths;
+}
+
 }  // namespace colossal::nn

@@ -137,3 +137,41 @@ def test_bad_adapters_are_named(work, tmp_path):
     save_file(t, str(a / "adapter_model.safetensors"))
     r = tool("resave", d / "base", a, tmp_path / "out", ok=False)
     assert r.returncode == 2 and "no tensor for" in r.stderr, r.stderr
+
+
+BIN = os.environ.get("COLOSSAL_BIN", os.path.join(BUILD, "colossal"))
+
+
+def test_merge_loads_in_transformers_with_the_adapted_logits(work, tmp_path):
+    """`colossal lora merge`: the merged HF folder loads in transformers (no extra tensors) and its
+    logits equal PEFT's adapted model (and PEFT's own merge_and_unload weights); an adapter of
+    another model is a named error (exit 2) and writes nothing."""
+    from peft import PeftModel
+    from safetensors.torch import load_file as load
+    from transformers import LlamaConfig, LlamaForCausalLM
+    d, logits, _, _ = work
+    r = subprocess.run([BIN, "lora", "merge", "--model", str(d / "base"), "--adapter", str(d / "adapter"),
+                        "--out", str(tmp_path / "merged")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    merged = LlamaForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    ids = load(str(d / "in.safetensors"))["input_ids"]
+    # Merging rounds W + s B A once per weight instead of adding two products per output: with an
+    # adapter as large as the base here (rsLoRA scaling 6, B ~ 0.2 randn) that moves the fp32
+    # logits by 2.0e-5 of their scale (measured); the weights themselves equal PEFT's merge to 1e-6.
+    with torch.no_grad():
+        assert rel(merged(input_ids=ids).logits, logits) <= 1e-4
+    ref = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(str(d / "base")), str(d / "adapter"))
+    ref = ref.merge_and_unload().state_dict()
+    ours = load(str(tmp_path / "merged" / "model.safetensors"))
+    assert set(ours) == set(ref) - {"lm_head.weight"} or set(ours) == set(ref)
+    for k, t in ours.items():
+        assert rel(t, ref[k]) <= 1e-6, k
+    # A base of another shape: the adapter does not fit.
+    torch.manual_seed(1)
+    LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2,
+                                 max_position_embeddings=64)).save_pretrained(str(tmp_path / "other"))
+    r = subprocess.run([BIN, "lora", "merge", "--model", str(tmp_path / "other"), "--adapter", str(d / "adapter"),
+                        "--out", str(tmp_path / "bad")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "does not fit the model" in r.stderr, r.stderr
+    assert not (tmp_path / "bad").exists()

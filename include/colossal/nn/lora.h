@@ -60,4 +60,11 @@ class LoraLinear : public Linear {
 std::vector<std::string> apply_lora(torch::nn::Module& root, const LoraConfig& cfg,
                                     uint64_t seed = 0);
 
+// Folds every adapter into its base, W + scaling * B A (computed in fp32, stored in W's dtype),
+// and puts a plain Linear with that weight (and the base's bias) back in the LoraLinear's place,
+// so the model is an ordinary one again (save_pretrained writes HF weights only). Returns the
+// merged paths. Dropout is an identity at inference, so the merged model computes the adapted
+// model's eval-mode function.
+std::vector<std::string> merge_lora(torch::nn::Module& root);
+
 }  // namespace colossal::nn
