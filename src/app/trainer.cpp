@@ -163,10 +163,12 @@ void TrainConfig::validate() const {
   COLOSSAL_CHECK_INPUT(lora_r == 0 || lora_adapter.empty(),
                        "options 'lora_r' and 'lora_adapter' contradict each other: an adapter "
                        "folder brings its own rank; give one of them");
-  static const std::set<std::string> kLoraPlugins{"none", "ddp", "low_level_zero", "zero1",
-                                                  "zero2"};
-  COLOSSAL_CHECK_INPUT(!lora || kLoraPlugins.count(plugin.name), "LoRA under plugin '", plugin.name,
-                       "' is not supported yet; use none, ddp, low_level_zero, zero1 or zero2");
+  static const std::set<std::string> kLoraPlugins{"none",  "ddp",    "low_level_zero", "zero1",
+                                                  "zero2", "gemini", "gemini_auto"};
+  COLOSSAL_CHECK_INPUT(
+      !lora || kLoraPlugins.count(plugin.name), "LoRA under plugin '", plugin.name,
+      "' is not supported yet; use none, ddp, low_level_zero, zero1, zero2, gemini "
+      "or gemini_auto");
 }
 
 namespace {
@@ -1205,11 +1207,16 @@ TrainResult Trainer::run() {
     finish_async_save();
     if (distributed_ && dist::world_size() > 1) dist::world_cpu().barrier();
   }
-  // The adapter in PEFT's format (rank 0: ZeRO-1/2 keep every rank's parameters whole).
-  if (lora_ && !c_.save_dir.empty() && rank0_) {
+  // The adapter in PEFT's format, read back from the last checkpoint's model folder, which
+  // every plugin writes whole (Gemini's chunks and ZeRO's shards are not the model's tensors).
+  if (lora_ && !result.last_checkpoint.empty() && rank0_) {
     const std::string dir = c_.save_dir + "/adapter";
-    checkpoint::save_lora_adapter(*model_, *lora_, dir, c_.init);
-    log_info("LoRA adapter: ", dir);
+    checkpoint::save_lora_adapter(
+        checkpoint::load_state_dict(
+            result.last_checkpoint + "/model",
+            [](const std::string& n) { return n.find(".lora_") != std::string::npos; }, nullptr),
+        *lora_, dir, c_.init);
+    log_info("LoRA adapter (from ", result.last_checkpoint, "): ", dir);
   }
   if (c_.report && rank0_) write_report();
   return result;

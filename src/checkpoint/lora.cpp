@@ -39,9 +39,22 @@ std::map<std::string, at::Tensor> adapter_tensors(torch::nn::Module& root) {
 
 void save_lora_adapter(torch::nn::Module& root, const nn::LoraConfig& cfg, const std::string& dir,
                        const std::string& base_model) {
+  TensorList named;
+  for (const auto& [name, t] : adapter_tensors(root)) named.emplace_back(name, t);
+  COLOSSAL_CHECK_INPUT(!named.empty(), "save_lora_adapter: the model has no LoRA layers");
+  save_lora_adapter(named, cfg, dir, base_model);
+}
+
+void save_lora_adapter(const TensorList& named, const nn::LoraConfig& cfg, const std::string& dir,
+                       const std::string& base_model) {
   cfg.validate();
-  const auto tensors = adapter_tensors(root);
-  COLOSSAL_CHECK_INPUT(!tensors.empty(), "save_lora_adapter: the model has no LoRA layers");
+  std::map<std::string, at::Tensor> tensors;
+  for (const auto& [name, t] : named) {
+    if (name.find(".lora_A.weight") != std::string::npos ||
+        name.find(".lora_B.weight") != std::string::npos)
+      tensors[name] = t;
+  }
+  COLOSSAL_CHECK_INPUT(!tensors.empty(), "save_lora_adapter: no LoRA tensors to save");
   std::error_code ec;
   fs::create_directories(dir, ec);
   COLOSSAL_CHECK_INPUT(!ec, "cannot create adapter folder ", dir, ": ", ec.message());

@@ -4,8 +4,8 @@ Reference: the same HF model and the same PEFT adapter (random A and B, saved by
 PEFT with torch.optim.AdamW (decay 0.1 on the adapter matrices), the cosine schedule with warmup,
 gradient clipping at 1.0 and the same samples (no shuffle). Our loss per step equals PEFT's, the
 trained adapter we write to <save_dir>/adapter equals PEFT's trained adapter, and the base weights
-in our last checkpoint are bit-for-bit the initial ones. One process, two DDP ranks and ZeRO-2 at
-two ranks give one curve and one adapter. Plugins we do not support yet and contradicting options
+in our last checkpoint are bit-for-bit the initial ones. One process, two DDP ranks, ZeRO-2 and Gemini
+at two ranks give one curve and one adapter (read back from each one's last checkpoint). Plugins we do not support yet and contradicting options
 are named errors.
 
 Tolerances (fp32, CPU): step 1 sees identical weights, only the forward implementations differ:
@@ -123,7 +123,7 @@ def test_plugins_give_one_curve(work):
     one, a1, _ = train(work, "lay_one", ["--lora_r", "4", "--lora_targets", "q_proj,v_proj,down_proj",
                                          "--micro_batch", "4", "--plugin", "none"])
     assert len(set(one)) == STEPS
-    for name, plugin in (("lay_ddp", "ddp"), ("lay_zero2", "zero2")):
+    for name, plugin in (("lay_ddp", "ddp"), ("lay_zero2", "zero2"), ("lay_gemini", "gemini")):
         c, a, _ = train(work, name, ["--lora_r", "4", "--lora_targets", "q_proj,v_proj,down_proj",
                                      "--micro_batch", "2", "--plugin", plugin], nproc=2)
         for x, y in zip(c, one):
@@ -134,7 +134,7 @@ def test_plugins_give_one_curve(work):
 
 def test_bad_options_are_named(work):
     for name, extra, needle in [
-            ("g", ["--lora_r", "4", "--plugin", "gemini"], "LoRA under plugin 'gemini' is not supported yet"),
+            ("h", ["--lora_r", "4", "--plugin", "hybrid"], "LoRA under plugin 'hybrid' is not supported yet"),
             ("both", ["--lora_r", "4", "--lora_adapter", str(work / "adapter")], "contradict each other"),
             ("target", ["--lora_r", "4", "--lora_targets", "q_proj,qkv"], "'qkv' matches no linear layer"),
             ("missing", ["--lora_adapter", str(work / "nowhere")], "has no adapter_config.json")]:

@@ -33,7 +33,8 @@ struct TrainConfig {
   // [lora] LoRA fine-tuning (nn/lora.h): the base frozen, only the adapters trained. lora_r > 0
   // adapts the layers named in lora_targets (comma-separated last name components) from our
   // initialisation; lora_adapter starts from a PEFT adapter folder (its own r, alpha, targets).
-  // The trained adapter is written to <save_dir>/adapter in PEFT's format at the end.
+  // The adapter of the last checkpoint is written to <save_dir>/adapter in PEFT's format at the
+  // end.
   int64_t lora_r = 0;
   double lora_alpha = 16;
   double lora_dropout = 0;

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "colossal/checkpoint/safetensors.h"
 #include "colossal/nn/lora.h"
 
 namespace colossal::checkpoint {
@@ -15,6 +16,11 @@ namespace colossal::checkpoint {
 // The adapters of `root` (every LoraLinear) and `cfg` into `dir` (created; both files written
 // atomically). `base_model` goes to base_model_name_or_path. InputError when root has no adapter.
 void save_lora_adapter(torch::nn::Module& root, const nn::LoraConfig& cfg, const std::string& dir,
+                       const std::string& base_model = "");
+// The same from tensors under our parameter names ("<path>.lora_A.weight", ...), e.g. read back
+// from a training checkpoint's model folder, which every plugin writes whole however it holds
+// the parameters (Gemini's chunks, ZeRO shards). InputError when there is none.
+void save_lora_adapter(const TensorList& named, const nn::LoraConfig& cfg, const std::string& dir,
                        const std::string& base_model = "");
 
 // adapter_config.json of `dir` as our config. InputError naming the file and field for what we
