@@ -36,9 +36,11 @@ ours() {  # ours NAME colossal-bench-args...
     note "ours $name: FAILED ($*): $(grep -v '^\s*$' "$LOGS/$name.log" | tail -2 | tr '\n' ' ' | cut -c1-300)"
   fi
 }
-base() {  # base NAME baseline-args...
+base() {  # base NAME baseline-args... (NAME hf_peft_*: the PEFT LoRA baseline)
   local name=$1; shift
-  $PY bench/baseline/hf_llama_baseline.py "$@" > "$LOGS/$name.log" 2>&1 &
+  local script=bench/baseline/hf_llama_baseline.py
+  case $name in hf_peft_*) script=bench/baseline/hf_peft_lora_baseline.py ;; esac
+  $PY $script "$@" > "$LOGS/$name.log" 2>&1 &
   if wait $!; then
     note "base $name: $(grep '^RESULT' "$LOGS/$name.log" | cut -c8-) | $*"
   else
@@ -233,6 +235,39 @@ for phase in "$@"; do
         fi
       done
     done ;;
+  lora)
+    # Issue 21: LoRA on the 7b shape (bf16 base, r 16, alpha 32 on all seven projections, seq 4096,
+    # batch 1) by `colossal train` (ddp, one GPU, random tokens) against HF + PEFT
+    # (bench/baseline/hf_peft_lora_baseline.py) in the same call; LORA_FULL=1 adds our full
+    # fine-tuning of the same shape for the peak-memory comparison.
+    step "LoRA 7b: ours vs HF PEFT"
+    TOK=/tmp/lora_tokens.bin
+    $PY -c "import numpy as np; np.random.default_rng(0).integers(0, 32000, size=600_000, dtype=np.uint16).tofile('$TOK')"
+    T7=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj
+    for mode in lora ${LORA_FULL:+full}; do
+      extra="--lora_r 16 --lora_alpha 32 --lora_targets $T7"; [ $mode = full ] && extra=""
+      timeout 500 $C train --device cuda --model 7b --precision bf16 --plugin ddp --data $TOK \
+        --seq_len 4096 --micro_batch 1 --steps ${LORA_STEPS:-15} --lr 1e-4 --warmup 2 --log_every 5 \
+        --metrics_file "$LOGS/lora_$mode.jsonl" $extra > "$LOGS/lora_$mode.log" 2>&1 &
+      wait $!; rc=$?
+      $PY - "$LOGS/lora_$mode.jsonl" $mode $rc <<'PYEOF' | tee -a "$SUMMARY"
+import json, sys
+try:
+    by = {r["step"]: r for r in map(json.loads, open(sys.argv[1]))}
+except OSError:
+    by = {}
+if not by:
+    print("ours lora7b %s rc %s: no metrics" % (sys.argv[2], sys.argv[3])); sys.exit()
+last = max(by)
+dt = sorted(by[s]["elapsed_s"] - by[s - 1]["elapsed_s"] for s in by if s > 3 and s - 1 in by)
+med = dt[len(dt) // 2]
+print("ours lora7b %-5s rc %s: %d steps, median step %.4f s = %.0f tok/s, peak device %.1f GiB, loss %.4f -> %.4f"
+      % (sys.argv[2], sys.argv[3], last, med, 4096 / med, max(r.get("device_peak_allocated_bytes", 0) for r in by.values()) / 2**30,
+         by[1]["loss"], by[last]["loss"]))
+PYEOF
+      tail -3 "$LOGS/lora_$mode.log"
+    done
+    base hf_peft_lora7b --model 7b --bs 1 --seq 4096 --r 16 --alpha 32 ;;
   docmask)
     # Issue 22: packed documents on the GPU. W1's shape (1b, seq 2048, batch 8, bf16, ddp) by
     # `colossal train` on random tokens cut into documents of 32..1024 tokens (a mask on 70 %):
