@@ -321,6 +321,18 @@ void load_into_module(torch::nn::Module& module, const TensorList& tensors, bool
     problems += str("; missing from the checkpoint: ", name_list(missing));
   if (strict && !unexpected.empty()) problems += str("; not in the model: ", name_list(unexpected));
   if (!problems.empty()) {
+    // A LoRA run's checkpoint loaded as a plain model: say what it is and what to do.
+    const bool lora =
+        !unexpected.empty() && missing.empty() && mismatched.empty() &&
+        std::all_of(unexpected.begin(), unexpected.end(), [](const std::string& n) {
+          return n.find(".lora_A.") != std::string::npos || n.find(".lora_B.") != std::string::npos;
+        });
+    if (lora)
+      throw InputError(
+          str("the checkpoint holds LoRA adapter tensors besides the model's (",
+              name_list(unexpected, 2),
+              "): it is from a LoRA run; fold the adapter in first with `colossal lora "
+              "merge --model THIS_FOLDER --adapter SAVE_DIR/adapter --out DIR`"));
     throw InputError(str("checkpoint does not match the model", problems,
                          strict ? " (is it the right checkpoint for this model and config?)" : ""));
   }

@@ -51,6 +51,12 @@ std::shared_ptr<models::CausalLM> load_pretrained(const std::string& dir,
   if (cfg.tie_word_embeddings) {
     std::erase_if(tensors, [](const auto& p) { return p.first == "lm_head.weight"; });
   }
+  if (opts.skip_lora_tensors) {
+    std::erase_if(tensors, [](const auto& p) {
+      return p.first.find(".lora_A.") != std::string::npos ||
+             p.first.find(".lora_B.") != std::string::npos;
+    });
+  }
   load_into_module(*model, tensors, /*strict=*/true);
   log_info("loaded ", cfg.model_type, " model from ", dir, ": ", nn::count_parameters(*model),
            " parameters");

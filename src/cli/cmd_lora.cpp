@@ -37,6 +37,7 @@ int run_lora(int argc, char** argv) {
                        "--dtype must be fp32, bf16 or fp16, got '", dtype, "'");
   checkpoint::PretrainedOptions po;
   po.dtype = dtype == "bf16" ? at::kBFloat16 : dtype == "fp16" ? at::kHalf : at::kFloat;
+  po.skip_lora_tensors = true;  // a LoRA run's checkpoint folder is a valid base too
   auto model = checkpoint::load_pretrained(args.str("model"), po);
   const nn::LoraConfig cfg = checkpoint::load_lora_adapter(*model, args.str("adapter"));
   const auto merged = nn::merge_lora(*model);

@@ -117,6 +117,18 @@ def test_equals_peft_and_keeps_the_base(work):
         assert torch.equal(final[k], t), k
     cfg = json.loads((out / "ck" / "adapter" / "adapter_config.json").read_text())
     assert cfg["r"] == 4 and cfg["lora_alpha"] == 8 and sorted(cfg["target_modules"]) == sorted(TARGETS)
+    # The checkpoint's model folder holds the adapters besides the base: loading it as a plain model
+    # says so and how to merge; merging it with the run's adapter gives a model transformers loads.
+    step = out / "ck" / f"step-{STEPS:08d}" / "model"
+    p = subprocess.run([BIN, "generate", "--model", str(step), "--prompt-ids", "1,2", "--max-new-tokens", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "it is from a LoRA run" in p.stderr and "colossal lora merge" in p.stderr, p.stderr
+    p = subprocess.run([BIN, "lora", "merge", "--model", str(step), "--adapter", str(out / "ck" / "adapter"),
+                        "--out", str(out / "merged")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    from transformers import LlamaForCausalLM
+    merged = LlamaForCausalLM.from_pretrained(str(out / "merged"))
+    assert sum(t.numel() for t in merged.parameters()) == sum(t.numel() for t in base.values())
 
 
 def test_plugins_give_one_curve(work):

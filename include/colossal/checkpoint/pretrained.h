@@ -21,6 +21,9 @@ namespace colossal::checkpoint {
 struct PretrainedOptions {
   std::optional<at::Device> device;     // default CPU
   std::optional<at::ScalarType> dtype;  // default fp32
+  // Ignore LoRA adapter tensors ("*.lora_A.*", "*.lora_B.*") in the folder: the base of a LoRA
+  // run's checkpoint (its adapters come from an adapter folder).
+  bool skip_lora_tensors = false;
 };
 
 // Builds the model from DIR/config.json and loads its weights strictly (a missing, unexpected
