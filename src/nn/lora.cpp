@@ -89,18 +89,8 @@ LoraLinear::LoraLinear(const Linear& base, const LoraConfig& cfg, uint64_t seed)
 at::Tensor LoraLinear::forward(const at::Tensor& x) {
   ForwardScope scope(*this);
   at::Tensor y = local_linear(x, true);
-  at::Tensor h = lora_A->forward(dropout_ > 0 ? at::dropout(x, dropout_, is_training()) : x);
-  // PEFT's order of operations, except where the fused kernels run (CUDA): there a plain B
-  // computes y + scaling * h B^T as one GEMM accumulating into y (addmm, beta 1, alpha
-  // scaling) instead of a GEMM, a scale and an add over the [tokens, out] output (two
-  // memory-bound passes per adapter). B's hooks fire as if its forward ran.
-  if (!use_fused_kernels(y) || !lora_B->fusable() || y.scalar_type() != h.scalar_type())
-    return y + lora_B->forward(h) * scaling_;
-  ForwardScope b_scope(*lora_B);
-  const int64_t out = y.size(-1);
-  at::Tensor y2 = at::addmm(y.reshape({-1, out}), h.reshape({-1, h.size(-1)}), lora_B->weight().t(),
-                            1.0, scaling_);
-  return y2.view(y.sizes());
+  at::Tensor h = dropout_ > 0 ? at::dropout(x, dropout_, is_training()) : x;
+  return y + lora_B->forward(lora_A->forward(h)) * scaling_;
 }
 
 void LoraLinear::shard(const ShardSpec& spec) {
