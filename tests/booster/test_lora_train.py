@@ -142,6 +142,10 @@ def test_plugins_give_one_curve(work):
             assert rel(x, y) <= 1e-5, (name, c, one)
         for k in a1:
             assert norm_rel(a[k], a1[k]) <= 1e-5, (name, k)
+        # The frozen base has no optimizer states: the checkpoint's hold the adapters' two moments only.
+        opt = load_file(str(work / name / "ck" / f"step-{STEPS:08d}" / "optimizer.safetensors"))
+        assert opt and all(".lora_" in k for k in opt), (name, [k for k in opt if ".lora_" not in k][:3])
+        assert sum(t.numel() for t in opt.values()) == 2 * sum(t.numel() for t in a1.values()), name
 
 
 def test_bad_options_are_named(work):
