@@ -526,10 +526,6 @@ void Trainer::build_data() {
     dataset_->set_documents(data::read_doc_index(docs_path), docs_path);
     dataset_->set_document_mask(true);
   }
-  COLOSSAL_CHECK_INPUT(!dataset_->masks_targets() || !plugin_->support_pipeline(), "the loss mask ",
-                       mask_path,
-                       " is not supported with pipeline parallelism yet (pp_size > 1): its "
-                       "schedule averages each micro-batch on its own");
   // The whole file once, now: an id past the vocabulary would otherwise surface only when its
   // batch comes up (check_tokens), possibly hours in and without its position.
   const int64_t vocab = model_->config().vocab_size;
@@ -768,18 +764,19 @@ Trainer::StepStats Trainer::train_step() {
   double local_loss = 0.0;
   int64_t counted = -1;  // targets that count in the global batch; -1: every target counts
   for (int64_t a = 0; a < A; ++a) {
+    if (a == 0 && dataset_->masks_targets()) counted = dataloader.counted_targets_of_step();
     if (plugin_->support_pipeline()) {
       // Pipeline stages: the plugin's schedule runs forward and backward over micro-batches of
       // this batch; the loss of the step comes back from the last stage on every rank.
       std::unique_ptr<NoSyncGuard> guard;
       if (a + 1 < A) guard = booster_->no_sync(mw, &opt);
       BatchIterator next = [&] {
-        auto [inputs, targets] = dataloader.next();
-        check_tokens(inputs, targets);
-        return std::make_pair(inputs.to(device_), targets.to(device_));
+        data::Batch b = dataloader.next_batch();  // targets -100 where the mask says
+        check_tokens(b.inputs, b.targets);
+        return std::make_pair(b.inputs.to(device_), b.targets.to(device_));
       };
       Criterion criterion;
-      if (!c_.fused_ce)
+      if (!c_.fused_ce && counted < 0)
         criterion = [](const at::Tensor& logits, const at::Tensor& targets) {
           return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
                                         targets.reshape({-1}));
@@ -787,11 +784,12 @@ Trainer::StepStats Trainer::train_step() {
       PipelineStep ps;
       ps.loss_weight = 1.0 / static_cast<double>(A);
       ps.ce_chunk_tokens = c_.fused_ce ? c_.ce_chunk_tokens : 0;
+      ps.counted_targets = counted;
+      ps.global_targets = G_ * c_.seq_len;
       PipelineOutput out = booster_->execute_pipeline(next, mw, criterion, &opt, true, false, ps);
       local_loss += out.loss.item<double>();
       continue;
     }
-    if (a == 0 && dataset_->masks_targets()) counted = dataloader.counted_targets_of_step();
     data::Batch b = dataloader.next_batch();
     check_tokens(b.inputs, b.targets);
     at::Tensor inputs = b.inputs.to(device_), targets = b.targets.to(device_);

@@ -7,7 +7,8 @@ loss equals a Hugging Face LlamaForCausalLM run on each document piece of each s
 that would predict a document's first token from the one before does not count) or on the whole
 sample (mask only), the summed cross-entropy of the counted targets divided by their number in
 the global batch. Then layouts with lr > 0: one process, two DDP ranks, gradient accumulation,
-ZeRO-2, tensor parallelism (vocab-parallel loss) and the unfused loss give the same curve.
+ZeRO-2, tensor parallelism (vocab-parallel loss) and the unfused loss give the same curve; with
+the mask alone, also sequence parallelism and pipeline parallelism (fused and unfused loss).
 
 Tolerances: fp32 on the CPU. HF and our forward agree to 1e-5 (tests/nn/test_hf_parity.py); the
 per-document runs and the masked composite differ only in summation order: 1e-5 relative.
@@ -135,13 +136,17 @@ def test_layouts_reproduce_the_single_process_curve(work):
         for a, b in zip(c, one):
             assert rel(a, b) <= 1e-5, (name, c, one)
     # The loss mask alone also under sequence parallelism (each rank holds half of every sequence
-    # and of its counted targets).
+    # and of its counted targets) and pipeline parallelism (each micro-batch of the schedule
+    # divides its sum as the trainer does).
     base = ["--model", str(d / "model.json"), "--micro_batch", "4"]
     one, _ = train(d, "mask_one", base, steps=6, lr="3e-3")
-    sp, _ = train(d, "mask_sp", base + ["--plugin", "hybrid", "--sp", "2", "--sp_mode", "all_to_all"], nproc=2,
-                  steps=6, lr="3e-3")
-    for a, b in zip(sp, one):
-        assert rel(a, b) <= 1e-5, (sp, one)
+    for name, extra in (("mask_sp", ["--plugin", "hybrid", "--sp", "2", "--sp_mode", "all_to_all"]),
+                        ("mask_pp", ["--plugin", "hybrid", "--pp", "2", "--num_microbatches", "2"]),
+                        ("mask_pp_unfused", ["--plugin", "hybrid", "--pp", "2", "--num_microbatches", "4",
+                                             "--fused_ce", "false"])):
+        c, _ = train(d, name, base + extra, nproc=2, steps=6, lr="3e-3")
+        for a, b in zip(c, one):
+            assert rel(a, b) <= 1e-5, (name, c, one)
 
 
 def test_bad_input_is_named(work, tmp_path):
@@ -162,7 +167,8 @@ def test_bad_input_is_named(work, tmp_path):
     for extra, needle in (
             (["--doc_mask", "true", "--plugin", "hybrid", "--sp", "2", "--sp_mode", "all_to_all"],
              "not supported with sequence parallelism"),
-            (["--plugin", "hybrid", "--pp", "2", "--num_microbatches", "2"], "not supported with pipeline")):
+            (["--doc_mask", "true", "--plugin", "hybrid", "--pp", "2", "--num_microbatches", "2"],
+             "not supported with pipeline")):
         p = subprocess.run([BIN, "run", "--nproc_per_node", "2", "--master_port", "0"] + base +
                            ["--data", str(d / "tokens.bin"), "--micro_batch", "4"] + extra, capture_output=True,
                            text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))

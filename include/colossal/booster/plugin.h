@@ -73,6 +73,13 @@ struct PipelineStep {
   double loss_weight = 1.0;
   // The fused cross-entropy's chunk (tokens) when no criterion is given (0: one chunk).
   int64_t ce_chunk_tokens = 4096;
+  // Masked targets (-100, a loss mask): counted_targets >= 0 is how many targets count in the
+  // global batch of global_targets (G * S). Each micro-batch's loss is then its summed
+  // cross-entropy divided by n_micro * counted / global, so that after the layout's averaging the
+  // step's gradient and loss are the mean over the counted targets of the global batch, as the
+  // trainer's non-pipeline path computes it. Takes no criterion. -1: each micro-batch's mean.
+  int64_t counted_targets = -1;
+  int64_t global_targets = 0;
 };
 
 // What execute_pipeline returns on every rank (ColossalAI returns it on the last stage only).

@@ -754,6 +754,10 @@ PipelineOutput HybridParallelPlugin::execute_pipeline(
   for (int64_t m = 0; m < M; ++m)
     mbs.push_back(local_batch(inputs.narrow(0, m * rows, rows).to(dev),
                               targets.narrow(0, m * rows, rows).to(dev)));
+  COLOSSAL_CHECK_INPUT(
+      step.counted_targets < 0 || (!criterion && !return_outputs && step.global_targets > 0),
+      "hybrid: masked targets (PipelineStep::counted_targets) take the plugin's "
+      "own loss: no criterion, no return_outputs, and global_targets > 0");
   const bool vocab_head = lm.vocab_parallel_head();
   COLOSSAL_CHECK_INPUT(!(return_outputs && vocab_head),
                        "hybrid: return_outputs with a "
@@ -774,6 +778,15 @@ PipelineOutput HybridParallelPlugin::execute_pipeline(
     if (begin > 0) fo.input_tokens = lb.inputs.size(1);
     if (end < L + 3) return lm.forward_chunk(chunk, x, fo);
     const double w = lb.loss_weight * step.loss_weight / static_cast<double>(M);
+    if (step.counted_targets >= 0) {
+      // The trainer's normalization of masked targets (PipelineStep): sum / divisor.
+      const double n = static_cast<double>(lb.targets.numel());
+      fo.loss_divisor = step.counted_targets > 0
+                            ? n * static_cast<double>(step.counted_targets) /
+                                  static_cast<double>(step.global_targets)
+                            : n;  // nothing counts: the sum is 0 whatever divides it
+      return lm.forward_chunk_loss(chunk, x, lb.targets, step.ce_chunk_tokens, fo) * w;
+    }
     if (vocab_head || (!criterion && !return_outputs))
       return lm.forward_chunk_loss(chunk, x, lb.targets, step.ce_chunk_tokens, fo) * w;
     at::Tensor logits = lm.forward_chunk(chunk, x, fo);
