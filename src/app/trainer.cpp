@@ -482,9 +482,13 @@ void Trainer::build_model() {
       total += p.numel();
       if (p.requires_grad()) trainable += p.numel();
     }
-    log_info("LoRA: r ", lora_->r, ", alpha ", lora_->lora_alpha, " on ",
-             lora_->target_modules.size(), " kinds of layer; ", trainable, " of ", total,
-             " parameters train");
+    int64_t layers = 0;
+    for (const auto& m : model_->modules(false))
+      if (std::dynamic_pointer_cast<nn::LoraLinear>(m)) ++layers;
+    std::string targets;
+    for (const auto& t : lora_->target_modules) targets += (targets.empty() ? "" : ",") + t;
+    log_info("LoRA: r ", lora_->r, ", alpha ", lora_->lora_alpha, " on ", layers, " layers (",
+             targets, "); ", trainable, " of ", total, " parameters train");
   }
   const models::ModelConfig& mcfg = model_->config();
   COLOSSAL_CHECK_INPUT(c_.seq_len <= mcfg.max_position_embeddings, "seq_len ", c_.seq_len,
