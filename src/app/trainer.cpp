@@ -510,9 +510,7 @@ void Trainer::build_data() {
   if (fs::exists(mask_path, ec)) {
     dataset_->set_loss_mask(std::make_shared<data::LossMaskFile>(mask_path));
     if (rank0_) {
-      const auto* m = dataset_->loss_mask()->data();
-      int64_t on = 0;
-      for (int64_t i = 0; i < file->size(); ++i) on += m[i];
+      const int64_t on = dataset_->loss_mask()->trained();
       log_info("loss mask ", mask_path, ": ", on, " of ", file->size(), " tokens (",
                100.0 * static_cast<double>(on) / static_cast<double>(file->size()),
                " %) are trained targets",
@@ -1216,7 +1214,7 @@ TrainResult Trainer::run() {
     checkpoint::save_lora_adapter(
         checkpoint::load_state_dict(
             result.last_checkpoint + "/model",
-            [](const std::string& n) { return n.find(".lora_") != std::string::npos; }, nullptr),
+            [](const std::string& n) { return nn::is_lora_parameter(n); }, nullptr),
         *lora_, dir, c_.init);
     log_info("LoRA adapter (from ", result.last_checkpoint, "): ", dir);
   }

@@ -15,6 +15,7 @@
 #include "colossal/core/error.h"
 #include "colossal/core/json.h"
 #include "colossal/core/logging.h"
+#include "colossal/nn/lora.h"
 
 namespace fs = std::filesystem;
 
@@ -322,11 +323,9 @@ void load_into_module(torch::nn::Module& module, const TensorList& tensors, bool
   if (strict && !unexpected.empty()) problems += str("; not in the model: ", name_list(unexpected));
   if (!problems.empty()) {
     // A LoRA run's checkpoint loaded as a plain model: say what it is and what to do.
-    const bool lora =
-        !unexpected.empty() && missing.empty() && mismatched.empty() &&
-        std::all_of(unexpected.begin(), unexpected.end(), [](const std::string& n) {
-          return n.find(".lora_A.") != std::string::npos || n.find(".lora_B.") != std::string::npos;
-        });
+    const bool lora = !unexpected.empty() && missing.empty() && mismatched.empty() &&
+                      std::all_of(unexpected.begin(), unexpected.end(),
+                                  [](const std::string& n) { return nn::is_lora_parameter(n); });
     if (lora)
       throw InputError(
           str("the checkpoint holds LoRA adapter tensors besides the model's (",

@@ -27,8 +27,8 @@ constexpr const char* kWeights = "adapter_model.safetensors";
 std::map<std::string, at::Tensor> adapter_tensors(torch::nn::Module& root) {
   std::map<std::string, at::Tensor> out;
   for (const auto& m : root.named_modules("", false)) {
-    if (!std::dynamic_pointer_cast<nn::LoraLinear>(m.value())) continue;
     auto lora = std::dynamic_pointer_cast<nn::LoraLinear>(m.value());
+    if (!lora) continue;
     out[m.key() + ".lora_A.weight"] = lora->lora_A->weight();
     out[m.key() + ".lora_B.weight"] = lora->lora_B->weight();
   }
@@ -50,9 +50,7 @@ void save_lora_adapter(const TensorList& named, const nn::LoraConfig& cfg, const
   cfg.validate();
   std::map<std::string, at::Tensor> tensors;
   for (const auto& [name, t] : named) {
-    if (name.find(".lora_A.weight") != std::string::npos ||
-        name.find(".lora_B.weight") != std::string::npos)
-      tensors[name] = t;
+    if (nn::is_lora_parameter(name)) tensors[name] = t;
   }
   COLOSSAL_CHECK_INPUT(!tensors.empty(), "save_lora_adapter: no LoRA tensors to save");
   std::error_code ec;

@@ -9,6 +9,7 @@
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
 #include "colossal/models/llama/model.h"
+#include "colossal/nn/lora.h"
 
 namespace colossal::checkpoint {
 
@@ -52,10 +53,7 @@ std::shared_ptr<models::CausalLM> load_pretrained(const std::string& dir,
     std::erase_if(tensors, [](const auto& p) { return p.first == "lm_head.weight"; });
   }
   if (opts.skip_lora_tensors) {
-    std::erase_if(tensors, [](const auto& p) {
-      return p.first.find(".lora_A.") != std::string::npos ||
-             p.first.find(".lora_B.") != std::string::npos;
-    });
+    std::erase_if(tensors, [](const auto& p) { return nn::is_lora_parameter(p.first); });
   }
   load_into_module(*model, tensors, /*strict=*/true);
   log_info("loaded ", cfg.model_type, " model from ", dir, ": ", nn::count_parameters(*model),

@@ -90,6 +90,7 @@ LossMaskFile::LossMaskFile(const std::string& path) : path_(path) {
   packed_seq_len_ = h[4];
   data_ = static_cast<const uint8_t*>(map) + kHeaderBytes;
   for (int64_t i = 0; i < count_; ++i) {
+    ones_ += data_[i];
     if (data_[i] > 1)
       fail(str("byte ", static_cast<int>(data_[i]), " at token ", i,
                " (only 0 and 1 mean anything)"));

@@ -12,6 +12,11 @@
 
 namespace colossal::nn {
 
+bool is_lora_parameter(std::string_view name) {
+  return name.find(".lora_A.") != std::string_view::npos ||
+         name.find(".lora_B.") != std::string_view::npos;
+}
+
 double LoraConfig::scaling() const {
   return use_rslora ? lora_alpha / std::sqrt(static_cast<double>(r))
                     : lora_alpha / static_cast<double>(r);
@@ -123,11 +128,11 @@ std::vector<std::string> apply_lora(torch::nn::Module& root, const LoraConfig& c
     matched.insert(last);
     paths.push_back(path);
   }
+  std::sort(linears.begin(), linears.end());
+  linears.erase(std::unique(linears.begin(), linears.end()), linears.end());
+  std::string known;
+  for (const auto& l : linears) known += (known.empty() ? "" : ", ") + l;
   for (const auto& t : cfg.target_modules) {
-    std::sort(linears.begin(), linears.end());
-    linears.erase(std::unique(linears.begin(), linears.end()), linears.end());
-    std::string known;
-    for (const auto& l : linears) known += (known.empty() ? "" : ", ") + l;
     COLOSSAL_CHECK_INPUT(matched.count(t), "LoRA: target module '", t,
                          "' matches no linear layer of the model (its linear layers: ", known, ")");
   }

@@ -42,6 +42,25 @@ at::Tensor levels_on(const at::Device& d) {
   return at::tensor(std::vector<float>(l.begin(), l.end()), at::kFloat).to(d);
 }
 
+at::Tensor build_dynamic_map() {
+  // Dynamic tree quantisation, signed, 7 exponent bits in 8: for exponent i = 0..6, 2^i + 1
+  // fraction boundaries linear in [0.1, 1], their midpoints times +-10^(i - 6), all in fp32 (a
+  // double scalar times an fp32 tensor, as bitsandbytes builds it); then 0 and 1, ascending.
+  std::vector<at::Tensor> parts;
+  for (int i = 0; i < 7; ++i) {
+    const int64_t items = (int64_t{1} << i) + 1;
+    at::Tensor b = at::linspace(0.1, 1.0, items, at::kFloat);
+    at::Tensor means = (b.narrow(0, 0, items - 1) + b.narrow(0, 1, items - 1)) / 2;
+    const double scale = std::pow(10.0, static_cast<double>(i - 6));
+    parts.push_back(means * scale);
+    parts.push_back(means * -scale);
+  }
+  parts.push_back(at::tensor(std::vector<float>{0.0f, 1.0f}, at::kFloat));
+  at::Tensor map = std::get<0>(at::sort(at::cat(parts)));
+  COLOSSAL_CHECK(map.numel() == 256, "dynamic map: ", map.numel(), " values");
+  return map;
+}
+
 }  // namespace
 
 int64_t NF4Tensor::numel() const {
@@ -78,21 +97,8 @@ const std::array<float, 16>& nf4_levels() {
 }
 
 at::Tensor dynamic_map() {
-  // Dynamic tree quantisation, signed, 7 exponent bits in 8: for exponent i = 0..6, 2^i + 1
-  // fraction boundaries linear in [0.1, 1], their midpoints times +-10^(i - 6), all in fp32 (a
-  // double scalar times an fp32 tensor, as bitsandbytes builds it); then 0 and 1, ascending.
-  std::vector<at::Tensor> parts;
-  for (int i = 0; i < 7; ++i) {
-    const int64_t items = (int64_t{1} << i) + 1;
-    at::Tensor b = at::linspace(0.1, 1.0, items, at::kFloat);
-    at::Tensor means = (b.narrow(0, 0, items - 1) + b.narrow(0, 1, items - 1)) / 2;
-    const double scale = std::pow(10.0, static_cast<double>(i - 6));
-    parts.push_back(means * scale);
-    parts.push_back(means * -scale);
-  }
-  parts.push_back(at::tensor(std::vector<float>{0.0f, 1.0f}, at::kFloat));
-  at::Tensor map = std::get<0>(at::sort(at::cat(parts)));
-  COLOSSAL_CHECK(map.numel() == 256, "dynamic map: ", map.numel(), " values");
+  // Built once: every quantisation and dequantisation reads it.
+  static const at::Tensor map = build_dynamic_map();
   return map;
 }
 

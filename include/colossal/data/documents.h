@@ -40,11 +40,12 @@ class LossMaskFile {
   const std::string& path() const { return path_; }
   int64_t size() const { return count_; }
   int64_t packed_seq_len() const { return packed_seq_len_; }  // 0: not packed
+  int64_t trained() const { return ones_; }  // tokens whose byte is 1 (counted at open)
   const uint8_t* data() const { return data_; }
 
  private:
   std::string path_;
-  int64_t count_ = 0, packed_seq_len_ = 0;
+  int64_t count_ = 0, packed_seq_len_ = 0, ones_ = 0;
   void* map_ = nullptr;
   size_t map_bytes_ = 0;
   const uint8_t* data_ = nullptr;

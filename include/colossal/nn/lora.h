@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "colossal/nn/linear.h"
@@ -52,6 +53,10 @@ class LoraLinear : public Linear {
   int64_t r_;
   double scaling_, dropout_;
 };
+
+// Whether a parameter name is a LoRA adapter's ("<path>.lora_A.<...>" / "<path>.lora_B.<...>"),
+// e.g. in a training checkpoint that holds them beside the base's weights.
+bool is_lora_parameter(std::string_view name);
 
 // Replaces every nn::Linear under `root` whose last name component is a target with a
 // LoraLinear, after freezing every parameter of `root`: only the adapters train. Returns the

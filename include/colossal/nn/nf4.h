@@ -34,7 +34,8 @@ struct NF4Tensor {
 
 // The 16 NF4 levels, ascending.
 const std::array<float, 16>& nf4_levels();
-// The signed 8-bit dynamic map (256 fp32 values, ascending) of the double quantisation.
+// The signed 8-bit dynamic map (256 fp32 values, ascending) of the double quantisation; one
+// shared CPU tensor (read it, do not write to it).
 at::Tensor dynamic_map();
 
 // InputError for an empty tensor, a non-floating dtype, blocksize not positive and even.
