@@ -268,6 +268,46 @@ PYEOF
       tail -3 "$LOGS/lora_$mode.log"
     done
     base hf_peft_lora7b --model 7b --bs 1 --seq 4096 --r 16 --alpha 32 ;;
+  qlora)
+    # Issue 21: QLoRA on one H200. The 70b shape with its linear layers stored in NF4 (double
+    # quantisation) on the GPU, quantized as each weight is initialised (`--quantize nf4`), LoRA
+    # r 16 / alpha 32 on all seven projections, bf16, seq 4096, batch 1, every decoder layer
+    # recomputed (`--grad_checkpoint`); then the 7b shape the same way next to its bf16-base LoRA
+    # run (phase lora). Reports tok/s (median step), peak device memory (metrics file) and the
+    # process's peak host RSS (getrusage of the child).
+    step "QLoRA: 70b nf4 (and 7b nf4) by colossal train"
+    TOK=/tmp/qlora_tokens.bin
+    $PY -c "import numpy as np; np.random.default_rng(0).integers(0, 32000, size=600_000, dtype=np.uint16).tofile('$TOK')"
+    T7=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj
+    for shape in ${QLORA_SHAPES:-70b 7b}; do
+      ck=""; [ $shape = 70b ] && ck="--grad_checkpoint true"
+      timeout ${QLORA_TIMEOUT:-520} $PY -c "
+import resource, subprocess, sys
+rc = subprocess.call(sys.argv[1:])
+print('peak host RSS %.1f GiB' % (resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20), file=sys.stderr)
+sys.exit(rc)" $C train --device cuda --model $shape --precision bf16 --plugin none --quantize nf4 $ck \
+        --data $TOK --seq_len 4096 --micro_batch 1 --steps ${QLORA_STEPS:-6} --lr 1e-4 --warmup 1 \
+        --log_every 1 --lora_r 16 --lora_alpha 32 --lora_targets $T7 \
+        --metrics_file "$LOGS/qlora_$shape.jsonl" > "$LOGS/qlora_$shape.log" 2>&1 &
+      wait $!; rc=$?
+      $PY - "$LOGS/qlora_$shape.jsonl" $shape $rc "$(grep -h 'peak host RSS' "$LOGS/qlora_$shape.log")" <<'PYEOF' | tee -a "$SUMMARY"
+import json, sys
+try:
+    by = {r["step"]: r for r in map(json.loads, open(sys.argv[1]))}
+except OSError:
+    by = {}
+if not by:
+    print("ours qlora %s rc %s: no metrics; %s" % (sys.argv[2], sys.argv[3], sys.argv[4])); sys.exit()
+last = max(by)
+dt = sorted(by[s]["elapsed_s"] - by[s - 1]["elapsed_s"] for s in by if s > 2 and s - 1 in by)
+med = dt[len(dt) // 2] if dt else float("nan")
+print("ours qlora %-4s rc %s: %d steps, median step %.3f s = %.0f tok/s, peak device %.1f GiB, %s, loss %.4f -> %.4f"
+      % (sys.argv[2], sys.argv[3], last, med, 4096 / med, max(r.get("device_peak_allocated_bytes", 0) for r in by.values()) / 2**30,
+         sys.argv[4], by[1]["loss"], by[last]["loss"]))
+PYEOF
+      grep -h "quantized to\|LoRA:" "$LOGS/qlora_$shape.log" | head -3
+      tail -3 "$LOGS/qlora_$shape.log"
+    done ;;
   docmask)
     # Issue 22: packed documents on the GPU. W1's shape (1b, seq 2048, batch 8, bf16, ddp) by
     # `colossal train` on random tokens cut into documents of 32..1024 tokens (a mask on 70 %):

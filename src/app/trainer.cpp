@@ -47,6 +47,7 @@
 #include "colossal/models/llama/model.h"
 #include "colossal/nn/init.h"
 #include "colossal/nn/lora.h"
+#include "colossal/nn/quantized_linear.h"
 #include "colossal/optim/adamw.h"
 #include "colossal/optim/lr_scheduler.h"
 
@@ -76,6 +77,16 @@ void TrainConfig::register_options(OptionSet& s) {
       .add("lora", "lora_adapter", &lora_adapter,
            "start from this PEFT adapter folder (adapter_config.json + "
            "adapter_model.safetensors); its own r, alpha and targets apply")
+      .add("lora", "quantize", &quantize,
+           "QLoRA: store the frozen base's linear layers (all but lm_head) quantized on the "
+           "training device, quantized as they are loaded (needs LoRA)",
+           {"none", "nf4", "fp8"})
+      .add("model", "grad_checkpoint", &grad_checkpoint,
+           "activation checkpointing: recompute every decoder layer in backward (ckpt_mode)")
+      .add("model", "ckpt_mode", &ckpt_mode,
+           "what grad_checkpoint recomputes: full (each decoder layer) or attention (its core "
+           "attention only)",
+           {"full", "attention"})
       .add("train", "micro_batch", &micro_batch, "sequences per rank per micro-step (B)")
       .add("train", "accumulation", &accumulation, "micro-steps per optimizer step")
       .add("train", "steps", &steps, "optimizer steps in total")
@@ -163,6 +174,15 @@ void TrainConfig::validate() const {
   COLOSSAL_CHECK_INPUT(lora_r == 0 || lora_adapter.empty(),
                        "options 'lora_r' and 'lora_adapter' contradict each other: an adapter "
                        "folder brings its own rank; give one of them");
+  COLOSSAL_CHECK_INPUT(
+      !grad_checkpoint || !is_hybrid_plugin(plugin.name) || plugin.hybrid.pp_size == 1,
+      "option 'grad_checkpoint' under plugin '", plugin.name, "' with pp_size ",
+      plugin.hybrid.pp_size,
+      ": the pipeline stages recompute what num_ckpt_layers_per_stage says; "
+      "give that instead");
+  COLOSSAL_CHECK_INPUT(quantize == "none" || lora, "option 'quantize' (", quantize,
+                       ") needs LoRA (lora_r or lora_adapter): a quantized base is frozen, so "
+                       "only adapters can train on it");
   static const std::set<std::string> kLoraPlugins{"none",  "ddp",    "low_level_zero", "zero1",
                                                   "zero2", "gemini", "gemini_auto"};
   COLOSSAL_CHECK_INPUT(
@@ -340,6 +360,7 @@ class Trainer {
     bool stepped = true;
   };
   void build_model();
+  void build_quantized_model();
   void build_data();
   std::shared_ptr<optim::AdamW> build_optimizer() const;
   void check_tokens(const at::Tensor& inputs, const at::Tensor& targets) const;
@@ -445,9 +466,38 @@ Trainer::Trainer(const TrainConfig& c, const json::Value& config_json)
   if (c.device == "cuda") device_ = Accelerator::cuda().device();
 }
 
+// QLoRA's base: the linear layers quantized on the training device as each weight is read (an
+// HF folder) or initialised (by name, as the plain model: the quantization of the same weights),
+// the other parameters in fp32 on the host like build_model's.
+void Trainer::build_quantized_model() {
+  nn::QuantizeConfig qc;
+  qc.kind = c_.quantize;
+  const at::Device qdev = c_.device == "cuda" ? Accelerator::cuda().device() : at::Device(at::kCPU);
+  if (!c_.init.empty()) {
+    checkpoint::PretrainedOptions po;
+    po.quantize = qc;
+    po.quantize_device = qdev;
+    model_ = checkpoint::load_pretrained(c_.init, po);
+    return;
+  }
+  models::ModelConfig cfg = fs::exists(c_.model) ? models::ModelConfig::from_file(c_.model)
+                                                 : models::ModelConfig::preset(c_.model);
+  model_ = std::make_shared<models::CausalLM>(cfg, at::TensorOptions().device(at::kMeta));
+  const auto paths = nn::quantize_linears(*model_, qc);
+  nn::InitOptions io;
+  io.seed = static_cast<uint64_t>(c_.seed);
+  io.std = cfg.initializer_range;
+  nn::init_parameters(*model_, io);
+  const int64_t bytes = nn::init_quantized_weights(*model_, io, qdev);
+  log_info("model ", c_.model, ": ", paths.size(), " linear layers quantized to ", c_.quantize,
+           " on ", qdev, " (", static_cast<double>(bytes) / (1 << 30), " GiB)");
+}
+
 // An HF folder, or a preset / config.json initialised by name (same weights for any layout).
 void Trainer::build_model() {
-  if (!c_.init.empty()) {
+  if (c_.quantize != "none") {
+    build_quantized_model();
+  } else if (!c_.init.empty()) {
     model_ = checkpoint::load_pretrained(c_.init);
     log_info("model from ", c_.init);
   } else {
@@ -490,6 +540,8 @@ void Trainer::build_model() {
     log_info("LoRA: r ", lora_->r, ", alpha ", lora_->lora_alpha, " on ", layers, " layers (",
              targets, "); ", trainable, " of ", total, " parameters train");
   }
+  if (c_.grad_checkpoint)
+    model_->set_activation_checkpointing(nn::checkpoint_mode_from_string(c_.ckpt_mode));
   const models::ModelConfig& mcfg = model_->config();
   COLOSSAL_CHECK_INPUT(c_.seq_len <= mcfg.max_position_embeddings, "seq_len ", c_.seq_len,
                        " exceeds the model's max_position_embeddings ",

@@ -326,6 +326,20 @@ void load_into_module(torch::nn::Module& module, const TensorList& tensors, bool
     const bool lora = !unexpected.empty() && missing.empty() && mismatched.empty() &&
                       std::all_of(unexpected.begin(), unexpected.end(),
                                   [](const std::string& n) { return nn::is_lora_parameter(n); });
+    // A QLoRA run's: the adapters are there, the quantized linear weights are not.
+    const bool qlora = !unexpected.empty() && !missing.empty() && mismatched.empty() &&
+                       std::all_of(unexpected.begin(), unexpected.end(),
+                                   [](const std::string& n) { return nn::is_lora_parameter(n); }) &&
+                       std::all_of(missing.begin(), missing.end(), [](const std::string& n) {
+                         return n.ends_with("_proj.weight");
+                       });
+    if (qlora)
+      throw InputError(
+          str("the checkpoint holds LoRA adapter tensors (", name_list(unexpected, 2),
+              ") and lacks the linear layers' weights (", name_list(missing, 2),
+              "): it is from a QLoRA run (--quantize), whose quantized base is not saved; fold the "
+              "run's adapter into the base it started from with `colossal lora merge --model "
+              "BASE_FOLDER --adapter SAVE_DIR/adapter --out DIR`"));
     if (lora)
       throw InputError(
           str("the checkpoint holds LoRA adapter tensors besides the model's (",

@@ -4,8 +4,12 @@
 #include <ATen/ATen.h>
 
 #include <filesystem>
+#include <map>
+#include <utility>
+#include <vector>
 
 #include "colossal/checkpoint/atomic.h"
+#include "colossal/checkpoint/safetensors.h"
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
 #include "colossal/models/llama/model.h"
@@ -35,6 +39,87 @@ at::ScalarType hf_dtype_from_name(const std::string& n) {
   throw InputError(str("dtype '", n, "' is not supported (float32, bfloat16, float16)"));
 }
 
+namespace {
+
+// load_pretrained with PretrainedOptions::quantize: the model is built on the meta device, its
+// linear layers swapped for empty quantized ones, then every tensor of the (mapped) checkpoint
+// is placed one at a time: a quantized layer's weight is quantized on the quantize device, any
+// other tensor materializes its parameter; each tensor's mapped pages are released after it.
+std::shared_ptr<models::CausalLM> load_quantized(const std::string& dir,
+                                                 const models::ModelConfig& cfg,
+                                                 const at::TensorOptions& topts,
+                                                 const PretrainedOptions& opts) {
+  const at::Device qdev = opts.quantize_device.value_or(topts.device());
+  auto model = std::make_shared<models::CausalLM>(cfg, at::TensorOptions(topts).device(at::kMeta));
+  const std::vector<std::string> qpaths = nn::quantize_linears(*model, *opts.quantize);
+  std::map<std::string, std::pair<nn::Module*, std::string>> params;
+  std::map<std::string, nn::QuantizedLinear*> qweights;
+  for (const auto& item : model->named_modules("", true)) {
+    const std::string prefix = item.key().empty() ? "" : item.key() + ".";
+    auto* m = dynamic_cast<nn::Module*>(item.value().get());
+    for (const auto& p : item.value()->named_parameters(false)) {
+      COLOSSAL_CHECK(m, "load_pretrained: ", prefix, p.key(), " is not in a colossal layer");
+      params[prefix + p.key()] = {m, p.key()};
+    }
+    if (auto* q = dynamic_cast<nn::QuantizedLinear*>(item.value().get()))
+      qweights[prefix + "weight"] = q;
+  }
+  TensorList tensors = load_state_dict(dir);
+  if (cfg.tie_word_embeddings)
+    std::erase_if(tensors, [](const auto& p) { return p.first == "lm_head.weight"; });
+  if (opts.skip_lora_tensors)
+    std::erase_if(tensors, [](const auto& p) { return nn::is_lora_parameter(p.first); });
+  std::vector<std::string> unexpected, mismatched;
+  int64_t qbytes = 0, placed = 0, last_percent = 0;
+  at::NoGradGuard ng;
+  for (const auto& [name, t] : tensors) {
+    if (auto q = qweights.find(name); q != qweights.end()) {
+      q->second->set_weight(t.to(qdev));
+      qbytes += q->second->storage_bytes();
+    } else if (auto p = params.find(name); p != params.end()) {
+      auto& [m, local] = p->second;
+      const at::Tensor& dst = m->param(local);
+      if (dst.sizes() != t.sizes()) {
+        mismatched.push_back(str(name, " (checkpoint ", t.sizes(), ", model ", dst.sizes(), ")"));
+        continue;
+      }
+      m->replace_parameter(local, t.to(topts.device(), topts.dtype().toScalarType(),
+                                       /*non_blocking=*/false, /*copy=*/true));
+    } else {
+      unexpected.push_back(name);
+      continue;
+    }
+    release_mapped_pages(t);
+    const int64_t percent = 100 * ++placed / static_cast<int64_t>(tensors.size());
+    if (percent / 10 > last_percent / 10) {
+      log_info("quantizing ", dir, ": ", percent, " % of ", tensors.size(), " tensors");
+      last_percent = percent;
+    }
+  }
+  std::vector<std::string> missing;
+  for (const auto& [name, q] : qweights)
+    if (!q->has_weight()) missing.push_back(name);
+  for (const auto& [name, p] : params)
+    if (p.first->param(p.second).is_meta()) missing.push_back(name);
+  auto join = [](const std::vector<std::string>& v) {
+    std::string out;
+    for (size_t i = 0; i < v.size() && i < 8; ++i) out += (i ? ", " : "") + v[i];
+    if (v.size() > 8) out += str(", ... (", v.size(), " in all)");
+    return out;
+  };
+  COLOSSAL_CHECK_INPUT(missing.empty() && unexpected.empty() && mismatched.empty(),
+                       "model folder '", dir, "' does not fit its config.json",
+                       missing.empty() ? "" : "; missing: ", join(missing),
+                       unexpected.empty() ? "" : "; unexpected: ", join(unexpected),
+                       mismatched.empty() ? "" : "; wrong shape: ", join(mismatched));
+  log_info("loaded ", cfg.model_type, " model from ", dir, " with ", qpaths.size(),
+           " linear layers quantized to ", opts.quantize->kind, " on ", qdev, " (",
+           static_cast<double>(qbytes) / (1 << 30), " GiB)");
+  return model;
+}
+
+}  // namespace
+
 std::shared_ptr<models::CausalLM> load_pretrained(const std::string& dir,
                                                   const PretrainedOptions& opts) {
   COLOSSAL_CHECK_INPUT(fs::is_directory(dir), "model folder '", dir,
@@ -45,6 +130,7 @@ std::shared_ptr<models::CausalLM> load_pretrained(const std::string& dir,
   auto topts = at::TensorOptions()
                    .device(opts.device.value_or(at::Device(at::kCPU)))
                    .dtype(opts.dtype.value_or(at::kFloat));
+  if (opts.quantize) return load_quantized(dir, cfg, topts, opts);
   models::check_fits_memory(cfg, topts.device(), static_cast<int64_t>(topts.dtype().itemsize()),
                             cfg_path);
   auto model = std::make_shared<models::CausalLM>(cfg, topts);

@@ -90,4 +90,16 @@ struct AdamWTensor {
 void adamw(const AdamWTensor* tensors, int count, DType grad_dt, DType work_dt,
            const AdamWStep& hyper, Stream stream);
 
+// ---- Dequantisation of frozen weights (kernels/quant.h), output `dt` contiguous ----
+// NF4: codes [ceil(n / 2)] (high nibble first); absmax fp32 [blocks] (absmax_codes == nullptr)
+// or uint8 codes of dmap (fp32 [256]) times absmax2 [ceil(blocks / blocksize2)] plus offset.
+// levels: the 16 NF4 levels (host array, copied to the kernel's parameters).
+void nf4_dequantize(const uint8_t* codes, const float* absmax, const uint8_t* absmax_codes,
+                    const float* absmax2, const float* dmap, float offset, const float* levels,
+                    void* out, int64_t n, int64_t blocksize, int64_t blocksize2, DType dt,
+                    Stream stream);
+// FP8 e4m3 rows: codes [rows, cols] (raw bytes), scale fp32 [rows].
+void fp8_rows_dequantize(const uint8_t* codes, const float* scale, void* out, int64_t rows,
+                         int64_t cols, DType dt, Stream stream);
+
 }  // namespace colossal::kernels::cuda

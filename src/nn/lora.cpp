@@ -9,6 +9,7 @@
 #include <set>
 
 #include "colossal/core/error.h"
+#include "colossal/nn/quantized_linear.h"
 
 namespace colossal::nn {
 
@@ -58,10 +59,22 @@ LoraLinear::LoraLinear(const Linear& base, const LoraConfig& cfg, uint64_t seed)
       !base.shard_spec(),
       "LoRA: the layer is sharded; tensor-parallel LoRA is not supported yet (apply LoRA "
       "before the plugin shards the model, with tp_size 1)");
-  at::Tensor w = base.weight();
-  replace_parameter("weight", w);
+  at::TensorOptions wopts;
+  if (auto* qb = dynamic_cast<const QuantizedLinear*>(&base)) {
+    quantized_base_ = std::dynamic_pointer_cast<QuantizedLinear>(
+        std::const_pointer_cast<torch::nn::Module>(qb->shared_from_this()));
+    COLOSSAL_CHECK(quantized_base_, "LoRA: the quantized base must be held by a shared_ptr");
+    COLOSSAL_CHECK_INPUT(qb->has_weight(), "LoRA: the quantized base ", base.name(),
+                         " holds no weight yet (load the model before applying LoRA)");
+    parameters_.erase("weight");
+    wopts = qb->weight_options();
+  } else {
+    replace_parameter("weight", base.weight());
+    wopts = base.weight().options();
+  }
   if (has_bias()) replace_parameter("bias", base.param("bias"));
-  const at::TensorOptions opts = w.options().requires_grad(false);
+  const at::Tensor w = at::empty({0}, wopts);
+  const at::TensorOptions opts = wopts.requires_grad(false);
   lora_A = register_module(
       "lora_A",
       std::make_shared<Linear>(LinearOptions(in_features(), r_).bias(false).tensor_options(opts)));
@@ -93,9 +106,28 @@ LoraLinear::LoraLinear(const Linear& base, const LoraConfig& cfg, uint64_t seed)
 
 at::Tensor LoraLinear::forward(const at::Tensor& x) {
   ForwardScope scope(*this);
-  at::Tensor y = local_linear(x, true);
+  at::Tensor y;
+  if (quantized_base_) {
+    y = quantized_base_->matmul_weight(x, has_bias() ? param("bias") : at::Tensor());
+  } else {
+    y = local_linear(x, true);
+  }
   at::Tensor h = dropout_ > 0 ? at::dropout(x, dropout_, is_training()) : x;
   return y + lora_B->forward(lora_A->forward(h)) * scaling_;
+}
+
+void LoraLinear::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  Linear::to(device, dtype, non_blocking);
+  if (quantized_base_) quantized_base_->to(device, non_blocking);
+}
+
+void LoraLinear::to(torch::Dtype dtype, bool non_blocking) {
+  Linear::to(dtype, non_blocking);
+}
+
+void LoraLinear::to(torch::Device device, bool non_blocking) {
+  Linear::to(device, non_blocking);
+  if (quantized_base_) quantized_base_->to(device, non_blocking);
 }
 
 void LoraLinear::shard(const ShardSpec& spec) {
@@ -152,7 +184,10 @@ std::vector<std::string> merge_lora(torch::nn::Module& root) {
   at::NoGradGuard ng;
   for (const auto& path : paths) {
     auto lora = std::dynamic_pointer_cast<LoraLinear>(find_module(root, path));
-    const at::Tensor& w = lora->weight();
+    const at::Tensor w = lora->quantized_base()
+                             ? lora->quantized_base()->dequantized_weight(
+                                   lora->quantized_base()->weight_options().dtype().toScalarType())
+                             : lora->weight();
     at::Tensor delta =
         at::mm(lora->lora_B->weight().to(at::kFloat), lora->lora_A->weight().to(at::kFloat)) *
         lora->scaling();

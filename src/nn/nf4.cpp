@@ -5,8 +5,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <mutex>
+#include <string>
 
 #include "colossal/core/error.h"
+#include "colossal/kernels/quant.h"
 
 namespace colossal::nn {
 namespace {
@@ -76,30 +80,24 @@ int64_t NF4Tensor::bytes() const {
 }
 
 const std::array<float, 16>& nf4_levels() {
-  // QLoRA's NF4 data type (the paper's appendix; bitsandbytes' table).
-  static const std::array<float, 16> kLevels{-1.0f,
-                                             -0.6961928009986877f,
-                                             -0.5250730514526367f,
-                                             -0.39491748809814453f,
-                                             -0.28444138169288635f,
-                                             -0.18477343022823334f,
-                                             -0.09105003625154495f,
-                                             0.0f,
-                                             0.07958029955625534f,
-                                             0.16093020141124725f,
-                                             0.24611230194568634f,
-                                             0.33791524171829224f,
-                                             0.44070982933044434f,
-                                             0.5626170039176941f,
-                                             0.7229568362236023f,
-                                             1.0f};
-  return kLevels;
+  return kernels::nf4_levels();
 }
 
 at::Tensor dynamic_map() {
   // Built once: every quantisation and dequantisation reads it.
   static const at::Tensor map = build_dynamic_map();
   return map;
+}
+
+at::Tensor dynamic_map_on(const at::Device& device) {
+  if (device.is_cpu()) return dynamic_map();
+  // One copy per device, made on first use (a QLoRA model dequantizes every layer each step).
+  static std::mutex mu;
+  static std::map<std::string, at::Tensor> copies;
+  std::lock_guard<std::mutex> lock(mu);
+  at::Tensor& t = copies[device.str()];
+  if (!t.defined()) t = dynamic_map().to(device);
+  return t;
 }
 
 NF4Tensor quantize_nf4(const at::Tensor& w, int64_t blocksize, bool double_quant) {
@@ -128,27 +126,36 @@ NF4Tensor quantize_nf4(const at::Tensor& w, int64_t blocksize, bool double_quant
   at::Tensor mean = absmax.mean();
   q.offset = mean.item<float>();
   auto [absmax2, scaled2] = scale_blocks(absmax - mean, q.blocksize2);
-  q.absmax = nearest(scaled2, dynamic_map().to(x.device()));
+  q.absmax = nearest(scaled2, dynamic_map_on(x.device()));
   q.absmax2 = absmax2;
   return q;
 }
 
-at::Tensor dequantize_nf4(const NF4Tensor& q) {
-  const int64_t n = q.numel();
-  COLOSSAL_CHECK(q.codes.numel() == (n + 1) / 2, "dequantize_nf4: ", q.codes.numel(),
-                 " code bytes for ", n, " values");
-  at::Tensor absmax = q.absmax;
+kernels::NF4View nf4_view(const NF4Tensor& q) {
+  kernels::NF4View v;
+  v.codes = q.codes;
+  v.absmax = q.absmax;
+  v.numel = q.numel();
+  v.blocksize = q.blocksize;
+  v.blocksize2 = q.blocksize2;
   if (q.double_quant) {
-    const int64_t blocks = q.absmax.numel();
-    at::Tensor v = dynamic_map().to(q.absmax.device()).index({q.absmax.to(at::kLong)});
-    at::Tensor s = q.absmax2.repeat_interleave(q.blocksize2).narrow(0, 0, blocks);
-    absmax = v * s + q.offset;
+    v.absmax2 = q.absmax2;
+    v.offset = q.offset;
+    v.dmap = dynamic_map_on(q.codes.device());
   }
-  at::Tensor hi = at::bitwise_right_shift(q.codes, 4), lo = at::bitwise_and(q.codes, 15);
-  at::Tensor idx = at::stack({hi, lo}, 1).reshape(-1).narrow(0, 0, n).to(at::kLong);
-  at::Tensor vals = levels_on(q.codes.device()).index({idx});
-  at::Tensor scale = absmax.repeat_interleave(q.blocksize).narrow(0, 0, n);
-  return (vals * scale).to(q.dtype).view(q.shape);
+  return v;
+}
+
+at::Tensor dequantize_nf4(const NF4Tensor& q) {
+  return dequantize_nf4(q, q.dtype);
+}
+
+at::Tensor dequantize_nf4(const NF4Tensor& q, at::ScalarType dtype) {
+  return kernels::dequantize_nf4(nf4_view(q), dtype).view(q.shape);
+}
+
+at::Tensor dequantize_nf4_reference(const NF4Tensor& q, at::ScalarType dtype) {
+  return kernels::dequantize_nf4_reference(nf4_view(q), dtype).view(q.shape);
 }
 
 }  // namespace colossal::nn

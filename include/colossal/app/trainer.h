@@ -41,6 +41,16 @@ struct TrainConfig {
   std::string lora_targets = "q_proj,k_proj,v_proj,o_proj";
   bool lora_rslora = false;
   std::string lora_adapter;
+  // QLoRA (nn/quantized_linear.h): the frozen base's linear layers (all but lm_head) stored as
+  // nf4 or fp8 on the training device, quantized tensor by tensor as the model is loaded or
+  // initialised. Needs LoRA. Checkpoints then hold the adapters and the unquantized tensors;
+  // a resumed run quantizes its base again from init (deterministic: the same codes).
+  std::string quantize = "none";
+  // Activation checkpointing of the decoder layers (ColossalAI's grad_checkpoint): full
+  // recomputes every layer in backward, attention only its core attention. Under hybrid with
+  // pp_size > 1 the plugin's num_ckpt_layers_per_stage decides instead.
+  bool grad_checkpoint = false;
+  std::string ckpt_mode = "full";
   // [train]
   int64_t micro_batch = 4;
   int64_t accumulation = 1;

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "colossal/checkpoint/hf.h"
+#include "colossal/nn/quantized_linear.h"
 
 namespace colossal::models {
 class CausalLM;
@@ -24,6 +25,12 @@ struct PretrainedOptions {
   // Ignore LoRA adapter tensors ("*.lora_A.*", "*.lora_B.*") in the folder: the base of a LoRA
   // run's checkpoint (its adapters come from an adapter folder).
   bool skip_lora_tensors = false;
+  // QLoRA: every linear layer but lm_head (and quantize->skip_modules) becomes an
+  // nn::QuantizedLinear whose weight is quantized as it is read, tensor by tensor on
+  // quantize_device (default: device), so the full-precision model never exists in memory: the
+  // checkpoint is mapped, and each tensor's pages are given back once it is placed.
+  std::optional<nn::QuantizeConfig> quantize;
+  std::optional<at::Device> quantize_device;
 };
 
 // Builds the model from DIR/config.json and loads its weights strictly (a missing, unexpected

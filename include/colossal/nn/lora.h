@@ -16,6 +16,8 @@
 
 namespace colossal::nn {
 
+class QuantizedLinear;
+
 // PEFT's LoraConfig fields and defaults (peft.LoraConfig), where we support them.
 struct LoraConfig {
   int64_t r = 8;
@@ -38,9 +40,18 @@ struct LoraConfig {
 class LoraLinear : public Linear {
  public:
   // Wraps `base` (a plain, unsharded Linear): shares its weight and bias, frozen, and adds A and
-  // B in the base's dtype and device, initialised as cfg.init says from `seed`.
+  // B in the base's dtype and device, initialised as cfg.init says from `seed`. A quantized base
+  // (QLoRA: nn::QuantizedLinear, held by shared_ptr) is kept whole as this layer's base: this
+  // layer then has no "weight" parameter either, its forward runs the base's dequantizing GEMM,
+  // and A and B take the dtype the base was quantized from, on the base's device.
   LoraLinear(const Linear& base, const LoraConfig& cfg, uint64_t seed);
   at::Tensor forward(const at::Tensor& x) override;
+  // The quantized base (QLoRA), or null for a plain one.
+  const std::shared_ptr<QuantizedLinear>& quantized_base() const { return quantized_base_; }
+  // Moves a quantized base's storage with the module (as QuantizedLinear::to).
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, bool non_blocking = false) override;
   // Tensor-parallel LoRA (A split like the base's input, B like its output) is not built yet:
   // InputError.
   void shard(const ShardSpec& spec) override;
@@ -52,6 +63,7 @@ class LoraLinear : public Linear {
  private:
   int64_t r_;
   double scaling_, dropout_;
+  std::shared_ptr<QuantizedLinear> quantized_base_;
 };
 
 // Whether a parameter name is a LoRA adapter's ("<path>.lora_A.<...>" / "<path>.lora_B.<...>"),
@@ -66,6 +78,7 @@ std::vector<std::string> apply_lora(torch::nn::Module& root, const LoraConfig& c
                                     uint64_t seed = 0);
 
 // Folds every adapter into its base, W + scaling * B A (computed in fp32, stored in W's dtype),
+// (a quantized base dequantized first, the merged weight in the dtype it was quantized from)
 // and puts a plain Linear with that weight (and the base's bias) back in the LoraLinear's place,
 // so the model is an ordinary one again (save_pretrained writes HF weights only). Returns the
 // merged paths. Dropout is an identity at inference, so the merged model computes the adapted

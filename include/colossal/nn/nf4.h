@@ -7,8 +7,8 @@
 // per weight. The rounding follows bitsandbytes' reference kernels (midpoint bounds, ties to the
 // lower level; full blocks multiply by the reciprocal of their absmax, a tail block divides), so
 // codes and scales are bit-for-bit those of `bitsandbytes.functional.quantize_4bit(...,
-// quant_type="nf4")` (tested). ATen ops only: any device runs it; this is the reference the CUDA
-// dequantisation kernels of QLoRA will be tested against.
+// quant_type="nf4")` (tested). Quantisation is ATen ops (any device); dequantisation runs our CUDA
+// kernel on CUDA, tested bit for bit against the ATen reference.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -16,6 +16,8 @@
 #include <array>
 #include <cstdint>
 #include <vector>
+
+#include "colossal/kernels/quant.h"
 
 namespace colossal::nn {
 
@@ -40,7 +42,15 @@ at::Tensor dynamic_map();
 
 // InputError for an empty tensor, a non-floating dtype, blocksize not positive and even.
 NF4Tensor quantize_nf4(const at::Tensor& w, int64_t blocksize = 64, bool double_quant = true);
-// The weight back in its dtype and shape, on the codes' device.
+// The dynamic map on `device` (one cached copy per device).
+at::Tensor dynamic_map_on(const at::Device& device);
+
+// The weight back in its shape, on the codes' device, in its own dtype or `dtype`: our CUDA
+// kernel on CUDA (kernels/quant.h), the ATen reference elsewhere; the reference on any device.
 at::Tensor dequantize_nf4(const NF4Tensor& q);
+at::Tensor dequantize_nf4(const NF4Tensor& q, at::ScalarType dtype);
+at::Tensor dequantize_nf4_reference(const NF4Tensor& q, at::ScalarType dtype);
+// The storage as the kernels read it.
+kernels::NF4View nf4_view(const NF4Tensor& q);
 
 }  // namespace colossal::nn
