@@ -31,7 +31,6 @@
 #include "colossal/app/tensorboard.h"
 #include "colossal/booster/booster.h"
 #include "colossal/checkpoint/atomic.h"
-#include "colossal/checkpoint/lora.h"
 #include "colossal/checkpoint/pretrained.h"
 #include "colossal/checkpoint/safetensors.h"
 #include "colossal/core/accelerator.h"
@@ -361,6 +360,7 @@ class Trainer {
   };
   void build_model();
   void build_quantized_model();
+  void build_lora();  // --lora_r / --lora_adapter through Booster::enable_lora, before boost
   void build_data();
   std::shared_ptr<optim::AdamW> build_optimizer() const;
   void check_tokens(const at::Tensor& inputs, const at::Tensor& targets) const;
@@ -449,6 +449,8 @@ Trainer::Trainer(const TrainConfig& c, const json::Value& config_json)
   } else {
     plugin_ = make_plugin(c.plugin, c.device);
   }
+  booster_ = std::make_unique<Booster>(plugin_);
+  build_lora();
   build_data();
   auto adamw = build_optimizer();
   optim::LRScheduleOptions so;
@@ -461,7 +463,6 @@ Trainer::Trainer(const TrainConfig& c, const json::Value& config_json)
   G_ = c.micro_batch * plugin_->dp_size() * c.accumulation;
   auto loader = plugin_->prepare_dataloader(dataset_, c.micro_batch, c.shuffle,
                                             static_cast<uint64_t>(c.seed), c.accumulation);
-  booster_ = std::make_unique<Booster>(plugin_);
   boosted_ = booster_->boost(model_, adamw, {}, loader, lr_scheduler);
   if (c.device == "cuda") device_ = Accelerator::cuda().device();
 }
@@ -511,8 +512,20 @@ void Trainer::build_model() {
     io.std = cfg.initializer_range;
     nn::init_parameters(*model_, io);
   }
+  if (c_.grad_checkpoint)
+    model_->set_activation_checkpointing(nn::checkpoint_mode_from_string(c_.ckpt_mode));
+  const models::ModelConfig& mcfg = model_->config();
+  COLOSSAL_CHECK_INPUT(c_.seq_len <= mcfg.max_position_embeddings, "seq_len ", c_.seq_len,
+                       " exceeds the model's max_position_embeddings ",
+                       mcfg.max_position_embeddings);
+}
+
+// The adapters go on before the optimizer is built (it takes what trains) and before boost
+// (the plugin places and wraps them with the rest); the Booster keeps their config for
+// save_lora_as_pretrained.
+void Trainer::build_lora() {
   if (!c_.lora_adapter.empty()) {
-    lora_ = checkpoint::load_lora_adapter(*model_, c_.lora_adapter);
+    booster_->enable_lora(model_, c_.lora_adapter);
     log_info("LoRA adapter from ", c_.lora_adapter);
   } else if (c_.lora_r > 0) {
     nn::LoraConfig lc;
@@ -523,9 +536,9 @@ void Trainer::build_model() {
     std::stringstream ss(c_.lora_targets);
     for (std::string t; std::getline(ss, t, ',');)
       if (!t.empty()) lc.target_modules.push_back(t);
-    nn::apply_lora(*model_, lc, static_cast<uint64_t>(c_.seed));
-    lora_ = lc;
+    booster_->enable_lora(model_, lc, static_cast<uint64_t>(c_.seed));
   }
+  if (const nn::LoraConfig* applied = booster_->lora_config(*model_)) lora_ = *applied;
   if (lora_) {
     int64_t trainable = 0, total = 0;
     for (const auto& p : model_->parameters()) {
@@ -540,12 +553,6 @@ void Trainer::build_model() {
     log_info("LoRA: r ", lora_->r, ", alpha ", lora_->lora_alpha, " on ", layers, " layers (",
              targets, "); ", trainable, " of ", total, " parameters train");
   }
-  if (c_.grad_checkpoint)
-    model_->set_activation_checkpointing(nn::checkpoint_mode_from_string(c_.ckpt_mode));
-  const models::ModelConfig& mcfg = model_->config();
-  COLOSSAL_CHECK_INPUT(c_.seq_len <= mcfg.max_position_embeddings, "seq_len ", c_.seq_len,
-                       " exceeds the model's max_position_embeddings ",
-                       mcfg.max_position_embeddings);
 }
 
 void Trainer::build_data() {
@@ -1259,16 +1266,13 @@ TrainResult Trainer::run() {
     finish_async_save();
     if (distributed_ && dist::world_size() > 1) dist::world_cpu().barrier();
   }
-  // The adapter in PEFT's format, read back from the last checkpoint's model folder, which
-  // every plugin writes whole (Gemini's chunks and ZeRO's shards are not the model's tensors).
-  if (lora_ && !result.last_checkpoint.empty() && rank0_) {
+  // The adapter in PEFT's format beside the checkpoints, with the values of the last one (the
+  // model has not changed since): gathered from the plugin's layout (Gemini's chunks, ZeRO's
+  // gathers) by every rank, written by rank 0.
+  if (lora_ && !result.last_checkpoint.empty()) {
     const std::string dir = c_.save_dir + "/adapter";
-    checkpoint::save_lora_adapter(
-        checkpoint::load_state_dict(
-            result.last_checkpoint + "/model",
-            [](const std::string& n) { return nn::is_lora_parameter(n); }, nullptr),
-        *lora_, dir, c_.init);
-    log_info("LoRA adapter (from ", result.last_checkpoint, "): ", dir);
+    booster_->save_lora_as_pretrained(*boosted_.model, dir, c_.init);
+    if (rank0_) log_info("LoRA adapter (as in ", result.last_checkpoint, "): ", dir);
   }
   if (c_.report && rank0_) write_report();
   return result;

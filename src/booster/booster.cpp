@@ -5,7 +5,11 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
+#include <exception>
+
 #include "colossal/booster/plugins/ddp_plugin.h"
+#include "colossal/checkpoint/lora.h"
 #include "colossal/dist/runtime.h"
 
 namespace colossal::booster {
@@ -55,7 +59,13 @@ Boosted Booster::boost(std::shared_ptr<torch::nn::Module> model,
                        std::shared_ptr<optim::LRScheduler> lr_scheduler) {
   plugin_->validate();
   Boosted out;
+  std::erase_if(boosted_, [](const auto& b) { return b.expired(); });
+  if (model) boosted_.push_back(model);
+  std::shared_ptr<const nn::LoraConfig> lora_cfg;  // enable_lora's, for save_lora_as_pretrained
+  for (const auto& [m, cfg] : lora_)
+    if (model && m.lock() == model) lora_cfg = cfg;
   out.model = plugin_->configure_model(std::move(model));
+  if (lora_cfg) out.model->set_lora_config(std::move(lora_cfg));
   if (optimizer) out.optimizer = plugin_->configure_optimizer(std::move(optimizer), *out.model);
   out.criterion = std::move(criterion);
   out.dataloader = std::move(dataloader);
@@ -90,6 +100,130 @@ PipelineOutput Booster::execute_pipeline(const BatchIterator& data_iter, ModelWr
   COLOSSAL_CHECK_INPUT(data_iter, "execute_pipeline: data_iter is empty");
   return plugin_->execute_pipeline(data_iter, model, criterion, optimizer, return_loss,
                                    return_outputs, step);
+}
+
+// ---- LoRA ----
+
+void Booster::check_lora_allowed(const std::shared_ptr<torch::nn::Module>& model) const {
+  COLOSSAL_CHECK_INPUT(model, "Booster::enable_lora: the model is null");
+  COLOSSAL_CHECK_INPUT(plugin_->support_lora(), "Booster::enable_lora: LoRA under plugin '",
+                       plugin_->name(),
+                       "' is not supported yet; use none, ddp, low_level_zero (zero1, zero2), "
+                       "gemini or gemini_auto");
+  for (const auto& b : boosted_)
+    COLOSSAL_CHECK_INPUT(b.lock() != model,
+                         "Booster::enable_lora: the model was boosted already; call enable_lora "
+                         "before boost (the plugin has placed and wrapped its parameters, and "
+                         "the optimizer does not know the adapters)");
+}
+
+std::vector<std::string> Booster::remember_lora(const std::shared_ptr<torch::nn::Module>& model,
+                                                nn::LoraConfig config) {
+  std::erase_if(lora_, [](const auto& e) { return e.first.expired(); });
+  lora_.emplace_back(model, std::make_shared<const nn::LoraConfig>(std::move(config)));
+  std::vector<std::string> paths;
+  for (const auto& m : model->named_modules("", /*include_self=*/false))
+    if (std::dynamic_pointer_cast<nn::LoraLinear>(m.value())) paths.push_back(m.key());
+  return paths;
+}
+
+std::vector<std::string> Booster::enable_lora(const std::shared_ptr<torch::nn::Module>& model,
+                                              const nn::LoraConfig& lora_config, uint64_t seed) {
+  check_lora_allowed(model);
+  nn::apply_lora(*model, lora_config, seed);
+  return remember_lora(model, lora_config);
+}
+
+namespace {
+
+// The first field in which `given` contradicts the adapter folder's `file` config ("" if none).
+std::string lora_config_difference(const nn::LoraConfig& given, const nn::LoraConfig& file) {
+  auto sorted = [](std::vector<std::string> v) {
+    std::sort(v.begin(), v.end());
+    return v;
+  };
+  auto list = [](const std::vector<std::string>& v) {
+    std::string s;
+    for (const auto& t : v) s += (s.empty() ? "" : ",") + t;
+    return "[" + s + "]";
+  };
+  if (given.r != file.r) return str("r = ", given.r, " but the folder's is ", file.r);
+  if (given.lora_alpha != file.lora_alpha)
+    return str("lora_alpha = ", given.lora_alpha, " but the folder's is ", file.lora_alpha);
+  if (given.lora_dropout != file.lora_dropout)
+    return str("lora_dropout = ", given.lora_dropout, " but the folder's is ", file.lora_dropout);
+  if (sorted(given.target_modules) != sorted(file.target_modules))
+    return str("target_modules = ", list(given.target_modules), " but the folder's are ",
+               list(file.target_modules));
+  if (given.bias != file.bias)
+    return str("bias = '", given.bias, "' but the folder's is '", file.bias, "'");
+  if (given.use_rslora != file.use_rslora)
+    return str("use_rslora = ", given.use_rslora ? "true" : "false", " but the folder's is ",
+               file.use_rslora ? "true" : "false");
+  return "";
+}
+
+}  // namespace
+
+std::vector<std::string> Booster::enable_lora(const std::shared_ptr<torch::nn::Module>& model,
+                                              const std::string& pretrained_dir,
+                                              const std::optional<nn::LoraConfig>& lora_config) {
+  check_lora_allowed(model);
+  COLOSSAL_CHECK_INPUT(!pretrained_dir.empty(),
+                       "Booster::enable_lora: pretrained_dir is empty (give an adapter folder, or "
+                       "a LoraConfig for new adapters)");
+  if (lora_config) {
+    const nn::LoraConfig file = checkpoint::read_lora_config(pretrained_dir);
+    const std::string diff = lora_config_difference(*lora_config, file);
+    COLOSSAL_CHECK_INPUT(diff.empty(), "Booster::enable_lora: lora_config contradicts ",
+                         pretrained_dir, "/adapter_config.json: ", diff,
+                         " (the adapter folder decides its config: pass no lora_config, or one "
+                         "that agrees)");
+  }
+  nn::LoraConfig cfg = checkpoint::load_lora_adapter(*model, pretrained_dir);
+  return remember_lora(model, std::move(cfg));
+}
+
+const nn::LoraConfig* Booster::lora_config(const torch::nn::Module& model) const {
+  for (const auto& [m, cfg] : lora_)
+    if (auto p = m.lock(); p.get() == &model) return cfg.get();
+  return nullptr;
+}
+
+void Booster::save_lora_as_pretrained(ModelWrapper& model, const std::string& dir,
+                                      const std::string& base_model) {
+  COLOSSAL_CHECK_INPUT(!dir.empty(), "Booster::save_lora_as_pretrained: the folder is empty");
+  const nn::LoraConfig* cfg = model.lora_config();
+  if (!cfg) {
+    bool has_lora = false;
+    for (const auto& m : model.module().modules(/*include_self=*/false))
+      has_lora = has_lora || std::dynamic_pointer_cast<nn::LoraLinear>(m) != nullptr;
+    COLOSSAL_CHECK_INPUT(!has_lora,
+                         "Booster::save_lora_as_pretrained: the model's LoRA layers were not "
+                         "applied by Booster::enable_lora of the Booster that boosted it, so "
+                         "their config is unknown (use checkpoint::save_lora_adapter with the "
+                         "config)");
+    throw InputError(
+        "Booster::save_lora_as_pretrained: the model has no LoRA adapters (call "
+        "Booster::enable_lora before boost)");
+  }
+  const checkpoint::TensorList adapters = checkpoint_io_->gather_model_tensors(
+      model, [](const std::string& name) { return nn::is_lora_parameter(name); });
+  const bool multi = dist::is_initialized() && dist::world_size() > 1;
+  std::exception_ptr error;
+  if (!multi || dist::rank() == 0) {
+    try {
+      checkpoint::save_lora_adapter(adapters, *cfg, dir, base_model);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  // Rank 0's verdict reaches every rank, which all return (or throw) together.
+  at::Tensor failed = at::full({1}, error ? 1 : 0, at::kInt);
+  if (multi) dist::world_cpu().all_reduce(failed, dist::ReduceOp::Max);
+  if (error) std::rethrow_exception(error);
+  COLOSSAL_CHECK(failed.item<int>() == 0,
+                 "Booster::save_lora_as_pretrained: rank 0 failed to write the adapter to ", dir);
 }
 
 checkpoint::AsyncWriter& Booster::async_writer() {

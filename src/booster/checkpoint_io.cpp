@@ -108,6 +108,45 @@ void DataParallelCheckpointIO::load_model(ModelWrapper& model, const std::string
   if (optimizer) optimizer->sync_masters_from_params();
 }
 
+checkpoint::TensorList CheckpointIO::gather_model_tensors(
+    ModelWrapper& model, const std::function<bool(const std::string&)>& select) {
+  (void)model;
+  (void)select;
+  throw InputError(
+      "this plugin's checkpoint IO cannot gather parts of the model (gather_model_tensors)");
+}
+
+checkpoint::TensorList DataParallelCheckpointIO::gather_model_tensors(
+    ModelWrapper& model, const std::function<bool(const std::string&)>& select) {
+  checkpoint::TensorList out;
+  const bool writer = is_writer();
+  const checkpoint::TensorList state = checkpoint::module_state(model.module());
+  auto take = [&](const std::string& name, const at::Tensor& t) {
+    if (writer)
+      out.emplace_back(name, t.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
+  };
+  if (!model.streams_weights()) {  // full on every rank once in-flight gathers landed
+    model.wait_weights();
+    for (const auto& [name, t] : state)
+      if (select(name)) take(name, t);
+    return out;
+  }
+  // Gemini: only the chunks holding selected tensors are gathered, one at a time, in the same
+  // order on every rank; each tensor is copied before the next read may release its chunk.
+  try {
+    for (const auto& [name, t] : state) {
+      if (!select(name)) continue;
+      model.read_weight(t);
+      take(name, t);
+    }
+  } catch (...) {
+    model.end_weight_reads();
+    throw;
+  }
+  model.end_weight_reads();
+  return out;
+}
+
 bool FileStateSource::find(const std::string& name, std::vector<int64_t>* shape) const {
   const checkpoint::TensorInfo* info = reader_.find(name);
   if (!info) return false;

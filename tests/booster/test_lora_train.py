@@ -5,8 +5,8 @@ PEFT with torch.optim.AdamW (decay 0.1 on the adapter matrices), the cosine sche
 gradient clipping at 1.0 and the same samples (no shuffle). Our loss per step equals PEFT's, the
 trained adapter we write to <save_dir>/adapter equals PEFT's trained adapter, and the base weights
 in our last checkpoint are bit-for-bit the initial ones. One process, two DDP ranks, ZeRO-2 and Gemini
-at two ranks give one curve and one adapter (read back from each one's last checkpoint). Plugins we do not support yet and contradicting options
-are named errors.
+at two ranks give one curve and one adapter (Booster::save_lora_as_pretrained, gathered from each
+layout; PEFT loads Gemini's). Plugins we do not support yet and contradicting options are named errors.
 
 Tolerances (fp32, CPU): step 1 sees identical weights, only the forward implementations differ:
 1e-5 (tests/nn/test_lora_peft.py). Later steps carry AdamW's amplification of those differences
@@ -146,6 +146,18 @@ def test_plugins_give_one_curve(work):
         opt = load_file(str(work / name / "ck" / f"step-{STEPS:08d}" / "optimizer.safetensors"))
         assert opt and all(".lora_" in k for k in opt), (name, [k for k in opt if ".lora_" not in k][:3])
         assert sum(t.numel() for t in opt.values()) == 2 * sum(t.numel() for t in a1.values()), name
+    # PEFT loads the folder Booster::save_lora_as_pretrained gathered from Gemini's chunks.
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+    folder = work / "lay_gemini" / "ck" / "adapter"
+    peft = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(str(work / "base")), str(folder))
+    assert peft.peft_config["default"].r == 4
+    assert sorted(peft.peft_config["default"].target_modules) == ["down_proj", "q_proj", "v_proj"]
+    loaded = {n.replace(".default", ""): p.detach() for n, p in peft.named_parameters() if "lora_" in n}
+    saved = load_file(str(folder / "adapter_model.safetensors"))
+    assert loaded.keys() == saved.keys()
+    for k in saved:
+        assert torch.equal(loaded[k], saved[k]), k
 
 
 def test_bad_options_are_named(work):

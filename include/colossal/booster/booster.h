@@ -9,15 +9,19 @@
 //   optimizer->step();  optimizer->zero_grad();
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "colossal/booster/checkpoint_io.h"
 #include "colossal/booster/plugin.h"
 #include "colossal/booster/wrappers.h"
 #include "colossal/checkpoint/atomic.h"
+#include "colossal/nn/lora.h"
 
 namespace colossal::optim {
 class LRScheduler;
@@ -62,6 +66,45 @@ class Booster {
   // The plugin's own when it controls its checkpoint IO, else DataParallelCheckpointIO; every
   // save_* / load_* below delegates to it.
   CheckpointIO& checkpoint_io() { return *checkpoint_io_; }
+
+  // ColossalAI's enable_lora(model, pretrained_dir, lora_config): LoRA adapters on `model`'s
+  // linear layers named in target_modules (nn::apply_lora: every other parameter is frozen, the
+  // adapters train), before this Booster boosts it; returns the adapted module paths. Build the
+  // optimizer afterwards, over the parameters that require grad. The config is kept with the
+  // model (boost hands it to the ModelWrapper) for save_lora_as_pretrained.
+  //   booster.enable_lora(model, nn::LoraConfig{.r = 8, .lora_alpha = 16,
+  //                                             .target_modules = {"q_proj", "v_proj"}});
+  //   auto [wrapped, opt] = booster.boost(model, adamw_over_trainable(model));
+  //   ... train ...
+  //   booster.save_lora_as_pretrained(*wrapped, "out/adapter");
+  // InputError when the plugin does not support_lora() (naming it), the model was boosted by
+  // this Booster already, or for nn::apply_lora's reasons (bad config, a target matching no
+  // linear layer, a layer with LoRA already). `seed` initialises A (B starts at zero).
+  std::vector<std::string> enable_lora(const std::shared_ptr<torch::nn::Module>& model,
+                                       const nn::LoraConfig& lora_config, uint64_t seed = 0);
+  // The same from a PEFT adapter folder (adapter_config.json + adapter_model.safetensors, as
+  // save_lora_as_pretrained or peft's save_pretrained write it) to continue training it
+  // (ColossalAI's pretrained_dir: PeftModel.from_pretrained(is_trainable=True)). The folder's
+  // adapter_config.json decides the config; a lora_config given as well must agree with it
+  // (r, lora_alpha, lora_dropout, target_modules in any order, bias, use_rslora; init does not
+  // matter for loaded weights), else an InputError naming the field and the file (ColossalAI
+  // ignores lora_config then). The adapter's tensors load strictly (checkpoint::load_lora_adapter).
+  std::vector<std::string> enable_lora(const std::shared_ptr<torch::nn::Module>& model,
+                                       const std::string& pretrained_dir,
+                                       const std::optional<nn::LoraConfig>& lora_config = {});
+  // The config enable_lora applied to `model` (before or after boost); null when it did not.
+  const nn::LoraConfig* lora_config(const torch::nn::Module& model) const;
+  // ColossalAI's save_lora_as_pretrained(model, checkpoint, use_safetensors): the adapters' trained
+  // values in PEFT's folder format (checkpoint/lora.h: adapter_config.json with the config of
+  // enable_lora, adapter_model.safetensors under PEFT's tensor names, always safetensors), so
+  // peft.PeftModel.from_pretrained and enable_lora(model, dir) load it. `base_model` goes to
+  // base_model_name_or_path. Collective: every rank calls it; the adapters alone are gathered
+  // from wherever the plugin holds them (CheckpointIO::gather_model_tensors: Gemini's chunks one
+  // at a time, never the whole model), and global rank 0 writes the two files into `dir`
+  // (created; each file atomic, the config last; other files there stay). A write error on rank 0
+  // is raised on every rank. InputError when the model has no LoRA from enable_lora.
+  void save_lora_as_pretrained(ModelWrapper& model, const std::string& dir,
+                               const std::string& base_model = "");
 
   // ColossalAI's boost(model, optimizer, criterion, dataloader, lr_scheduler).
   Boosted boost(std::shared_ptr<torch::nn::Module> model,
@@ -122,6 +165,15 @@ class Booster {
   std::shared_ptr<Plugin> plugin_;
   std::shared_ptr<CheckpointIO> checkpoint_io_;
   std::unique_ptr<checkpoint::AsyncWriter> async_;  // made by the first use_async save
+  // enable_lora's checks; records `config` for `model`.
+  void check_lora_allowed(const std::shared_ptr<torch::nn::Module>& model) const;
+  std::vector<std::string> remember_lora(const std::shared_ptr<torch::nn::Module>& model,
+                                         nn::LoraConfig config);
+  // The modules boost() was given (enable_lora refuses them) and the configs enable_lora
+  // applied, by module (weak: the Booster does not keep models alive).
+  std::vector<std::weak_ptr<torch::nn::Module>> boosted_;
+  std::vector<std::pair<std::weak_ptr<torch::nn::Module>, std::shared_ptr<const nn::LoraConfig>>>
+      lora_;
   bool async_pending_ = false;
 };
 

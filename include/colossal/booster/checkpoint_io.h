@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "colossal/checkpoint/hf.h"
@@ -34,6 +35,14 @@ class CheckpointIO {
   virtual void load_optimizer(OptimizerWrapper& optimizer, const std::string& dir) = 0;
   virtual void save_lr_scheduler(optim::LRScheduler& scheduler, const std::string& file) = 0;
   virtual void load_lr_scheduler(optim::LRScheduler& scheduler, const std::string& file) = 0;
+  // The tensors of module_state(model.module()) whose names `select` accepts, full and copied to
+  // the host, on global rank 0 in module_state() order (other ranks get an empty list); however
+  // the layout holds them (ZeRO's gathers in flight, Gemini's chunks), without gathering the rest
+  // of the model. Collective: every rank calls it with the same `select`. For small parts of a
+  // model such as LoRA adapters (Booster::save_lora_as_pretrained). Default: InputError (the IO
+  // does not implement it).
+  virtual checkpoint::TensorList gather_model_tensors(
+      ModelWrapper& model, const std::function<bool(const std::string&)>& select);
 };
 
 // An optimizer checkpoint (`optimizer.safetensors` + its scalars) read tensor by tensor from
@@ -75,6 +84,8 @@ class DataParallelCheckpointIO : public CheckpointIO {
   void load_optimizer(OptimizerWrapper& optimizer, const std::string& dir) override;
   void save_lr_scheduler(optim::LRScheduler& scheduler, const std::string& file) override;
   void load_lr_scheduler(optim::LRScheduler& scheduler, const std::string& file) override;
+  checkpoint::TensorList gather_model_tensors(
+      ModelWrapper& model, const std::function<bool(const std::string&)>& select) override;
 
  private:
   void save_model_streamed(ModelWrapper& model, const std::string& dir,

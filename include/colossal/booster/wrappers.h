@@ -20,6 +20,9 @@ class Module;
 namespace colossal::amp {
 class DynamicGradScaler;
 }
+namespace colossal::nn {
+struct LoraConfig;
+}
 namespace colossal::optim {
 struct StateDict;
 class StateSource;
@@ -61,8 +64,14 @@ class ModelWrapper {
   }
   virtual void end_weight_reads() {}
 
+  // The LoRA config Booster::enable_lora applied to the module (null when it has none from
+  // there): what Booster::save_lora_as_pretrained writes to adapter_config.json.
+  const nn::LoraConfig* lora_config() const { return lora_config_.get(); }
+  void set_lora_config(std::shared_ptr<const nn::LoraConfig> cfg) { lora_config_ = std::move(cfg); }
+
  private:
   std::shared_ptr<torch::nn::Module> module_;
+  std::shared_ptr<const nn::LoraConfig> lora_config_;
 };
 
 class OptimizerWrapper {

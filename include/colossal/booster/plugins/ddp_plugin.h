@@ -40,6 +40,7 @@ class DDPPlugin : public Plugin {
   std::vector<Precision> supported_precisions() const override;
   std::vector<std::string> supported_devices() const override { return {"cpu", "cuda"}; }
   bool support_no_sync() const override { return true; }
+  bool support_lora() const override { return true; }
   Precision precision() const override { return precision_; }
   std::string device() const override { return options_.device; }
   int dp_rank() const override;
@@ -68,6 +69,7 @@ class NonePlugin : public Plugin {
   std::vector<Precision> supported_precisions() const override;
   std::vector<std::string> supported_devices() const override { return {"cpu", "cuda"}; }
   bool support_no_sync() const override { return true; }
+  bool support_lora() const override { return true; }
   Precision precision() const override { return precision_; }
   std::string device() const override { return device_; }
   int dp_rank() const override { return 0; }

@@ -74,6 +74,7 @@ class LowLevelZeroPlugin : public Plugin {
   std::vector<Precision> supported_precisions() const override;
   std::vector<std::string> supported_devices() const override { return {"cpu", "cuda"}; }
   bool support_no_sync() const override { return true; }
+  bool support_lora() const override { return true; }
   Precision precision() const override { return precision_; }
   std::string device() const override { return options_.device; }
   int dp_rank() const override { return comm_.rank(); }
