@@ -80,6 +80,10 @@ class Booster {
   // InputError when the plugin does not support_lora() (naming it), the model was boosted by
   // this Booster already, or for nn::apply_lora's reasons (bad config, a target matching no
   // linear layer, a layer with LoRA already). `seed` initialises A (B starts at zero).
+  // QLoRA (ColossalAI's quantize=True, bitsandbytes NF4): give enable_lora a model whose linear
+  // layers are nn::QuantizedLinear already: checkpoint::load_pretrained(dir, {.quantize = ...})
+  // quantizes them as the folder is read (the full-precision model never exists), or
+  // nn::quantize_linears(model, cfg) quantizes a built one; the adapters go on top the same way.
   std::vector<std::string> enable_lora(const std::shared_ptr<torch::nn::Module>& model,
                                        const nn::LoraConfig& lora_config, uint64_t seed = 0);
   // The same from a PEFT adapter folder (adapter_config.json + adapter_model.safetensors, as
