@@ -179,6 +179,10 @@ void TrainConfig::validate() const {
       plugin.hybrid.pp_size,
       ": the pipeline stages recompute what num_ckpt_layers_per_stage says; "
       "give that instead");
+  COLOSSAL_CHECK_INPUT(quantize == "none" || !is_hybrid_plugin(plugin.name), "option 'quantize' (",
+                       quantize, ") under plugin '", plugin.name,
+                       "' is not supported: quantized bases are not sharded or split into "
+                       "pipeline stages; use none, ddp, low_level_zero, zero1, zero2 or gemini");
   COLOSSAL_CHECK_INPUT(quantize == "none" || lora, "option 'quantize' (", quantize,
                        ") needs LoRA (lora_r or lora_adapter): a quantized base is frozen, so "
                        "only adapters can train on it");

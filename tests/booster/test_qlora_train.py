@@ -177,6 +177,7 @@ def test_bad_options_are_named(work):
     for extra, needle in [
             (["--quantize", "nf4"], "option 'quantize' (nf4) needs LoRA"),
             (["--quantize", "int3", "--lora_r", "4"], "int3"),
+            (["--quantize", "nf4", "--lora_r", "4", "--plugin", "hybrid"], "under plugin 'hybrid' is not supported"),
     ]:
         p = subprocess.run(args + extra, capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and needle in p.stderr, (extra, p.returncode, p.stderr[-2000:])
