@@ -27,11 +27,14 @@
 #include <fstream>
 #include <functional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "colossal/core/accelerator.h"
+#include "colossal/kernels/fp8.h"
 #include "colossal/kernels/fused.h"
+#include "colossal/kernels/quant.h"
 
 using namespace colossal;
 namespace K = colossal::kernels;
@@ -466,6 +469,68 @@ void bench_sum_squares() {
   g_rows.push_back(r);
 }
 
+// FP8 training's casts (issue 20) at the 7b shapes: our two-pass kernels (amax, then data and
+// its transpose) against the ATen composite; bytes: two reads of the input and the fp8 writes.
+void bench_fp8_cast() {
+  const std::vector<std::pair<std::string, std::vector<int64_t>>> cases =
+      g_cuda
+          ? std::vector<std::pair<std::string, std::vector<int64_t>>>{{"x 7b", {4096, 4096}},
+                                                                      {"x 7b mlp", {4096, 11008}},
+                                                                      {"w down", {4096, 11008}}}
+          : std::vector<std::pair<std::string, std::vector<int64_t>>>{{"tiny", {256, 512}}};
+  at::NoGradGuard ng;
+  for (const auto& [name, shape] : cases)
+    for (bool transpose : {false, true}) {
+      at::Tensor x = at::randn(shape, opts());
+      const double n = double(shape[0]) * double(shape[1]);
+      Row r{"fp8_cast", name + (transpose ? " +T" : ""), shape_str({shape[0], shape[1]}), "fwd"};
+      r.fused_ms = median_ms([&] { K::cast_to_fp8(x, at::kFloat8_e4m3fn, false, transpose); });
+      r.aten_ms =
+          median_ms([&] { K::cast_to_fp8_reference(x, at::kFloat8_e4m3fn, false, transpose); });
+      r.bytes = 2 * n * kBf16 + n * (transpose ? 2 : 1);
+      g_rows.push_back(r);
+    }
+}
+
+// FP8 GEMM rate (at::_scaled_mm, tensorwise, fast accumulation) against the bf16 GEMM at the 7b
+// layer shapes, 4096 tokens: "fused" is FP8, "aten" bf16; flops 2 M N K.
+void bench_fp8_gemm() {
+  const int64_t m = 4096;
+  at::NoGradGuard ng;
+  for (const auto& [name, n, k] : std::vector<std::tuple<std::string, int64_t, int64_t>>{
+           {"q/k/v/o", 4096, 4096}, {"gate/up", 11008, 4096}, {"down", 4096, 11008}}) {
+    at::Tensor a = at::randn({m, k}, opts()), b = at::randn({n, k}, opts()) * 0.02;
+    K::Fp8Tensor qa = K::cast_to_fp8(a, at::kFloat8_e4m3fn, false, false);
+    K::Fp8Tensor qb = K::cast_to_fp8(b, at::kFloat8_e4m3fn, false, false);
+    Row r{"fp8_gemm", name, shape_str({m, n, k}), "fwd"};
+    r.fused_ms = median_ms([&] {
+      at::_scaled_mm(qa.data, qb.data.t(), qa.inv_scale, qb.inv_scale, std::nullopt, std::nullopt,
+                     at::kBFloat16, true);
+    });
+    r.aten_ms = median_ms([&] { at::mm(a, b.t()); });
+    r.flops = 2.0 * double(m) * double(n) * double(k);
+    g_rows.push_back(r);
+  }
+}
+
+// QLoRA's NF4 dequantisation (double quantisation) of a 7b MLP weight into bf16: our kernel
+// against the ATen reference; bytes: the codes and constants read, the bf16 weight written.
+void bench_nf4_dequantize() {
+  const int64_t rows = g_cuda ? 11008 : 256, cols = g_cuda ? 4096 : 512, n = rows * cols;
+  K::NF4View v;
+  v.numel = n;
+  v.codes = at::randint(0, 256, {(n + 1) / 2}, opts(at::kByte));
+  v.absmax = at::randint(0, 256, {n / 64}, opts(at::kByte));
+  v.absmax2 = at::rand({(n / 64 + 255) / 256}, opts(at::kFloat));
+  v.dmap = at::linspace(-1, 1, 256, opts(at::kFloat));
+  v.offset = 0.01f;
+  Row r{"nf4_dequant", "7b mlp", shape_str({rows, cols}), "fwd"};
+  r.fused_ms = median_ms([&] { K::dequantize_nf4(v, at::kBFloat16); });
+  r.aten_ms = median_ms([&] { K::dequantize_nf4_reference(v, at::kBFloat16); });
+  r.bytes = double(n) / 2 + double(n) / 64 + double(n) * kBf16;
+  g_rows.push_back(r);
+}
+
 void print_and_save() {
   std::printf("\n%-11s %-24s %-30s %-7s %10s %10s %7s %9s %7s\n", "kernel", "case", "shape", "dir",
               "fused ms", "aten ms", "speedup", "GB/s|TF", "%ceil");
@@ -563,6 +628,11 @@ const std::vector<Op>& ops() {
       {"sum_squares", "sum of squares over a Llama gradient list (the norm's pass)", false,
        bench_sum_squares},
       {"fused_adamw", "multi-tensor AdamW over a Llama parameter list", false, adamw_cases},
+      {"fp8_cast", "FP8 e4m3 cast with current scaling (and transpose) at 7b shapes", false,
+       bench_fp8_cast},
+      {"fp8_gemm", "FP8 _scaled_mm vs bf16 GEMM at the 7b layer shapes", true, bench_fp8_gemm},
+      {"nf4_dequant", "NF4 (double-quantised) dequantisation of a 7b MLP weight to bf16", false,
+       bench_nf4_dequantize},
       {"sdpa", "SDPA backends (flash, cuDNN, memory-efficient) at the W1/W2 shapes", true,
        sdpa_cases},
   };

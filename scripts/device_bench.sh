@@ -268,6 +268,26 @@ PYEOF
       tail -3 "$LOGS/lora_$mode.log"
     done
     base hf_peft_lora7b --model 7b --bs 1 --seq 4096 --r 16 --alpha 32 ;;
+  fp8)
+    # Issue 20: FP8 linear layers (--use_fp8) against our bf16, side by side in one call, in the
+    # order bf16 fp8 fp8 bf16 (drift cancels): W2 (7b, seq 4096, batch 1) and W1 (1b, seq 2048,
+    # batch 8) with the tensorwise recipe, then W2 rowwise once; the cast, FP8-GEMM and NF4
+    # micro-benchmarks of bench_kernels.
+    step "FP8: cast / GEMM kernels"
+    for op in fp8_cast fp8_gemm nf4_dequant; do
+      timeout 120 "$BUILD/bench/bench_kernels" --op $op --reps 20 > "$LOGS/bk_$op.log" 2>&1
+      grep -E "^$op" "$LOGS/bk_$op.log" | tee -a "$SUMMARY"
+    done
+    step "FP8: W2 / W1 bf16 vs fp8"
+    for w in ${FP8_WORKLOADS:-w2 w1}; do
+      for mode in bf16 fp8 fp8 bf16; do
+        n=$(ls "$LOGS" | grep -c "^fp8_${w}_${mode}" || true)
+        extra=""; [ $mode = fp8 ] && extra="--use_fp8 true --fp8_recipe tensorwise"
+        if [ $w = w2 ]; then ours "fp8_${w}_${mode}$n" -c 7b -p ddp -b 1 -l 4096 -s ${FP8_STEPS:-10} -i 3 $extra
+        else ours "fp8_${w}_${mode}$n" -c 1b -p ddp -b 8 -l 2048 -s ${FP8_STEPS:-12} -i 3 $extra; fi
+      done
+    done
+    ours fp8_w2_rowwise -c 7b -p ddp -b 1 -l 4096 -s ${FP8_STEPS:-10} -i 3 --use_fp8 true --fp8_recipe rowwise ;;
   qlora)
     # Issue 21: QLoRA on one H200. The 70b shape with its linear layers stored in NF4 (double
     # quantisation) on the GPU, quantized as each weight is initialised (`--quantize nf4`), LoRA

@@ -27,6 +27,7 @@
 #include "colossal/models/llama/config.h"
 #include "colossal/models/llama/model.h"
 #include "colossal/nn/checkpointing.h"
+#include "colossal/nn/fp8_linear.h"
 #include "colossal/nn/init.h"
 #include "colossal/optim/adamw.h"
 
@@ -57,6 +58,12 @@ void BenchConfig::register_options(OptionSet& s) {
            "recompute mode: full (every layer) or attention (selective); implies -g")
       .add("bench", "ckpt_layers", &ckpt_layers,
            "recompute only the first N decoder layers (with -g/--ckpt_mode)")
+      .add("bench", "use_fp8", &use_fp8,
+           "FP8 GEMMs in the linear layers (current scaling; emulated on the CPU)")
+      .add("bench", "fp8_recipe", &fp8_recipe, "FP8 scaling: tensorwise | rowwise",
+           {"tensorwise", "rowwise"})
+      .add("bench", "fp8_exclude", &fp8_exclude,
+           "comma-separated: linear layers whose path contains one of these stay out of FP8")
       .add("bench", "xformers", &flash_attention,
            "flash attention: SDPA already picks its flash kernel on GPU")
       .alias("xformers", "-x")
@@ -210,6 +217,7 @@ json::Value BenchReport::to_json() const {
   c.set("device", config.device);
   c.set("grad_checkpoint", config.checkpointing);
   c.set("ckpt_layers", config.ckpt_layers);
+  c.set("fp8", config.use_fp8 ? config.fp8_recipe : std::string("off"));
   c.set("attn_backend", config.attn_backend);
   c.set("fused_kernels", config.fused_kernels);
   c.set("cuda_graph", config.cuda_graph);
@@ -374,6 +382,16 @@ std::shared_ptr<models::CausalLM> build_model(const BenchConfig& c, const at::De
   if (rank0) log_info("bench: parameters initialised on ", device, " in ", since(t_init), " s");
   model->set_activation_checkpointing(nn::checkpoint_mode_from_string(c.checkpointing),
                                       c.ckpt_layers);
+  if (c.use_fp8) {
+    nn::Fp8Config fc;
+    fc.recipe = c.fp8_recipe;
+    fc.exclude.clear();
+    std::stringstream ss(c.fp8_exclude);
+    for (std::string t; std::getline(ss, t, ',');)
+      if (!t.empty()) fc.exclude.push_back(t);
+    const auto paths = nn::convert_to_fp8(*model, fc, device);
+    if (rank0) log_info("bench: FP8 (", fc.recipe, ") on ", paths.size(), " linear layers");
+  }
   kernels::set_enabled(c.fused_kernels);
   set_sdpa_backend(c.attn_backend);
   return model;

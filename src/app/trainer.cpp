@@ -44,6 +44,7 @@
 #include "colossal/dist/runtime.h"
 #include "colossal/models/llama/config.h"
 #include "colossal/models/llama/model.h"
+#include "colossal/nn/fp8_linear.h"
 #include "colossal/nn/init.h"
 #include "colossal/nn/lora.h"
 #include "colossal/nn/quantized_linear.h"
@@ -86,6 +87,14 @@ void TrainConfig::register_options(OptionSet& s) {
            "what grad_checkpoint recomputes: full (each decoder layer) or attention (its core "
            "attention only)",
            {"full", "attention"})
+      .add("model", "use_fp8", &use_fp8,
+           "FP8 GEMMs in the linear layers (current scaling; emulated on the CPU)")
+      .add("model", "fp8_recipe", &fp8_recipe,
+           "FP8 scaling: tensorwise (one scale per tensor, all GEMMs in FP8) or rowwise (one "
+           "per row, weight gradients in the working precision)",
+           {"tensorwise", "rowwise"})
+      .add("model", "fp8_exclude", &fp8_exclude,
+           "comma-separated: linear layers whose path contains one of these stay out of FP8")
       .add("train", "micro_batch", &micro_batch, "sequences per rank per micro-step (B)")
       .add("train", "accumulation", &accumulation, "micro-steps per optimizer step")
       .add("train", "steps", &steps, "optimizer steps in total")
@@ -183,6 +192,13 @@ void TrainConfig::validate() const {
                        quantize, ") under plugin '", plugin.name,
                        "' is not supported: quantized bases are not sharded or split into "
                        "pipeline stages; use none, ddp, low_level_zero, zero1, zero2 or gemini");
+  COLOSSAL_CHECK_INPUT(!use_fp8 || !lora,
+                       "options 'use_fp8' and LoRA (lora_r / lora_adapter) cannot be combined "
+                       "yet: the adapters' base GEMMs would not run in FP8");
+  COLOSSAL_CHECK_INPUT(!use_fp8 || !is_hybrid_plugin(plugin.name),
+                       "option 'use_fp8' under plugin '", plugin.name,
+                       "' is not supported yet (tensor-parallel FP8); use none, ddp, "
+                       "low_level_zero, zero1, zero2 or gemini");
   COLOSSAL_CHECK_INPUT(quantize == "none" || lora, "option 'quantize' (", quantize,
                        ") needs LoRA (lora_r or lora_adapter): a quantized base is frozen, so "
                        "only adapters can train on it");
@@ -518,6 +534,19 @@ void Trainer::build_model() {
   }
   if (c_.grad_checkpoint)
     model_->set_activation_checkpointing(nn::checkpoint_mode_from_string(c_.ckpt_mode));
+  if (c_.use_fp8) {
+    nn::Fp8Config fc;
+    fc.recipe = c_.fp8_recipe;
+    fc.exclude.clear();
+    std::stringstream ss(c_.fp8_exclude);
+    for (std::string t; std::getline(ss, t, ',');)
+      if (!t.empty()) fc.exclude.push_back(t);
+    const at::Device dev =
+        c_.device == "cuda" ? Accelerator::cuda().device() : at::Device(at::kCPU);
+    const auto paths = nn::convert_to_fp8(*model_, fc, dev);
+    log_info("FP8 (", fc.recipe, dev.is_cpu() ? ", emulated on the CPU" : "", "): ", paths.size(),
+             " linear layers; kept out: ", c_.fp8_exclude.empty() ? "none" : c_.fp8_exclude);
+  }
   const models::ModelConfig& mcfg = model_->config();
   COLOSSAL_CHECK_INPUT(c_.seq_len <= mcfg.max_position_embeddings, "seq_len ", c_.seq_len,
                        " exceeds the model's max_position_embeddings ",

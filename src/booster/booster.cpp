@@ -10,6 +10,7 @@
 
 #include "colossal/booster/plugins/ddp_plugin.h"
 #include "colossal/checkpoint/lora.h"
+#include "colossal/core/weights_epoch.h"
 #include "colossal/dist/runtime.h"
 
 namespace colossal::booster {
@@ -277,6 +278,7 @@ void Booster::load_model(ModelWrapper& model, const std::string& path, bool stri
                          OptimizerWrapper* optimizer) {
   wait_async_save();
   checkpoint_io_->load_model(model, path, strict, optimizer);
+  bump_weights_epoch();
 }
 
 void Booster::save_optimizer(OptimizerWrapper& optimizer, const std::string& dir, bool use_async) {

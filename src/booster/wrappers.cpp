@@ -6,6 +6,7 @@
 
 #include "colossal/amp/grad_scaler.h"
 #include "colossal/core/logging.h"
+#include "colossal/core/weights_epoch.h"
 #include "colossal/optim/optimizer.h"
 
 namespace colossal::booster {
@@ -62,6 +63,7 @@ void OptimizerWrapper::drop_grads() {
 }
 
 bool OptimizerWrapper::step() {
+  bump_weights_epoch();  // whatever the plugin writes below, weight-derived caches are stale
   if (!norm_valid_) last_norm_ = grad_norm_now();
   norm_valid_ = false;
   const double max_norm = max_norm_ > 0 ? max_norm_ : default_max_norm_;

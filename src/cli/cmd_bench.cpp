@@ -22,13 +22,14 @@ namespace {
 
 using colossal::InputError;
 
-// Flags of ColossalAI's benchmark that need what we do not have yet (extra dp, fp8):
+// Flags of ColossalAI's benchmark that need what we do not have yet (extra dp, fp8
+// communication; --use_fp8 itself is BenchConfig's):
 // only their trivial values are accepted; the Gemini/3d tuning switches are accepted and warned
 // about.
 struct HybridFlags {
   int64_t extra_dp = 1;
   std::string memory_limit;
-  bool custom_ckpt = false, nsys = false, use_fp8_comm = false, use_fp8 = false;
+  bool custom_ckpt = false, nsys = false, use_fp8_comm = false;
   bool disable_async_reduce = false, no_cache = false, overlap_p2p = false;
 
   void register_options(colossal::OptionSet& s) {
@@ -36,7 +37,6 @@ struct HybridFlags {
         .add("3d", "custom_ckpt", &custom_ckpt, "3d's custom layer split (not available)")
         .add("3d", "nsys", &nsys, "nsys ranges (not available)")
         .add("3d", "use_fp8_comm", &use_fp8_comm, "fp8 communication (not available)")
-        .add("3d", "use_fp8", &use_fp8, "fp8 linear layers (not available)")
         .add("3d", "disable_async_reduce", &disable_async_reduce,
              "Gemini only: accepted, no effect on our plugins")
         .add("3d", "no_cache", &no_cache, "Gemini only: accepted, no effect on our plugins")
@@ -54,7 +54,7 @@ struct HybridFlags {
     };
     need("extra_dp", extra_dp, 1, "extra data parallelism (gemini/3d)");
     for (auto [name, on] : {std::pair{"custom_ckpt", custom_ckpt}, std::pair{"nsys", nsys},
-                            std::pair{"use_fp8_comm", use_fp8_comm}, std::pair{"use_fp8", use_fp8}})
+                            std::pair{"use_fp8_comm", use_fp8_comm}})
       if (on) throw InputError(colossal::str("--", name, " is not available in colossal.cpp yet"));
   }
 

@@ -102,4 +102,12 @@ void nf4_dequantize(const uint8_t* codes, const float* absmax, const uint8_t* ab
 void fp8_rows_dequantize(const uint8_t* codes, const float* scale, void* out, int64_t rows,
                          int64_t cols, DType dt, Stream stream);
 
+// ---- FP8 casts with current scaling (kernels/fp8.h): x [rows, cols] contiguous of `dt`;
+// e5m2 false: float8_e4m3fn, true: float8_e5m2. amax: fp32 [1] (tensorwise) or [rows]
+// (rowwise), written; scale / inv_scale likewise; out [rows, cols] and out_t [cols, rows]
+// (nullptr: not written) raw fp8 bytes. ----
+void fp8_cast(const void* x, int64_t rows, int64_t cols, bool rowwise, bool e5m2, float fp8_max,
+              float* amax, float* scale, float* inv_scale, uint8_t* out, uint8_t* out_t, DType dt,
+              Stream stream);
+
 }  // namespace colossal::kernels::cuda

@@ -9,6 +9,7 @@
 #include <set>
 
 #include "colossal/core/error.h"
+#include "colossal/core/weights_epoch.h"
 
 namespace colossal::optim {
 namespace {
@@ -54,6 +55,7 @@ void Optimizer::step(double grad_divisor) {
   COLOSSAL_CHECK(grad_divisor > 0 && std::isfinite(grad_divisor),
                  "optimizer: grad_divisor must be finite and > 0, got ", grad_divisor);
   grad_divisor_ = grad_divisor;
+  bump_weights_epoch();
   c10::NoGradGuard no_grad;
   for (auto& g : groups_) {
     // Plain parameters (updated in place) and master-backed ones (fp32 master updated, working

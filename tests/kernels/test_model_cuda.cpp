@@ -14,10 +14,12 @@
 #include <vector>
 
 #include "colossal/core/accelerator.h"
+#include "colossal/kernels/fp8.h"
 #include "colossal/kernels/fused.h"
 #include "colossal/models/llama/config.h"
 #include "colossal/models/llama/model.h"
 #include "colossal/nn/attention.h"
+#include "colossal/nn/fp8_linear.h"
 #include "colossal/nn/init.h"
 #include "colossal/nn/lora.h"
 #include "colossal/nn/nf4.h"
@@ -307,4 +309,119 @@ TEST(ModelCuda, QuantizedBasesUnderLoraAreNeverFusedAway) {
   EXPECT_LE((fused - composite).abs().max().item<double>(), 1e-4 * scale);
   EXPECT_LE((fused - reference).abs().max().item<double>(), 1e-4 * scale);
   EXPECT_GT((fused - unquantized).abs().max().item<double>(), 1e-3 * scale);
+}
+
+namespace {
+// Freed caching-allocator blocks filled with NaN bytes, so outputs allocated next that a kernel
+// leaves unwritten differ from the reference.
+void poison_gpu(const at::Device& dev) {
+  std::vector<at::Tensor> keep;
+  for (int i = 0; i < 32; ++i)
+    keep.push_back(at::full({1 << 18}, NAN, at::TensorOptions().device(dev)));
+  keep.push_back(at::full({int64_t(1) << 25}, NAN, at::TensorOptions().device(dev)));
+  Accelerator::cuda().synchronize();
+}
+}  // namespace
+
+// FP8 casts (kernels/fp8.h): our kernels against the ATen reference on the same GPU tensor, bit
+// for bit (data, transpose, inverse scales), both formats, per tensor and per row, every input
+// dtype, tile-aligned and ragged shapes, outputs over NaN-poisoned memory.
+TEST(ModelCuda, Fp8CastKernelsEqualTheReference) {
+  if (!Accelerator::cuda().available()) GTEST_SKIP() << "no CUDA device";
+  const at::Device dev = Accelerator::cuda().device();
+  at::manual_seed(8);
+  const std::vector<std::vector<int64_t>> shapes{{4096, 1024}, {77, 130}, {1, 16}, {33, 2049}};
+  for (const auto& shape : shapes)
+    for (auto dt : {at::kFloat, at::kBFloat16, at::kHalf}) {
+      at::Tensor x = (at::randn(shape) * 3).to(dt).to(dev);
+      for (auto fmt : {at::kFloat8_e4m3fn, at::kFloat8_e5m2})
+        for (bool rowwise : {false, true}) {
+          poison_gpu(dev);
+          kernels::Fp8Tensor k = kernels::cast_to_fp8(x, fmt, rowwise, !rowwise);
+          kernels::Fp8Tensor r = kernels::cast_to_fp8_reference(x, fmt, rowwise, !rowwise);
+          const std::string what = std::to_string(shape[0]) + "x" + std::to_string(shape[1]) + " " +
+                                   c10::toString(dt) + " " + c10::toString(fmt) +
+                                   (rowwise ? " rowwise" : " tensorwise");
+          EXPECT_TRUE(at::equal(k.data.view(at::kByte), r.data.view(at::kByte))) << what;
+          EXPECT_TRUE(at::equal(k.inv_scale.reshape(-1), r.inv_scale.reshape(-1))) << what;
+          if (!rowwise) {
+            EXPECT_TRUE(at::equal(k.data_t.view(at::kByte), r.data_t.view(at::kByte))) << what;
+          }
+        }
+    }
+}
+
+// The FP8 layer on CUDA (at::_scaled_mm over our casts) against its CPU emulation on the same
+// bf16 tensors: the casts are bitwise the same (above), so only the GEMMs' accumulation order
+// and the bf16 rounding of their outputs differ: 4e-3 norm-wise (bf16's half ulp is 2^-9 = 2e-3).
+TEST(ModelCuda, Fp8LinearEqualsItsEmulation) {
+  if (!Accelerator::cuda().available()) GTEST_SKIP() << "no CUDA device";
+  const at::Device dev = Accelerator::cuda().device();
+  for (const std::string recipe : {"tensorwise", "rowwise"}) {
+    at::manual_seed(9);
+    auto make = [&](const at::Device& d) {
+      auto base =
+          std::make_shared<nn::Linear>(nn::LinearOptions(1024, 512).bias(false).tensor_options(
+              at::TensorOptions().dtype(at::kBFloat16).device(d)));
+      return base;
+    };
+    auto gbase = make(dev), cbase = make(at::Device(at::kCPU));
+    at::Tensor w = (at::randn({512, 1024}) * 0.03).to(at::kBFloat16);
+    gbase->weight().set_data(w.to(dev));
+    cbase->weight().set_data(w.clone());
+    nn::Fp8Config cfg;
+    cfg.recipe = recipe;
+    nn::Fp8Linear g(*gbase, cfg), c(*cbase, cfg);
+    at::Tensor x = at::randn({4, 256, 1024}).to(at::kBFloat16);
+    at::Tensor dy = at::randn({4, 256, 512}).to(at::kBFloat16);
+    at::Tensor xg = x.to(dev).requires_grad_(), xc = x.clone().requires_grad_();
+    at::Tensor yg = g.forward(xg), yc = c.forward(xc);
+    yg.backward(dy.to(dev));
+    yc.backward(dy);
+    auto nrel = [](const at::Tensor& a, const at::Tensor& b) {
+      return ((a.cpu().to(at::kFloat) - b.to(at::kFloat)).norm() / b.to(at::kFloat).norm())
+          .item<double>();
+    };
+    EXPECT_LE(nrel(yg, yc), 4e-3) << recipe;
+    EXPECT_LE(nrel(xg.grad(), xc.grad()), 4e-3) << recipe;
+    EXPECT_LE(nrel(g.weight().grad(), c.weight().grad()), 4e-3) << recipe;
+    std::printf("fp8 %s: CUDA vs emulation y %.2e dx %.2e dW %.2e\n", recipe.c_str(), nrel(yg, yc),
+                nrel(xg.grad(), xc.grad()), nrel(g.weight().grad(), c.weight().grad()));
+  }
+}
+
+// A bf16 model with FP8 layers on the GPU: the same with the fused kernels on and off (RMSNorm,
+// rotary, SwiGLU and the loss still fused around the FP8 GEMMs), different from the plain bf16
+// model (no fused path bypasses an FP8 layer), and each FP8 layer cast its weight once.
+TEST(ModelCuda, Fp8LayersAreNeverFusedAway) {
+  if (!Accelerator::cuda().available()) GTEST_SKIP() << "no CUDA device";
+  models::ModelConfig cfg = models::ModelConfig::preset("tiny");
+  const at::Device dev = Accelerator::cuda().device();
+  auto make = [&] {
+    auto m = std::make_shared<models::CausalLM>(cfg, at::TensorOptions().device(at::kMeta));
+    nn::InitOptions io;
+    io.seed = 3;
+    io.std = cfg.initializer_range;
+    io.device = dev;
+    io.dtype = at::kBFloat16;
+    nn::init_parameters(*m, io);
+    return m;
+  };
+  auto model = make(), plain = make();
+  nn::convert_to_fp8(*model, nn::Fp8Config{}, dev);
+  at::manual_seed(4);
+  at::Tensor ids = at::randint(0, cfg.vocab_size, {2, 64}, at::kLong).to(dev);
+  kernels::set_enabled(true);
+  at::Tensor fused = model->forward(ids).to(at::kFloat);
+  at::Tensor bf16 = plain->forward(ids).to(at::kFloat);
+  kernels::set_enabled(false);
+  at::Tensor composite = model->forward(ids).to(at::kFloat);
+  kernels::set_enabled(true);
+  const double scale = composite.abs().max().item<double>();
+  EXPECT_LE((fused - composite).abs().max().item<double>(), 3e-2 * scale);
+  EXPECT_GT((fused - bf16).abs().max().item<double>(), 1e-3 * scale);
+  auto q = std::dynamic_pointer_cast<nn::Fp8Linear>(
+      nn::find_module(*model, "model.layers.0.self_attn.q_proj"));
+  ASSERT_TRUE(q);
+  EXPECT_EQ(q->weight_casts(), 1);
 }

@@ -27,7 +27,11 @@ struct BenchConfig {
   booster::PluginOptions plugin;
   std::string device;            // cpu | cuda ("" until resolve(): cuda when a GPU is visible)
   bool grad_checkpoint = false;  // -g: recompute every decoder layer
-  std::string ckpt_mode;         // full | attention (implies -g)
+  // FP8 linear layers (nn/fp8_linear.h; ColossalAI's use_fp8): recipe and excluded paths.
+  bool use_fp8 = false;
+  std::string fp8_recipe = "tensorwise";
+  std::string fp8_exclude = "lm_head";
+  std::string ckpt_mode;               // full | attention (implies -g)
   std::string checkpointing = "none";  // resolved: none | full | attention
   int64_t ckpt_layers = -1;            // recompute only the first N decoder layers (-1: all)
   std::string attn_backend = "auto";   // SDPA backend: auto | flash | cudnn | efficient | math

@@ -50,6 +50,12 @@ struct TrainConfig {
   // recomputes every layer in backward, attention only its core attention. Under hybrid with
   // pp_size > 1 the plugin's num_ckpt_layers_per_stage decides instead.
   bool grad_checkpoint = false;
+  // FP8 training (nn/fp8_linear.h, ColossalAI's use_fp8): the linear layers' GEMMs in FP8 with
+  // current scaling, by recipe; layers whose path contains one of fp8_exclude (comma-separated)
+  // stay in the working precision. On the CPU the FP8 arithmetic is emulated.
+  bool use_fp8 = false;
+  std::string fp8_recipe = "tensorwise";
+  std::string fp8_exclude = "lm_head";
   std::string ckpt_mode = "full";
   // [train]
   int64_t micro_batch = 4;

@@ -1,0 +1,32 @@
+// FP8 casts for FP8 training (nn/fp8_linear.h), with current scaling: scale = fp8_max / amax over
+// the whole tensor (tensorwise) or over each row (rowwise), data = round-to-nearest-even of
+// x * scale saturated to the format's range, and inv_scale = 1 / scale, the factor a scaled GEMM
+// (at::_scaled_mm) multiplies back. On CUDA our kernels (src/kernels/fp8.cu) read the tensor once
+// for the amax and once for the cast, which writes the data and, when asked, its transpose in
+// the same pass (the backward GEMMs need both layouts), with the scale kept on the device (no
+// host synchronisation); elsewhere the ATen reference runs. Both compute the same fp32 scale and
+// products, so they agree bit for bit (tested on the GPU).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "colossal/kernels/enabled.h"
+
+namespace colossal::kernels {
+
+// The largest finite value of float8_e4m3fn (448) or float8_e5m2 (57344); InputError otherwise.
+double fp8_max(at::ScalarType fp8);
+
+struct Fp8Tensor {
+  at::Tensor data;       // fp8 [rows, cols], row-major
+  at::Tensor data_t;     // fp8 [cols, rows], row-major: the transpose (when asked; tensorwise)
+  at::Tensor inv_scale;  // fp32 [1] (tensorwise) or [rows, 1] (rowwise): x ~ data * inv_scale
+};
+
+// x: 2-D float, bfloat16 or half (made contiguous). fp8: float8_e4m3fn or float8_e5m2.
+// transpose: also data_t (tensorwise only: InputError with rowwise).
+Fp8Tensor cast_to_fp8(const at::Tensor& x, at::ScalarType fp8, bool rowwise, bool transpose);
+Fp8Tensor cast_to_fp8_reference(const at::Tensor& x, at::ScalarType fp8, bool rowwise,
+                                bool transpose);
+
+}  // namespace colossal::kernels

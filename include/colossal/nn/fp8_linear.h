@@ -1,0 +1,76 @@
+// FP8 training's linear layer kind (ColossalAI's use_fp8): Fp8Linear takes a projection's place
+// (replace_module; convert_to_fp8) and runs its three GEMMs in FP8 with fp32 accumulation, the
+// weight and bias staying the ordinary (bf16 working / fp32 master) parameters the plugins and
+// optimizers see, so checkpoints never hold FP8. Recipes (current scaling, kernels/fp8.h):
+//   tensorwise  one scale per tensor: x and W in e4m3, the output gradient in e5m2; all three
+//               GEMMs (y, dx, dW) in FP8; x is kept for backward as its fp8 transpose (half the
+//               memory of bf16).
+//   rowwise     one scale per row: x, W and dy in e4m3 for y and dx (W cast again along its other
+//               dimension for dx); dW in the input's precision (the per-row scales of x and dy run
+//               along the wrong dimension for it), x kept as is.
+// The weight's casts are cached per weight version (bumped by every optimizer step), so a step
+// of several micro-batches casts each weight once, not once per micro-batch. On CUDA the GEMMs
+// are at::_scaled_mm (compute capability 8.9+), the casts our kernels; elsewhere (the CPU: make
+// test) an emulation runs the same casts, then dequantizes and multiplies in fp32, so the
+// scaling logic is the one the GPU runs. Being a derived Linear it is never fused with its
+// siblings: q/k/v and gate/up run one FP8 GEMM each.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "colossal/kernels/fp8.h"
+#include "colossal/nn/linear.h"
+
+namespace colossal::nn {
+
+struct Fp8Config {
+  std::string recipe = "tensorwise";  // tensorwise | rowwise
+  // Linear layers left in the working precision: those whose module path contains one of these
+  // (default: the LM head, whose logits feed the loss).
+  std::vector<std::string> exclude{"lm_head"};
+  // InputError naming the recipe when it is not one of the above.
+  void validate() const;
+};
+
+class Fp8Linear : public Linear {
+ public:
+  // Wraps a plain, unsharded Linear: shares its weight and bias (re-pointed, not copied).
+  // InputError for in/out features that are not multiples of 16 (the FP8 GEMMs' rule).
+  Fp8Linear(const Linear& base, const Fp8Config& cfg);
+  at::Tensor forward(const at::Tensor& x) override;
+  // Tensor-parallel FP8 is not built: InputError.
+  void shard(const ShardSpec& spec) override;
+  const std::string& recipe() const { return cfg_.recipe; }
+  // How many times the weight has been cast to FP8 (tests: once per optimizer step).
+  int64_t weight_casts() const { return weight_casts_; }
+
+  // The weight's casts for this forward: from the cache while the weight is unchanged.
+  struct WeightCasts {
+    kernels::Fp8Tensor w;    // [out, in] (tensorwise: with its transpose)
+    kernels::Fp8Tensor w_t;  // rowwise: [in, out] cast along the other dimension
+  };
+
+ private:
+  const WeightCasts& weight_casts_for(const at::Tensor& w);
+  Fp8Config cfg_;
+  WeightCasts cache_;
+  const void* cache_impl_ = nullptr;
+  const void* cache_data_ = nullptr;
+  int64_t cache_version_ = -1;
+  int64_t cache_epoch_ = -1;
+  at::ScalarType cache_dtype_ = at::kFloat;
+  int64_t weight_casts_ = 0;
+};
+
+// Replaces every plain nn::Linear under `root` whose path contains none of cfg.exclude with an
+// Fp8Linear; returns the paths. InputError for an invalid config, a sharded layer, a layer whose
+// sizes are not multiples of 16, and on a CUDA device below compute capability 8.9 (named).
+std::vector<std::string> convert_to_fp8(torch::nn::Module& root, const Fp8Config& cfg,
+                                        const at::Device& device);
+
+}  // namespace colossal::nn

@@ -1,0 +1,75 @@
+// FP8 casts with current scaling (kernels/fp8.h): argument checks, the ATen reference and the
+// device dispatch (CUDA kernels in fp8.cu).
+#include "colossal/kernels/fp8.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+
+#include "colossal/core/accelerator.h"
+#include "kernels/op_common.h"
+
+namespace colossal::kernels {
+
+#ifdef COLOSSAL_WITH_CUDA
+COLOSSAL_REGISTER_CUDA_KERNEL("fp8_cast");
+#endif
+
+using namespace detail;
+
+double fp8_max(at::ScalarType fp8) {
+  if (fp8 == at::kFloat8_e4m3fn) return 448.0;
+  if (fp8 == at::kFloat8_e5m2) return 57344.0;
+  throw InputError(str("fp8: ", fp8, " is not an FP8 format (float8_e4m3fn, float8_e5m2)"));
+}
+
+namespace {
+
+void check_cast(const at::Tensor& x, at::ScalarType fp8, bool rowwise, bool transpose) {
+  check_dtype("cast_to_fp8", "x", x);
+  COLOSSAL_CHECK_INPUT(x.dim() == 2, "cast_to_fp8: x must be 2-D, got ", x.sizes());
+  fp8_max(fp8);
+  COLOSSAL_CHECK_INPUT(!(rowwise && transpose),
+                       "cast_to_fp8: a rowwise cast has no transpose (its scales run along the "
+                       "other dimension); cast the transposed tensor instead");
+}
+
+}  // namespace
+
+Fp8Tensor cast_to_fp8_reference(const at::Tensor& x, at::ScalarType fp8, bool rowwise,
+                                bool transpose) {
+  check_cast(x, fp8, rowwise, transpose);
+  const double m = fp8_max(fp8);
+  at::Tensor xf = x.to(at::kFloat);
+  at::Tensor amax = rowwise ? xf.abs().amax(1, /*keepdim=*/true) : xf.abs().amax().reshape({1});
+  at::Tensor scale = at::full_like(amax, m) / amax.clamp_min(1e-12);
+  Fp8Tensor out;
+  out.data = (xf * scale).clamp(-m, m).to(fp8).contiguous();
+  if (transpose) out.data_t = out.data.t().contiguous();
+  out.inv_scale = scale.reciprocal();
+  return out;
+}
+
+Fp8Tensor cast_to_fp8(const at::Tensor& x, at::ScalarType fp8, bool rowwise, bool transpose) {
+  if (path_for(x) != Path::Cuda) return cast_to_fp8_reference(x, fp8, rowwise, transpose);
+  check_cast(x, fp8, rowwise, transpose);
+  at::Tensor xc = x.contiguous();
+  const int64_t rows = xc.size(0), cols = xc.size(1), count = rowwise ? rows : 1;
+  auto f32 = xc.options().dtype(at::kFloat);
+  at::Tensor amax = at::empty({count}, f32), scale = at::empty({count}, f32);
+  Fp8Tensor out;
+  out.inv_scale = at::empty(rowwise ? std::vector<int64_t>{rows, 1} : std::vector<int64_t>{1}, f32);
+  out.data = at::empty({rows, cols}, xc.options().dtype(fp8));
+  if (transpose) out.data_t = at::empty({cols, rows}, xc.options().dtype(fp8));
+#ifdef COLOSSAL_WITH_CUDA
+  c10::DeviceGuard guard(xc.device());
+  cuda::fp8_cast(xc.const_data_ptr(), rows, cols, rowwise, fp8 == at::kFloat8_e5m2,
+                 static_cast<float>(fp8_max(fp8)), amax.mutable_data_ptr<float>(),
+                 scale.mutable_data_ptr<float>(), out.inv_scale.mutable_data_ptr<float>(),
+                 static_cast<uint8_t*>(out.data.mutable_data_ptr()),
+                 transpose ? static_cast<uint8_t*>(out.data_t.mutable_data_ptr()) : nullptr,
+                 cuda_dtype(xc.scalar_type()), stream_of(xc));
+#endif
+  return out;
+}
+
+}  // namespace colossal::kernels

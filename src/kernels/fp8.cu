@@ -1,0 +1,123 @@
+// CUDA kernels of the FP8 casts with current scaling (kernels/fp8.h): the amax (of the tensor
+// or of each row), the scales from it on the device, then one pass that writes the fp8 data and,
+// when asked, its transpose through a shared-memory tile. The scale and the products are the
+// reference's fp32 operations (__fdiv_rn, __frcp_rn, __fmul_rn), and the conversion rounds to
+// nearest even and saturates like ATen's, so the output equals the reference bit for bit.
+#include <cuda_fp8.h>
+
+#include "kernels/cuda_common.cuh"
+
+namespace colossal::kernels::cuda {
+
+namespace {
+using namespace detail;
+
+constexpr int kBlock = 256;
+constexpr int kTile = 32;
+
+// Tensorwise amax: a grid-stride max of |x|, one atomicMax per block on the fp32 bits (|x| >= 0,
+// so the bit patterns order as the values). NaN propagates as the largest pattern.
+template <typename T>
+__global__ void amax_kernel(const T* __restrict__ x, int64_t n, float* __restrict__ amax) {
+  __shared__ float red[32];
+  float m = 0.f;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    m = fmaxf(m, fabsf(to_f(x[i])));
+  m = block_max<kBlock>(m, red);
+  if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned int*>(amax), __float_as_uint(m));
+}
+
+// Rowwise amax: one block per row (grid-stride over rows).
+template <typename T>
+__global__ void amax_rows_kernel(const T* __restrict__ x, int64_t rows, int64_t cols,
+                                 float* __restrict__ amax) {
+  __shared__ float red[32];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* row = x + r * cols;
+    float m = 0.f;
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) m = fmaxf(m, fabsf(to_f(row[c])));
+    m = block_max<kBlock>(m, red);
+    if (threadIdx.x == 0) amax[r] = m;
+  }
+}
+
+// scale = fp8_max / max(amax, 1e-12), inv_scale = 1 / scale, per entry.
+__global__ void scales_kernel(const float* __restrict__ amax, int64_t count, float fp8_max,
+                              float* __restrict__ scale, float* __restrict__ inv_scale) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const float a = amax[i];  // NaN propagates, as through the reference's clamp_min
+    const float s = isnan(a) ? a : __fdiv_rn(fp8_max, fmaxf(a, 1e-12f));
+    scale[i] = s;
+    inv_scale[i] = __frcp_rn(s);
+  }
+}
+
+template <bool E5M2>
+__device__ __forceinline__ uint8_t to_fp8(float v, float fp8_max) {
+  if (!isnan(v)) v = fminf(fmaxf(v, -fp8_max), fp8_max);
+  return static_cast<uint8_t>(
+      __nv_cvt_float_to_fp8(v, __NV_SATFINITE, E5M2 ? __NV_E5M2 : __NV_E4M3));
+}
+
+// One kTile x kTile tile per block (blockDim kTile x 8): out = fp8(x * scale) row-major, and
+// out_t its transpose, both written with consecutive threads on consecutive bytes.
+template <typename T, bool E5M2>
+__global__ void cast_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, bool rowwise,
+                            const float* __restrict__ scale, float fp8_max,
+                            uint8_t* __restrict__ out, uint8_t* __restrict__ out_t) {
+  __shared__ uint8_t tile[kTile][kTile + 4];
+  const int64_t r0 = blockIdx.y * int64_t(kTile), c0 = blockIdx.x * int64_t(kTile);
+  for (int dy = threadIdx.y; dy < kTile; dy += blockDim.y) {
+    const int64_t r = r0 + dy, c = c0 + threadIdx.x;
+    if (r < rows && c < cols) {
+      const float s = rowwise ? scale[r] : scale[0];
+      const uint8_t q = to_fp8<E5M2>(__fmul_rn(to_f(x[r * cols + c]), s), fp8_max);
+      out[r * cols + c] = q;
+      tile[dy][threadIdx.x] = q;
+    }
+  }
+  if (out_t == nullptr) return;
+  __syncthreads();
+  for (int dx = threadIdx.y; dx < kTile; dx += blockDim.y) {
+    const int64_t c = c0 + dx, r = r0 + threadIdx.x;
+    if (r < rows && c < cols) out_t[c * rows + r] = tile[threadIdx.x][dx];
+  }
+}
+
+}  // namespace
+
+void fp8_cast(const void* x, int64_t rows, int64_t cols, bool rowwise, bool e5m2, float fp8_max,
+              float* amax, float* scale, float* inv_scale, uint8_t* out, uint8_t* out_t, DType dt,
+              Stream stream) {
+  const int64_t n = rows * cols;
+  if (n == 0) return;
+  const int64_t count = rowwise ? rows : 1;
+  dispatch(dt, [&](auto tag) {
+    using T = decltype(tag);
+    const T* xt = static_cast<const T*>(x);
+    if (rowwise) {
+      const int grid = int(std::min<int64_t>(rows, int64_t(sm_count()) * 16));
+      amax_rows_kernel<T><<<grid, kBlock, 0, stream>>>(xt, rows, cols, amax);
+    } else {
+      check(cudaMemsetAsync(amax, 0, sizeof(float), stream), "fp8 amax reset");
+      amax_kernel<T><<<grid_for(n, kBlock), kBlock, 0, stream>>>(xt, n, amax);
+    }
+    check_launch("fp8 amax");
+    scales_kernel<<<grid_for(count, kBlock), kBlock, 0, stream>>>(amax, count, fp8_max, scale,
+                                                                  inv_scale);
+    check_launch("fp8 scales");
+    const dim3 grid(unsigned((cols + kTile - 1) / kTile), unsigned((rows + kTile - 1) / kTile));
+    const dim3 block(kTile, 8);
+    if (e5m2)
+      cast_kernel<T, true>
+          <<<grid, block, 0, stream>>>(xt, rows, cols, rowwise, scale, fp8_max, out, out_t);
+    else
+      cast_kernel<T, false>
+          <<<grid, block, 0, stream>>>(xt, rows, cols, rowwise, scale, fp8_max, out, out_t);
+    check_launch("fp8 cast");
+  });
+}
+
+}  // namespace colossal::kernels::cuda

@@ -1,0 +1,194 @@
+// FP8 linear layers (colossal/nn/fp8_linear.h).
+#include "colossal/nn/fp8_linear.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <optional>
+#include <typeinfo>
+
+#include "colossal/core/accelerator.h"
+#include "colossal/core/error.h"
+#include "colossal/core/weights_epoch.h"
+
+namespace colossal::nn {
+
+namespace {
+
+LinearOptions on_meta(LinearOptions o) {
+  o.tensor_options(at::TensorOptions().device(at::kMeta));
+  return o;
+}
+
+// a @ b^T for fp8 a [M, K] and b [N, K] (row-major) whose values are data * inv_scale (inv
+// scales: [1], or [M, 1] / [N, 1] per row), as `out` dtype. CUDA: at::_scaled_mm (b.t() is the
+// column-major operand it wants); elsewhere the emulation: dequantize both to fp32, multiply.
+at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& a_inv, const at::Tensor& b,
+                     const at::Tensor& b_inv, at::ScalarType out, bool fast_accum) {
+  if (a.is_cuda()) {
+    const at::Tensor sb = b_inv.numel() == 1 ? b_inv : b_inv.reshape({1, -1});
+    return at::_scaled_mm(a, b.t(), a_inv, sb, std::nullopt, std::nullopt, out, fast_accum);
+  }
+  return at::mm(a.to(at::kFloat) * a_inv, (b.to(at::kFloat) * b_inv).t()).to(out);
+}
+
+// y = x W^T (+ b) with the recipe's FP8 GEMMs. Non-variable arguments: the weight's casts
+// (tensorwise {w data, w data_t, w inv}; rowwise {w data, w inv, w_t data, w_t inv}).
+struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                            const std::vector<at::Tensor>& wc, bool rowwise) {
+    const int64_t k = x.size(-1), n = w.size(0);
+    const at::Tensor x2 = x.reshape({-1, k});
+    const bool need_dw = w.requires_grad();
+    std::vector<int64_t> out_shape = x.sizes().vec();
+    out_shape.back() = n;
+    ctx->saved_data["rowwise"] = rowwise;
+    ctx->saved_data["x_shape"] = x.sizes().vec();
+    ctx->saved_data["bias_grad"] = bias && bias->requires_grad();
+    ctx->saved_data["w_dtype"] = static_cast<int64_t>(w.scalar_type());
+    at::Tensor y;
+    if (!rowwise) {
+      kernels::Fp8Tensor xq = kernels::cast_to_fp8(x2, at::kFloat8_e4m3fn, false, need_dw);
+      y = scaled_mm(xq.data, xq.inv_scale, wc[0], wc[2], x.scalar_type(), true);
+      ctx->save_for_backward({need_dw ? xq.data_t : at::Tensor(), xq.inv_scale, wc[1], wc[2]});
+    } else {
+      kernels::Fp8Tensor xq = kernels::cast_to_fp8(x2, at::kFloat8_e4m3fn, true, false);
+      y = scaled_mm(xq.data, xq.inv_scale, wc[0], wc[1], x.scalar_type(), true);
+      ctx->save_for_backward({need_dw ? x2 : at::Tensor(), wc[2], wc[3]});
+    }
+    if (bias) y = y + *bias;
+    return y.view(out_shape);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad) {
+    if (!grad[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), {}};
+    const auto x_shape = ctx->saved_data["x_shape"].toIntVector();
+    const bool rowwise = ctx->saved_data["rowwise"].toBool();
+    const auto w_dtype = static_cast<at::ScalarType>(ctx->saved_data["w_dtype"].toInt());
+    auto saved = ctx->get_saved_variables();
+    const int64_t k = x_shape.back();
+    const at::Tensor dy = grad[0].reshape({-1, grad[0].size(-1)}).contiguous();
+    const bool need_dw = saved[0].defined();
+    at::Tensor dx, dw;
+    if (!rowwise) {
+      // dy in e5m2 (gradients need range more than precision), with its transpose for dW.
+      kernels::Fp8Tensor dq = kernels::cast_to_fp8(dy, at::kFloat8_e5m2, false, need_dw);
+      dx = scaled_mm(dq.data, dq.inv_scale, saved[2], saved[3], dy.scalar_type(), false);
+      if (need_dw) dw = scaled_mm(dq.data_t, dq.inv_scale, saved[0], saved[1], w_dtype, false);
+    } else {
+      kernels::Fp8Tensor dq = kernels::cast_to_fp8(dy, at::kFloat8_e4m3fn, true, false);
+      dx = scaled_mm(dq.data, dq.inv_scale, saved[1], saved[2], dy.scalar_type(), false);
+      if (need_dw) dw = at::mm(dy.t(), saved[0].to(dy.scalar_type())).to(w_dtype);
+    }
+    at::Tensor db;
+    if (ctx->saved_data["bias_grad"].toBool()) db = dy.sum(0);
+    (void)k;
+    return {dx.view(x_shape), dw, db, at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+void Fp8Config::validate() const {
+  COLOSSAL_CHECK_INPUT(recipe == "tensorwise" || recipe == "rowwise", "fp8: recipe '", recipe,
+                       "' is not supported (tensorwise | rowwise)");
+}
+
+Fp8Linear::Fp8Linear(const Linear& base, const Fp8Config& cfg)
+    : Linear(on_meta(base.options())), cfg_(cfg) {
+  cfg_.validate();
+  COLOSSAL_CHECK_INPUT(!base.shard_spec(), "fp8: ", base.name(),
+                       " is sharded; tensor-parallel FP8 is not supported yet (convert before "
+                       "the plugin shards the model, with tp_size 1)");
+  COLOSSAL_CHECK_INPUT(base.in_features() % 16 == 0 && base.out_features() % 16 == 0,
+                       "fp8: ", base.name(), " is [", base.out_features(), ", ", base.in_features(),
+                       "]; FP8 GEMMs need both sizes divisible by 16 (exclude it: --fp8_exclude)");
+  replace_parameter("weight", base.weight());
+  if (has_bias()) replace_parameter("bias", base.param("bias"));
+}
+
+const Fp8Linear::WeightCasts& Fp8Linear::weight_casts_for(const at::Tensor& w) {
+  const uint64_t epoch = weights_epoch();
+  if (cache_impl_ == w.unsafeGetTensorImpl() && cache_data_ == w.const_data_ptr() &&
+      cache_version_ == static_cast<int64_t>(w._version()) &&
+      cache_epoch_ == static_cast<int64_t>(epoch) && cache_dtype_ == w.scalar_type())
+    return cache_;
+  at::NoGradGuard ng;
+  const at::Tensor wd = w.detach();
+  if (cfg_.recipe == "tensorwise") {
+    cache_.w = kernels::cast_to_fp8(wd, at::kFloat8_e4m3fn, false, true);
+    cache_.w_t = {};
+  } else {
+    cache_.w = kernels::cast_to_fp8(wd, at::kFloat8_e4m3fn, true, false);
+    cache_.w_t = kernels::cast_to_fp8(wd.t().contiguous(), at::kFloat8_e4m3fn, true, false);
+  }
+  cache_impl_ = w.unsafeGetTensorImpl();
+  cache_data_ = w.const_data_ptr();
+  cache_version_ = static_cast<int64_t>(w._version());
+  cache_epoch_ = static_cast<int64_t>(epoch);
+  cache_dtype_ = w.scalar_type();
+  ++weight_casts_;
+  return cache_;
+}
+
+at::Tensor Fp8Linear::forward(const at::Tensor& x) {
+  ForwardScope scope(*this);
+  const at::Tensor& w = weight();
+  COLOSSAL_CHECK_INPUT(
+      !x.is_cuda() || cfg_.recipe == "tensorwise" || x.scalar_type() == at::kBFloat16,
+      "fp8: the rowwise recipe on CUDA needs bf16 activations (", name(), " gets ", x.scalar_type(),
+      "): train with precision bf16");
+  COLOSSAL_CHECK_INPUT(!x.is_cuda() || (x.numel() / x.size(-1)) % 16 == 0, "fp8: ", name(),
+                       " gets ", x.numel() / x.size(-1),
+                       " tokens; the FP8 weight-gradient GEMM needs a multiple of 16 (choose "
+                       "micro_batch * seq_len accordingly)");
+  const WeightCasts& c = weight_casts_for(w);
+  std::vector<at::Tensor> wc;
+  if (cfg_.recipe == "tensorwise")
+    wc = {c.w.data, c.w.data_t, c.w.inv_scale};
+  else
+    wc = {c.w.data, c.w.inv_scale, c.w_t.data, c.w_t.inv_scale};
+  const at::Tensor b = has_bias() ? param("bias") : at::Tensor();
+  return Fp8LinearFn::apply(x, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt, wc,
+                            cfg_.recipe == "rowwise");
+}
+
+void Fp8Linear::shard(const ShardSpec& spec) {
+  (void)spec;
+  throw InputError(str("fp8: ", name(),
+                       " cannot be sharded; tensor-parallel FP8 is not supported yet (tp_size 1)"));
+}
+
+std::vector<std::string> convert_to_fp8(torch::nn::Module& root, const Fp8Config& cfg,
+                                        const at::Device& device) {
+  cfg.validate();
+  if (device.is_cuda()) {
+    const auto devices = cuda_devices();
+    const int idx = device.has_index() ? device.index() : 0;
+    COLOSSAL_CHECK_INPUT(idx >= 0 && idx < static_cast<int>(devices.size()), "fp8: CUDA device ",
+                         idx, " is not visible");
+    const auto& d = devices[static_cast<size_t>(idx)];
+    COLOSSAL_CHECK_INPUT(d.major * 10 + d.minor >= 89, "fp8: ", d.name, " (compute capability ",
+                         d.major, ".", d.minor,
+                         ") has no FP8 tensor cores; FP8 training needs 8.9 (Ada) or 9.0 (Hopper)");
+  }
+  std::vector<std::string> paths;
+  for (const auto& item : root.named_modules("", false)) {
+    auto lin = std::dynamic_pointer_cast<Linear>(item.value());
+    if (!lin || typeid(*lin) != typeid(Linear)) continue;
+    const std::string& path = item.key();
+    bool excluded = false;
+    for (const auto& e : cfg.exclude)
+      if (!e.empty() && path.find(e) != std::string::npos) excluded = true;
+    if (!excluded) paths.push_back(path);
+  }
+  for (const auto& path : paths) {
+    auto lin = std::dynamic_pointer_cast<Linear>(find_module(root, path));
+    replace_module(root, path, std::make_shared<Fp8Linear>(*lin, cfg));
+  }
+  return paths;
+}
+
+}  // namespace colossal::nn

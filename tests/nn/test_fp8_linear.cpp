@@ -1,0 +1,227 @@
+// FP8 linear layers on the CPU (nn/fp8_linear.h, kernels/fp8.h): the emulation path that runs the
+// same casts and scaling logic as the CUDA one. The casts: amax maps to the format's largest
+// value, every value within the format's rounding of x, the transpose is the data's transpose.
+// The layer: forward and both gradients against an fp64 reference within the bound that the
+// quantization of each operand gives (stated below); the weight cast once per weight version
+// and optimizer step; the conversion of a model (excluded paths stay plain); named errors.
+// The CUDA kernels and _scaled_mm against this emulation: tests/kernels/test_model_cuda.cpp.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <string>
+
+#include "colossal/core/error.h"
+#include "colossal/core/weights_epoch.h"
+#include "colossal/kernels/fp8.h"
+#include "colossal/models/llama/model.h"
+#include "colossal/nn/fp8_linear.h"
+#include "colossal/nn/init.h"
+
+using namespace colossal;
+using namespace colossal::nn;
+
+namespace {
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+// The largest rounding error of the cast of x (fp64, x's scale) element by element: relative
+// half a unit in the last place for normal values (e4m3: 3 mantissa bits, 2^-4; e5m2: 2^-3),
+// absolute half the subnormal spacing below the smallest normal (e4m3: 2^-10; e5m2: 2^-17), in
+// the scaled domain, so divided by the scale, i.e. times inv_scale.
+at::Tensor cast_error_bound(const at::Tensor& x, const at::Tensor& inv_scale, bool e5m2) {
+  const double rel = e5m2 ? 0.125 : 0.0625,
+               sub = e5m2 ? std::ldexp(1.0, -17) : std::ldexp(1.0, -10);
+  at::Tensor a = x.to(at::kDouble).abs() * rel;
+  at::Tensor b = inv_scale.to(at::kDouble) * sub;
+  return at::maximum(a, b.expand_as(a)) * (1 + 1e-6);
+}
+
+// |a b^T - (a~ b~^T)| <= |a| eb^T + ea |b|^T + ea eb^T elementwise (ea, eb: the operands' cast
+// error bounds), plus fp32 accumulation: 1e-5 of sum |a||b|.
+at::Tensor product_bound(const at::Tensor& a, const at::Tensor& ea, const at::Tensor& b,
+                         const at::Tensor& eb) {
+  at::Tensor aa = a.to(at::kDouble).abs(), bb = b.to(at::kDouble).abs();
+  return at::mm(aa, eb.t()) + at::mm(ea, bb.t()) + at::mm(ea, eb.t()) + 1e-5 * at::mm(aa, bb.t());
+}
+
+}  // namespace
+
+TEST(Fp8Cast, ScalesValuesAndTransposeFollowTheFormat) {
+  at::manual_seed(2);
+  at::Tensor x = at::randn({48, 80}) * 3;
+  x[5][7] = 0.0;
+  for (auto fmt : {at::kFloat8_e4m3fn, at::kFloat8_e5m2}) {
+    const bool e5m2 = fmt == at::kFloat8_e5m2;
+    const double m = kernels::fp8_max(fmt);
+    for (bool rowwise : {false, true}) {
+      kernels::Fp8Tensor q = kernels::cast_to_fp8(x, fmt, rowwise, !rowwise);
+      ASSERT_EQ(q.data.scalar_type(), fmt);
+      at::Tensor deq = q.data.to(at::kFloat) * q.inv_scale;
+      // amax lands on the largest value: per tensor, or in every row.
+      at::Tensor top =
+          rowwise ? q.data.to(at::kFloat).abs().amax(1) : q.data.to(at::kFloat).abs().amax();
+      EXPECT_TRUE(at::allclose(top, at::full_like(top, m))) << fmt << " rowwise " << rowwise;
+      EXPECT_TRUE(((deq.to(at::kDouble) - x.to(at::kDouble)).abs() <=
+                   cast_error_bound(x, q.inv_scale, e5m2))
+                      .all()
+                      .item<bool>())
+          << fmt << " rowwise " << rowwise;
+      EXPECT_EQ(deq[5][7].item<float>(), 0.0f);
+      if (!rowwise) {
+        EXPECT_EQ(q.inv_scale.numel(), 1);
+        EXPECT_TRUE(at::equal(q.data_t.to(at::kFloat), q.data.t().to(at::kFloat)));
+      } else {
+        EXPECT_EQ(q.inv_scale.sizes(), (std::vector<int64_t>{48, 1}));
+      }
+    }
+  }
+  // A zero tensor: zeros and a finite scale.
+  kernels::Fp8Tensor z =
+      kernels::cast_to_fp8(at::zeros({16, 16}), at::kFloat8_e4m3fn, false, false);
+  EXPECT_EQ(z.data.to(at::kFloat).abs().max().item<float>(), 0.0f);
+  EXPECT_TRUE(std::isfinite(z.inv_scale.item<float>()));
+  EXPECT_NE(error_of([&] {
+              kernels::cast_to_fp8(x, at::kFloat8_e4m3fn, true, true);
+            }).find("rowwise cast has no transpose"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              kernels::cast_to_fp8(x, at::kHalf, false, false);
+            }).find("is not an FP8 format"),
+            std::string::npos);
+}
+
+class Fp8Recipes : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Fp8Recipes, LayerIsWithinTheQuantizationBoundOfFp64) {
+  at::manual_seed(3);
+  const int64_t M = 64, K = 96, N = 48;
+  Linear base(LinearOptions(K, N).bias(false));
+  base.weight().set_data(at::randn({N, K}) * 0.05);
+  Fp8Config cfg;
+  cfg.recipe = GetParam();
+  Fp8Linear layer(base, cfg);
+  EXPECT_EQ(layer.weight().data_ptr(), base.weight().data_ptr());  // shared
+  const bool rowwise = GetParam() == "rowwise";
+  at::Tensor x = (at::randn({2, M / 2, K}) * 2).requires_grad_();
+  at::Tensor y = layer.forward(x);
+  at::Tensor dy = at::randn({2, M / 2, N});
+  y.backward(dy);
+  const at::Tensor x2 = x.detach().reshape({M, K}), w = base.weight().detach();
+  const at::Tensor dy2 = dy.reshape({M, N});
+  // Forward: x and W in e4m3.
+  kernels::Fp8Tensor xq = kernels::cast_to_fp8(x2, at::kFloat8_e4m3fn, rowwise, false);
+  kernels::Fp8Tensor wq = kernels::cast_to_fp8(w, at::kFloat8_e4m3fn, rowwise, false);
+  at::Tensor ex = cast_error_bound(x2, xq.inv_scale, false);
+  at::Tensor ew = cast_error_bound(w, wq.inv_scale, false);
+  at::Tensor y64 = at::mm(x2.to(at::kDouble), w.to(at::kDouble).t());
+  EXPECT_TRUE(
+      ((y.detach().reshape({M, N}).to(at::kDouble) - y64).abs() <= product_bound(x2, ex, w, ew))
+          .all()
+          .item<bool>());
+  // Not the unquantized product: FP8 is really used.
+  EXPECT_GT((y.detach().reshape({M, N}).to(at::kDouble) - y64).abs().max().item<double>(), 1e-4);
+  // dx = dy W: dy in e5m2 (tensorwise) or e4m3 (rowwise); W as above (rowwise: cast along K).
+  kernels::Fp8Tensor dq =
+      kernels::cast_to_fp8(dy2, rowwise ? at::kFloat8_e4m3fn : at::kFloat8_e5m2, rowwise, false);
+  at::Tensor edy = cast_error_bound(dy2, dq.inv_scale, !rowwise);
+  at::Tensor wt = w.t().contiguous();
+  at::Tensor ewt =
+      rowwise ? cast_error_bound(
+                    wt, kernels::cast_to_fp8(wt, at::kFloat8_e4m3fn, true, false).inv_scale, false)
+              : ew.t();
+  at::Tensor dx64 = at::mm(dy2.to(at::kDouble), w.to(at::kDouble));
+  EXPECT_TRUE(
+      ((x.grad().reshape({M, K}).to(at::kDouble) - dx64).abs() <= product_bound(dy2, edy, wt, ewt))
+          .all()
+          .item<bool>());
+  // dW = dy^T x: in FP8 (tensorwise: dy e5m2 and x e4m3, both transposed) or in fp32 (rowwise).
+  at::Tensor dw64 = at::mm(dy2.to(at::kDouble).t(), x2.to(at::kDouble));
+  at::Tensor dw_bound =
+      rowwise ? 1e-5 * at::mm(dy2.to(at::kDouble).abs().t(), x2.to(at::kDouble).abs())
+              : product_bound(dy2.t().contiguous(), edy.t(), x2.t().contiguous(), ex.t());
+  EXPECT_TRUE(
+      ((layer.weight().grad().to(at::kDouble) - dw64).abs() <= dw_bound).all().item<bool>());
+}
+
+INSTANTIATE_TEST_SUITE_P(Recipes, Fp8Recipes, ::testing::Values("tensorwise", "rowwise"));
+
+TEST(Fp8Linear, TheWeightIsCastOncePerUpdate) {
+  Linear base(LinearOptions(32, 16).bias(true));
+  base.weight().set_data(at::randn({16, 32}));
+  base.param("bias").set_data(at::randn({16}));
+  Fp8Linear layer(base, Fp8Config{});
+  at::Tensor x = at::randn({16, 32});
+  at::Tensor y1 = layer.forward(x);
+  layer.forward(x);
+  layer.forward(x);
+  EXPECT_EQ(layer.weight_casts(), 1);  // micro-batches of one step share the cast
+  bump_weights_epoch();                // an optimizer step
+  layer.forward(x);
+  EXPECT_EQ(layer.weight_casts(), 2);
+  {
+    at::NoGradGuard ng;
+    base.weight().mul_(2);  // an in-place update seen by the version counter
+  }
+  at::Tensor y3 = layer.forward(x);
+  EXPECT_EQ(layer.weight_casts(), 3);
+  // Doubling W doubles the weight's inverse scale and leaves its codes: y - b doubles exactly.
+  EXPECT_TRUE(at::allclose(y3 - base.param("bias"), (y1 - base.param("bias")) * 2, 1e-6, 1e-6));
+}
+
+TEST(Fp8Linear, ConvertsAModelAndKeepsExcludedLayersPlain) {
+  models::ModelConfig c = models::ModelConfig::preset("tiny");
+  c.vocab_size = 64;
+  c.hidden_size = 32;
+  c.intermediate_size = 48;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 8;
+  c.layer_sliding.assign(2, false);
+  c.tie_word_embeddings = false;
+  auto plain = std::make_shared<models::CausalLM>(c);
+  InitOptions io;
+  init_parameters(*plain, io);
+  auto fp8 = std::make_shared<models::CausalLM>(c);
+  init_parameters(*fp8, io);
+  Fp8Config cfg;
+  EXPECT_EQ(convert_to_fp8(*fp8, cfg, at::Device(at::kCPU)).size(), 14u);  // lm_head excluded
+  EXPECT_FALSE(std::dynamic_pointer_cast<Fp8Linear>(find_module(*fp8, "lm_head")));
+  at::Tensor ids = at::randint(0, 64, {2, 16});
+  at::Tensor a = plain->forward(ids), b = fp8->forward(ids);
+  const double rel = ((a - b).norm() / a.norm()).item<double>();
+  EXPECT_GT(rel, 1e-5);  // FP8 arithmetic is in use (no fused path bypasses it)
+  EXPECT_LT(rel, 5e-2);
+  // Parameters keep their names and dtypes: checkpoints stay ordinary.
+  EXPECT_EQ(fp8->named_parameters().size(), plain->named_parameters().size());
+  for (const auto& p : fp8->named_parameters()) EXPECT_EQ(p.value().scalar_type(), at::kFloat);
+  auto attn_only = std::make_shared<models::CausalLM>(c);
+  Fp8Config ex;
+  ex.exclude = {"lm_head", "mlp"};
+  EXPECT_EQ(convert_to_fp8(*attn_only, ex, at::Device(at::kCPU)).size(), 8u);
+
+  Fp8Config bad;
+  bad.recipe = "blockwise";
+  EXPECT_NE(error_of([&] {
+              convert_to_fp8(*plain, bad, at::Device(at::kCPU));
+            }).find("recipe 'blockwise' is not supported"),
+            std::string::npos);
+  Linear odd(LinearOptions(24, 16));
+  EXPECT_NE(error_of([&] { Fp8Linear l(odd, Fp8Config{}); }).find("divisible by 16"),
+            std::string::npos);
+  Linear ok(LinearOptions(32, 16));
+  Fp8Linear l(ok, Fp8Config{});
+  EXPECT_NE(error_of([&] {
+              l.shard(ShardSpec(ShardSpec::Kind::Column, 0, 2));
+            }).find("tensor-parallel FP8"),
+            std::string::npos);
+}
