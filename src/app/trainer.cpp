@@ -202,12 +202,12 @@ void TrainConfig::validate() const {
   COLOSSAL_CHECK_INPUT(quantize == "none" || lora, "option 'quantize' (", quantize,
                        ") needs LoRA (lora_r or lora_adapter): a quantized base is frozen, so "
                        "only adapters can train on it");
-  static const std::set<std::string> kLoraPlugins{"none",  "ddp",    "low_level_zero", "zero1",
-                                                  "zero2", "gemini", "gemini_auto"};
+  static const std::set<std::string> kLoraPlugins{
+      "none", "ddp", "low_level_zero", "zero1", "zero2", "gemini", "gemini_auto", "hybrid", "3d"};
   COLOSSAL_CHECK_INPUT(
       !lora || kLoraPlugins.count(plugin.name), "LoRA under plugin '", plugin.name,
-      "' is not supported yet; use none, ddp, low_level_zero, zero1, zero2, gemini "
-      "or gemini_auto");
+      "' is not supported yet; use none, ddp, low_level_zero, zero1, zero2, gemini, "
+      "gemini_auto, hybrid or 3d");
 }
 
 namespace {

@@ -880,6 +880,71 @@ void TensorParallelCheckpointIO::save_model(ModelWrapper& model, const std::stri
   barrier();
 }
 
+checkpoint::TensorList TensorParallelCheckpointIO::gather_model_tensors(
+    ModelWrapper& model, const std::function<bool(const std::string&)>& select) {
+  model.wait_weights();
+  torch::nn::Module& root = model.module();
+  const auto sharded = find_sharded_parameters(root, tp_);
+  std::vector<Item> items;
+  for (auto& [name, t] : checkpoint::module_state(root)) {
+    if (!select(name)) continue;
+    auto it = sharded.find(name);
+    const ShardedParameter* sp = it == sharded.end() ? nullptr : &it->second;
+    COLOSSAL_CHECK(!sp || sp->group.ranks() == tp_.ranks(), "gather_model_tensors: ", name,
+                   " is sharded over group ", sp ? sp->group.name() : "",
+                   ", whose members are not those of the checkpoint IO's tp group ", tp_.name());
+    items.push_back({name,
+                     t,
+                     sp,
+                     {name, t.scalar_type(), sp ? sp->full_shape : t.sizes().vec()},
+                     t.sizes().vec()});
+  }
+  checkpoint::TensorList out;
+  // Data-parallel copies hold the same values: the dp rank 0 groups gather.
+  if (dp_.valid() && dp_.rank() != 0) return out;
+  auto meter = std::make_shared<Meter>();
+  // This stage's tensors whole on its writer, tp rank 0.
+  const bool stage_writer = tp_.rank() == 0;
+  check_same_declarations(tp_, items, "model");
+  std::vector<at::Tensor> full(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    const Item& it = items[i];
+    if (!it.sp) {
+      if (stage_writer) full[i] = it.local.detach().to(at::kCPU, false, /*copy=*/true);
+      continue;
+    }
+    const at::Tensor idx = slice_indices(*it.sp, it.local.sizes(), it.name);
+    if (stage_writer) {
+      full[i] = gather_full(*it.sp, it.local, idx, it.decl.shape, meter, it.name).clone();
+    } else {
+      send_shard(*it.sp, it.local, idx, 0, meter);
+    }
+  }
+  if (!pipelined()) {
+    if (global_rank() == 0)
+      for (size_t i = 0; i < items.size(); ++i) out.emplace_back(items[i].name, full[i]);
+    return out;
+  }
+  // The stage writers (rank 0's pp group) send their stage's tensors to rank 0, stage by stage.
+  const Stages st = gather_stages(pp_, items, "model");
+  if (rank_of_global_zero(pp_) < 0) return out;
+  const at::Device dev = stage_device(pp_, root);
+  const int stage = pp_.rank();
+  if (stage == 0)
+    for (size_t i = 0; i < items.size(); ++i) out.emplace_back(items[i].name, full[i]);
+  for (size_t s = 1; s < st.decls.size(); ++s) {
+    for (size_t i : st.owned[s]) {
+      if (stage == 0) {
+        out.emplace_back(st.decls[s][i].name,
+                         recv_full(pp_, static_cast<int>(s), st.decls[s][i], dev, meter).clone());
+      } else if (stage == static_cast<int>(s)) {
+        send_full(pp_, full[i], dev);
+      }
+    }
+  }
+  return out;
+}
+
 void TensorParallelCheckpointIO::load_model(ModelWrapper& model, const std::string& path,
                                             bool strict, OptimizerWrapper* optimizer) {
   model.wait_weights();  // a late all-gather must not overwrite the loaded weights

@@ -133,10 +133,8 @@ at::Tensor Linear::forward(const at::Tensor& x) {
   const auto mode = s.sequence_parallel;
   at::Tensor w = weight(), b = has_bias_ ? param("bias") : at::Tensor();
   if (s.kind == ShardSpec::Kind::Column) {
-    if (replica_group_.valid()) {  // replicated head: the gradient summed over its sharers
-      w = copy_to_region(w, replica_group_);
-      if (b.defined()) b = copy_to_region(b, replica_group_);
-    }
+    w = region_param("weight");
+    if (b.defined()) b = region_param("bias");
     at::Tensor y;
     if (mode == SequenceParallelMode::Ring) {
       y = ring_gather_linear(x, w, s.group, 1);
@@ -159,6 +157,19 @@ at::Tensor Linear::forward(const at::Tensor& x) {
                                                   : reduce_from_region(y, s.group);
   }
   return b.defined() ? y + b : y;
+}
+
+void Linear::set_heads(int64_t heads) {
+  COLOSSAL_CHECK_INPUT(!shard_spec_, "Linear ", name(), ": set_heads(", heads,
+                       ") after the layer was sharded");
+  COLOSSAL_CHECK_INPUT(heads >= 0 && (heads == 0 || out_ % heads == 0), "Linear: heads = ", heads,
+                       " does not divide out_features = ", out_);
+  options_.heads(heads);
+}
+
+at::Tensor Linear::region_param(const std::string& name) const {
+  // A replicated head: the gradient summed over its sharers.
+  return replica_group_.valid() ? copy_to_region(param(name), replica_group_) : param(name);
 }
 
 bool Linear::vocab_parallel_head() const {

@@ -9,7 +9,9 @@
 #include <set>
 
 #include "colossal/core/error.h"
+#include "colossal/nn/parallel_ops.h"
 #include "colossal/nn/quantized_linear.h"
+#include "colossal/nn/ring_ops.h"
 
 namespace colossal::nn {
 
@@ -57,8 +59,8 @@ LoraLinear::LoraLinear(const Linear& base, const LoraConfig& cfg, uint64_t seed)
   cfg.validate();
   COLOSSAL_CHECK_INPUT(
       !base.shard_spec(),
-      "LoRA: the layer is sharded; tensor-parallel LoRA is not supported yet (apply LoRA "
-      "before the plugin shards the model, with tp_size 1)");
+      "LoRA: the layer is sharded already; apply LoRA to the whole model before the plugin "
+      "shards it (the plugin shards each adapter with its base)");
   at::TensorOptions wopts;
   if (auto* qb = dynamic_cast<const QuantizedLinear*>(&base)) {
     quantized_base_ = std::dynamic_pointer_cast<QuantizedLinear>(
@@ -106,6 +108,7 @@ LoraLinear::LoraLinear(const Linear& base, const LoraConfig& cfg, uint64_t seed)
 
 at::Tensor LoraLinear::forward(const at::Tensor& x) {
   ForwardScope scope(*this);
+  if (shard_spec_ && shard_spec_->communicates()) return sharded_forward(x);
   at::Tensor y;
   if (quantized_base_) {
     y = quantized_base_->matmul_weight(x, has_bias() ? param("bias") : at::Tensor());
@@ -130,11 +133,102 @@ void LoraLinear::to(torch::Device device, bool non_blocking) {
   if (quantized_base_) quantized_base_->to(device, non_blocking);
 }
 
+at::Tensor LoraLinear::sharded_forward(const at::Tensor& x) {
+  const ShardSpec& s = *shard_spec_;
+  const auto mode = s.sequence_parallel;
+  // The adapter's own hooks fire around the reads of A and B, as if their forwards ran.
+  ForwardScope scope_a(*lora_A), scope_b(*lora_B);
+  auto drop = [&](const at::Tensor& t) {
+    return dropout_ > 0 ? at::dropout(t, dropout_, is_training()) : t;
+  };
+  const at::Tensor w = region_param("weight");
+  const at::Tensor b = has_bias() ? region_param("bias") : at::Tensor();
+  if (s.kind == ShardSpec::Kind::Column) {
+    // A whole, its gradient summed over the group (copy_to_region); B this rank's rows.
+    const at::Tensor a = lora_A->region_param("weight"), bl = lora_B->region_param("weight");
+    if (mode == SequenceParallelMode::Ring) {
+      // The base's gather runs chunk by chunk inside its GEMM; the adapter gathers its [.., r]
+      // activation of this rank's tokens instead.
+      at::Tensor y = ring_gather_linear(x, w, s.group, 1);
+      if (b.defined()) y = y + b;
+      const at::Tensor h = gather_from_sequence(at::linear(drop(x), a), s.group, 1);
+      return y + at::linear(h, bl) * scaling_;
+    }
+    // The input the base's GEMM reads: it enters the region once, and its gradient (the base's
+    // and the adapter's partial ones) is summed over the group once.
+    const at::Tensor in = mode == SequenceParallelMode::SplitGather
+                              ? gather_from_sequence(x, s.group, 1)
+                              : copy_to_region(x, s.group);
+    const at::Tensor y = b.defined() ? at::linear(in, w, b) : at::linear(in, w);
+    return y + at::linear(at::linear(drop(in), a), bl) * scaling_;
+  }
+  // Row: A this rank's columns, B whole with its gradient summed over the group.
+  const at::Tensor a = lora_A->region_param("weight"), bw = lora_B->region_param("weight");
+  const at::Tensor h = at::linear(drop(x), a);  // this rank's partial sum of x A^T
+  at::Tensor y;
+  if (mode == SequenceParallelMode::Ring) {
+    // The base's reduce-scatter runs inside its chunked GEMM; the adapter reduce-scatters its
+    // [.., r] partial sums and applies B to this rank's tokens.
+    y = ring_linear_reduce_scatter(x, w, s.group, 1) +
+        at::linear(reduce_scatter_sequence(h, s.group, 1), bw) * scaling_;
+  } else {
+    // The adapter's partial products join the base's before the one reduction.
+    y = at::linear(x, w) + at::linear(h, bw) * scaling_;
+    y = mode == SequenceParallelMode::SplitGather ? reduce_scatter_sequence(y, s.group, 1)
+                                                  : reduce_from_region(y, s.group);
+  }
+  return b.defined() ? y + b : y;
+}
+
 void LoraLinear::shard(const ShardSpec& spec) {
-  (void)spec;
-  throw InputError(
-      str("LoRA: ", name(),
-          " cannot be sharded; tensor-parallel LoRA is not supported yet (tp_size 1)"));
+  COLOSSAL_CHECK_INPUT(spec.pad_multiple == 1 && !spec.gather_output, "LoRA: ", name(),
+                       " cannot be sharded with a vocabulary head's options (pad_multiple ",
+                       spec.pad_multiple, ", gather_output ", spec.gather_output ? "true" : "false",
+                       "): tensor-parallel LoRA adapts column and row projections, not a "
+                       "padded or gathered head");
+  COLOSSAL_CHECK_INPUT(!quantized_base_, "LoRA: ", name(),
+                       " has a quantized base (QLoRA); tensor-parallel QLoRA is not supported "
+                       "(train it with tp_size 1)");
+  Linear::shard(spec);
+  ShardSpec child = spec;
+  child.kind = ShardSpec::Kind::Column;
+  // Column base: B's rows follow the base's output heads, A is one replicated head. Row base:
+  // A's columns follow the base's input, B is one replicated head.
+  const bool column = spec.kind == ShardSpec::Kind::Column;
+  lora_A->set_heads(1);
+  lora_B->set_heads(column ? options().heads() : 1);
+  ShardSpec a = child;
+  if (!column) a.kind = ShardSpec::Kind::Row;
+  lora_A->shard(a);
+  lora_B->shard(child);
+}
+
+namespace {
+
+// "lora_A.weight" -> (child, "weight"); nullptr for the base's own names.
+std::pair<const Linear*, std::string> adapter_param(const LoraLinear& l, const std::string& name) {
+  for (const auto& [prefix, child] :
+       {std::pair<std::string, const Linear*>{"lora_A.", l.lora_A.get()},
+        std::pair<std::string, const Linear*>{"lora_B.", l.lora_B.get()}})
+    if (name.rfind(prefix, 0) == 0) return {child, name.substr(prefix.size())};
+  return {nullptr, name};
+}
+
+}  // namespace
+
+at::Tensor LoraLinear::shard_slice(const std::string& name, const at::Tensor& full) const {
+  auto [child, key] = adapter_param(*this, name);
+  return child ? child->shard_slice(key, full) : Linear::shard_slice(name, full);
+}
+
+std::vector<int64_t> LoraLinear::full_shape(const std::string& name) const {
+  auto [child, key] = adapter_param(*this, name);
+  return child ? child->full_shape(key) : Linear::full_shape(name);
+}
+
+int64_t LoraLinear::replication(const std::string& name) const {
+  auto [child, key] = adapter_param(*this, name);
+  return child ? child->replication(key) : Linear::replication(name);
 }
 
 std::vector<std::string> apply_lora(torch::nn::Module& root, const LoraConfig& cfg, uint64_t seed) {
@@ -155,8 +249,8 @@ std::vector<std::string> apply_lora(torch::nn::Module& root, const LoraConfig& c
     COLOSSAL_CHECK_INPUT(!std::dynamic_pointer_cast<LoraLinear>(lin), "LoRA: ", path,
                          " already has a LoRA adapter");
     COLOSSAL_CHECK_INPUT(!lin->shard_spec(), "LoRA: ", path,
-                         " is sharded; tensor-parallel LoRA is not supported yet (apply LoRA "
-                         "before the plugin shards the model, with tp_size 1)");
+                         " is sharded already; apply LoRA to the whole model before the "
+                         "plugin shards it (the plugin shards each adapter with its base)");
     matched.insert(last);
     paths.push_back(path);
   }
@@ -184,6 +278,9 @@ std::vector<std::string> merge_lora(torch::nn::Module& root) {
   at::NoGradGuard ng;
   for (const auto& path : paths) {
     auto lora = std::dynamic_pointer_cast<LoraLinear>(find_module(root, path));
+    COLOSSAL_CHECK_INPUT(!lora->shard_spec(), "LoRA: merge ", path,
+                         ": the layer is sharded; merge the whole model (load its checkpoint "
+                         "folder, which is saved whole)");
     const at::Tensor w = lora->quantized_base()
                              ? lora->quantized_base()->dequantized_weight(
                                    lora->quantized_base()->weight_options().dtype().toScalarType())

@@ -98,7 +98,7 @@ class Plugin {
   // Read by Booster::execute_pipeline (refused unless true).
   virtual bool support_pipeline() const { return false; }
   // ColossalAI's support_lora: Booster::enable_lora is refused unless true (none, ddp,
-  // low_level_zero and gemini say true; ColossalAI's Gemini does not support LoRA).
+  // low_level_zero, gemini and hybrid say true; ColossalAI's Gemini does not support LoRA).
   virtual bool support_lora() const { return false; }
   // One training step through the pipeline (forward, backward, gradient synchronisation unless
   // inside no_sync); the optimizer step stays the caller's. Only plugins that support_pipeline().

@@ -119,6 +119,13 @@ class TensorParallelCheckpointIO : public CheckpointIO {
   void load_optimizer(OptimizerWrapper& optimizer, const std::string& dir) override;
   void save_lr_scheduler(optim::LRScheduler& scheduler, const std::string& file) override;
   void load_lr_scheduler(optim::LRScheduler& scheduler, const std::string& file) override;
+  // The selected tensors whole on global rank 0 (CheckpointIO::gather_model_tensors): each
+  // sharded one assembled from its tp slices on the stage writer (tp rank 0 of dp rank 0, by the
+  // layer's own shard_slice, as save_model does), later stages' sent to rank 0 over pp (a name
+  // two stages hold, e.g. a tied embedding, once). Stage 0's tensors in module_state() order,
+  // then each later stage's.
+  checkpoint::TensorList gather_model_tensors(
+      ModelWrapper& model, const std::function<bool(const std::string&)>& select) override;
 
   // What the last save_model / save_optimizer materialised on this rank beyond the training
   // state, counted where the buffers are made and released (the memory bound's evidence).

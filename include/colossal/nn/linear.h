@@ -74,6 +74,16 @@ class Linear : public Module {
 
   const at::Tensor& weight() const { return param("weight"); }
   bool has_bias() const { return has_bias_; }
+  // Says the output features are `heads` equal heads (LinearOptions::heads) for a later
+  // shard(): a layer that takes its layout from another (a LoRA adapter's B follows its base's
+  // heads; one head keeps a matrix whole on every rank, its gradient summed over them).
+  // InputError when the layer is sharded already or `heads` does not divide out_features.
+  void set_heads(int64_t heads);
+  // Parameter `name` ("weight" or "bias") as this rank's sharded forward reads it: through
+  // copy_to_region over the ranks sharing a replicated head (identity forward, the gradient
+  // summed over them), else the parameter itself. For a layer that computes with this one's
+  // storage outside its forward (a LoRA layer's adapter matrices).
+  at::Tensor region_param(const std::string& name) const;
   // Column: weight/bias rows split; Row: weight columns split (bias stays whole: the row
   // forward adds it once after the reduction).
   void shard(const ShardSpec& spec) override;

@@ -52,15 +52,37 @@ class LoraLinear : public Linear {
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Dtype dtype, bool non_blocking = false) override;
   void to(torch::Device device, bool non_blocking = false) override;
-  // Tensor-parallel LoRA (A split like the base's input, B like its output) is not built yet:
-  // InputError.
+  // Tensor parallelism: the base shards as a Linear does, and the adapter with it.
+  //   Column base (output split): B [out, r] is split by rows like the base's output (the same
+  //     heads, so a replicated GQA head replicates its rows of B and sums their gradient over
+  //     the sharing ranks); A [r, in] stays whole and reads the input the base's GEMM reads (the
+  //     region-entered x, gathered under split_gather). Each rank's A gradient is a partial sum
+  //     (its output features only), so A is read through copy_to_region over the group: the
+  //     gradient is the whole sum, the same on every rank.
+  //   Row base (input split): A is split by columns like the base's input; B stays whole. The
+  //     adapter's partial products h_r B^T are added to the base's before its one reduction
+  //     (all-reduce, or reduce-scatter under split_gather), and B is read through
+  //     copy_to_region (each rank's gradient is the part of its h_r).
+  // Under ring (chunked, overlapped collectives) the adapter's small [.., r] activations take
+  // their own gather (column) or reduce-scatter (row) beside the base's ring.
+  // The children record it as specs of their own (lora_A / lora_B are Linear layers sharded as
+  // Column with replicated rows where whole), so shard_slice / full_shape / replication (the
+  // tensor-parallel checkpoint IO, the gradient norm) see full-shape adapter tensors.
+  // InputError naming the layer for a vocabulary head's options (padding, gather_output) and
+  // for a quantized base (tensor-parallel QLoRA is not built).
   void shard(const ShardSpec& spec) override;
+  // The base's names as Linear's; "lora_A.weight" / "lora_B.weight" as the adapter's children.
+  at::Tensor shard_slice(const std::string& name, const at::Tensor& full) const override;
+  std::vector<int64_t> full_shape(const std::string& name) const override;
+  int64_t replication(const std::string& name) const override;
 
   double scaling() const { return scaling_; }
   int64_t rank() const { return r_; }
   std::shared_ptr<Linear> lora_A, lora_B;
 
  private:
+  // forward over a group (shard()'s layout).
+  at::Tensor sharded_forward(const at::Tensor& x);
   int64_t r_;
   double scaling_, dropout_;
   std::shared_ptr<QuantizedLinear> quantized_base_;
@@ -73,7 +95,8 @@ bool is_lora_parameter(std::string_view name);
 // Replaces every nn::Linear under `root` whose last name component is a target with a
 // LoraLinear, after freezing every parameter of `root`: only the adapters train. Returns the
 // adapted paths in module order. InputError for an invalid config, a target that matches no
-// linear layer (naming it and the linear layers there are), a layer that already has LoRA.
+// linear layer (naming it and the linear layers there are), a layer that already has LoRA, a
+// layer that is sharded already (apply LoRA to the whole model; shard() then shards it).
 std::vector<std::string> apply_lora(torch::nn::Module& root, const LoraConfig& cfg,
                                     uint64_t seed = 0);
 
@@ -82,7 +105,7 @@ std::vector<std::string> apply_lora(torch::nn::Module& root, const LoraConfig& c
 // and puts a plain Linear with that weight (and the base's bias) back in the LoraLinear's place,
 // so the model is an ordinary one again (save_pretrained writes HF weights only). Returns the
 // merged paths. Dropout is an identity at inference, so the merged model computes the adapted
-// model's eval-mode function.
+// model's eval-mode function. InputError for a sharded LoRA layer (merge the whole model).
 std::vector<std::string> merge_lora(torch::nn::Module& root);
 
 }  // namespace colossal::nn

@@ -25,6 +25,7 @@
 #include "colossal/models/llama/model.h"
 #include "colossal/models/llama/plan.h"
 #include "colossal/nn/linear.h"
+#include "colossal/nn/lora.h"
 #include "colossal/nn/module.h"
 #include "colossal/nn/plan.h"
 #include "colossal/nn/sequence_parallel.h"
@@ -468,6 +469,11 @@ std::shared_ptr<ModelWrapper> HybridParallelPlugin::configure_model(
     cut_pipeline_stage(lm);
   }
   if (tp > 1) {
+    COLOSSAL_CHECK_INPUT(custom || !std::dynamic_pointer_cast<nn::LoraLinear>(lm->lm_head),
+                         "hybrid: LoRA on lm_head with tp_size ", tp,
+                         " is not supported: the tensor-parallel plan makes lm_head the "
+                         "vocabulary-parallel head, whose loss takes a plain linear layer; adapt "
+                         "the decoder's projections, or train with tp_size 1");
     nn::PlanOptions po;
     if (pipe_) po.absent_modules = lm->dropped_blocks();  // rules for other stages' layers
     po.tp = dims_->tp();
@@ -505,6 +511,11 @@ std::shared_ptr<ModelWrapper> HybridParallelPlugin::configure_model(
   auto roles = param_roles(*model, dims_->tp().rank(), dims_->tp().size());
   if (pipe_ && lm->holds_tied_copy()) roles.at("model.embed_tokens.weight").counted_on_pp = false;
   auto masters = plugins::cast_module_in_place(*model, working_dtype(precision_), options_.device);
+  // Frozen parameters (a LoRA run's base) are never stepped: no fp32 master is kept for them.
+  std::set<std::string> frozen;
+  for (auto& item : model->named_parameters(true))
+    if (!item.value().requires_grad()) frozen.insert(item.key());
+  std::erase_if(masters, [&frozen](const auto& m) { return frozen.count(m.first) > 0; });
   if (tp_io_) tp_io_->set_model(model);
   auto hm = std::make_shared<HybridModel>(std::move(model), std::move(masters));
   hm->stage = static_cast<int>(options_.zero_stage);

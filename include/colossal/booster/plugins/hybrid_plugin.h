@@ -171,8 +171,9 @@ class HybridParallelPlugin : public Plugin {
   bool support_no_sync() const override { return true; }
   // pp_size > 1: Booster::execute_pipeline runs the schedule (see execute_pipeline below).
   bool support_pipeline() const override { return options_.pp_size > 1; }
-  // Not yet: LoRA's adapters are not sharded by tensor parallelism nor saved per pipeline stage.
-  bool support_lora() const override { return false; }
+  // LoRA: the plan shards each adapter with its base (nn::LoraLinear::shard), pipeline stages
+  // hold their layers' adapters, and the checkpoint IO gathers them whole.
+  bool support_lora() const override { return true; }
   Precision precision() const override { return precision_; }
   std::string device() const override { return options_.device; }
   // The dp axis: tp and sp peers read the same samples.
