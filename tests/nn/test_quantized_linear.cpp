@@ -140,6 +140,13 @@ TEST_P(QuantizedLinearKinds, LoraOverTheQuantizedBaseEqualsLoraOverTheDequantize
   EXPECT_TRUE(at::allclose(lq.lora_A->weight().grad(), lp.lora_A->weight().grad(), 1e-6, 1e-6));
   EXPECT_TRUE(at::allclose(lq.lora_B->weight().grad(), lp.lora_B->weight().grad(), 1e-6, 1e-6));
   EXPECT_TRUE(at::allclose(x.grad(), x2.grad(), 1e-6, 1e-6));
+  // Neither the quantized layer nor LoRA over it joins a sibling's concatenated GEMM.
+  auto sibling = std::make_shared<Linear>(LinearOptions(64, 40).bias(false));
+  sibling->weight().set_data(at::randn({40, 64}));
+  at::Tensor xs = at::randn({3, 64});
+  EXPECT_FALSE(fused_projections(xs, {&lq, sibling.get()}, /*any_device=*/true).has_value());
+  EXPECT_FALSE(fused_projections(xs, {q.get(), sibling.get()}, /*any_device=*/true).has_value());
+  EXPECT_TRUE(fused_projections(xs, {plain.get(), sibling.get()}, /*any_device=*/true).has_value());
 }
 
 INSTANTIATE_TEST_SUITE_P(Kinds, QuantizedLinearKinds, ::testing::Values("nf4", "fp8"));
