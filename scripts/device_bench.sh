@@ -288,6 +288,26 @@ PYEOF
       done
     done
     ours fp8_w2_rowwise -c 7b -p ddp -b 1 -l 4096 -s ${FP8_STEPS:-10} -i 3 --use_fp8 true --fp8_recipe rowwise ;;
+  fp8loss)
+    # Issue 20: FP8 (tensorwise) and bf16 loss curves from the same init and data on real text:
+    # a ~110M Llama (vocabulary 16384) on the Python standard library's source, tokenized on the
+    # CPU machine by scripts/make_real_text.py into .carry/fp8text (pass it in `carry`), 600
+    # steps of 4 x 1024 tokens (one pass over 3.08M tokens, nothing repeated), lr 6e-4 cosine,
+    # warmup 50. The summary gives the largest relative gap after warm-up; the plot comes back
+    # as $OUT/fp8_loss.svg.
+    step "FP8 vs bf16 loss on real text"
+    D=${FP8TEXT:-.carry/fp8text}
+    for mode in bf16 fp8; do
+      extra=""; [ $mode = fp8 ] && extra="--use_fp8 true --fp8_recipe ${FP8_RECIPE:-tensorwise}"
+      timeout ${FP8LOSS_TIMEOUT:-280} $C train --device cuda --model $D/model.json --data $D/stdlib.bin \
+        --seq_len 1024 --micro_batch 4 --steps ${FP8LOSS_STEPS:-600} --lr 6e-4 --schedule cosine \
+        --warmup 50 --precision bf16 --plugin none --seed 1 --log_every 50 \
+        --metrics_file "$LOGS/fp8loss_$mode.jsonl" $extra > "$LOGS/fp8loss_$mode.log" 2>&1 &
+      wait $!; note "fp8loss $mode rc $?: $(tail -1 "$LOGS/fp8loss_$mode.log" | cut -c1-200)"
+    done
+    $PY scripts/plot_curves.py "$LOGS/fp8loss_bf16.jsonl" "$LOGS/fp8loss_fp8.jsonl" --labels bf16,fp8 \
+      --after 50 --title "110M Llama on Python stdlib source: bf16 vs FP8 (${FP8_RECIPE:-tensorwise})" \
+      --out "$OUT/fp8_loss.svg" 2>&1 | tee -a "$SUMMARY" ;;
   qlora)
     # Issue 21: QLoRA on one H200. The 70b shape with its linear layers stored in NF4 (double
     # quantisation) on the GPU, quantized as each weight is initialised (`--quantize nf4`), LoRA
