@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "colossal/core/error.h"
+#include "colossal/core/logging.h"
 #include "colossal/kernels/quant.h"
 
 namespace colossal::nn {
@@ -237,6 +238,7 @@ int64_t init_quantized_weights(torch::nn::Module& root, const InitOptions& opts,
       todo.emplace_back(item.key() + ".weight", q);
   const size_t threads = std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 8);
   int64_t bytes = 0;
+  size_t last_tenth = 0;
   at::NoGradGuard ng;
   for (size_t first = 0; first < todo.size(); first += threads) {
     const size_t last = std::min(todo.size(), first + threads);
@@ -263,6 +265,12 @@ int64_t init_quantized_weights(torch::nn::Module& root, const InitOptions& opts,
       values[j - first] = at::Tensor();
       q->set_weight(v);
       bytes += q->storage_bytes();
+    }
+    // Minutes at 70b: say how far it is every tenth.
+    if (const size_t tenth = 10 * last / todo.size(); tenth > last_tenth && todo.size() >= 20) {
+      log_info("initialising quantized weights: ", last, " of ", todo.size(), " (",
+               static_cast<double>(bytes) / (1 << 30), " GiB so far)");
+      last_tenth = tenth;
     }
   }
   return bytes;
