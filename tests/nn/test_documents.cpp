@@ -25,6 +25,7 @@
 #include "colossal/models/llama/model.h"
 #include "colossal/nn/attention.h"
 #include "colossal/nn/init.h"
+#include "common/tiny_llama.h"
 
 using namespace colossal;
 using namespace colossal::models;
@@ -66,14 +67,7 @@ void write_mask(const std::string& path, const std::vector<uint8_t>& m, int32_t 
 }
 
 ModelConfig small_config(bool sliding) {
-  ModelConfig c = ModelConfig::preset("tiny");
-  c.vocab_size = 64;
-  c.hidden_size = 32;
-  c.intermediate_size = 48;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 8;
+  ModelConfig c = tests::tiny_llama();
   c.layer_sliding.assign(2, sliding);
   if (sliding) c.sliding_window = 3;
   return c;

@@ -18,6 +18,7 @@
 #include "colossal/models/llama/model.h"
 #include "colossal/nn/fp8_linear.h"
 #include "colossal/nn/init.h"
+#include "common/tiny_llama.h"
 
 using namespace colossal;
 using namespace colossal::nn;
@@ -178,15 +179,7 @@ TEST(Fp8Linear, TheWeightIsCastOncePerUpdate) {
 }
 
 TEST(Fp8Linear, ConvertsAModelAndKeepsExcludedLayersPlain) {
-  models::ModelConfig c = models::ModelConfig::preset("tiny");
-  c.vocab_size = 64;
-  c.hidden_size = 32;
-  c.intermediate_size = 48;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 8;
-  c.layer_sliding.assign(2, false);
+  models::ModelConfig c = tests::tiny_llama();
   c.tie_word_embeddings = false;
   auto plain = std::make_shared<models::CausalLM>(c);
   InitOptions io;

@@ -13,6 +13,7 @@
 #include "colossal/models/llama/plan.h"
 #include "colossal/nn/init.h"
 #include "colossal/nn/plan.h"
+#include "common/tiny_llama.h"
 #include "nn/recording_layers.h"
 
 using namespace colossal;
@@ -26,15 +27,7 @@ using colossal::testing::RecordingLinear;
 namespace {
 
 ModelConfig small_config(bool tied = false) {
-  ModelConfig c = ModelConfig::preset("tiny");
-  c.vocab_size = 96;
-  c.hidden_size = 32;
-  c.intermediate_size = 48;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 8;
-  c.layer_sliding.assign(2, false);
+  ModelConfig c = tests::tiny_llama(2, 96);
   c.tie_word_embeddings = tied;
   return c;
 }

@@ -14,6 +14,7 @@
 #include "colossal/models/llama/model.h"
 #include "colossal/nn/init.h"
 #include "colossal/nn/lora.h"
+#include "common/tiny_llama.h"
 
 using namespace colossal;
 using namespace colossal::nn;
@@ -21,16 +22,7 @@ using namespace colossal::nn;
 namespace {
 
 models::ModelConfig tiny() {
-  models::ModelConfig c = models::ModelConfig::preset("tiny");
-  c.vocab_size = 64;
-  c.hidden_size = 32;
-  c.intermediate_size = 48;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 8;
-  c.layer_sliding.assign(2, false);
-  return c;
+  return tests::tiny_llama();
 }
 
 std::string error_of(const std::function<void()>& fn) {

@@ -29,6 +29,7 @@
 #include "colossal/nn/lora.h"
 #include "colossal/nn/plan.h"
 #include "colossal/nn/quantized_linear.h"
+#include "common/tiny_llama.h"
 #include "dist/dist_test_env.h"
 
 using namespace colossal;
@@ -177,15 +178,7 @@ TEST(LoraTp, ALlamaShardedByItsPlanEqualsTheWholeOne) {
   dist::Communicator g = dist::world();
   for (auto mode : {SequenceParallelMode::Off, SequenceParallelMode::SplitGather}) {
     SCOPED_TRACE(dist::to_string(mode));
-    models::ModelConfig c = models::ModelConfig::preset("tiny");
-    c.vocab_size = 64;
-    c.hidden_size = 32;
-    c.intermediate_size = 48;
-    c.num_hidden_layers = 2;
-    c.num_attention_heads = 4;
-    c.num_key_value_heads = 2;
-    c.head_dim = 8;
-    c.layer_sliding.assign(2, false);
+    models::ModelConfig c = tests::tiny_llama();
     auto build = [&] {
       auto m = std::make_shared<models::CausalLM>(c);
       InitOptions io;

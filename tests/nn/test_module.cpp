@@ -11,6 +11,7 @@
 #include "colossal/models/llama/model.h"
 #include "colossal/nn/init.h"
 #include "common/temp_dir.h"
+#include "common/tiny_llama.h"
 
 using namespace colossal;
 using namespace colossal::nn;
@@ -19,16 +20,7 @@ using namespace colossal::models;
 namespace {
 
 ModelConfig small_config() {
-  ModelConfig c = ModelConfig::preset("tiny");
-  c.vocab_size = 96;
-  c.hidden_size = 32;
-  c.intermediate_size = 48;
-  c.num_hidden_layers = 3;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 8;
-  c.layer_sliding.assign(3, false);
-  return c;
+  return tests::tiny_llama(3, 96);
 }
 
 std::shared_ptr<CausalLM> make_model(const ModelConfig& c, uint64_t seed = 1) {

@@ -20,6 +20,7 @@
 #include "colossal/nn/lora.h"
 #include "colossal/nn/quantized_linear.h"
 #include "common/temp_dir.h"
+#include "common/tiny_llama.h"
 
 using namespace colossal;
 using namespace colossal::nn;
@@ -27,15 +28,7 @@ using namespace colossal::nn;
 namespace {
 
 models::ModelConfig tiny() {
-  models::ModelConfig c = models::ModelConfig::preset("tiny");
-  c.vocab_size = 64;
-  c.hidden_size = 32;
-  c.intermediate_size = 48;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 8;
-  c.layer_sliding.assign(2, false);
+  models::ModelConfig c = tests::tiny_llama();
   c.tie_word_embeddings = false;
   return c;
 }
