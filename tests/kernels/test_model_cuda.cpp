@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,21 @@ using namespace colossal;
 
 namespace {
 
+// The "tiny" preset on the current GPU, initialised by name from seed 3 (the same weights in every
+// test), in fp32 or `dtype`.
+std::shared_ptr<models::CausalLM> tiny_on_gpu(
+    std::optional<at::ScalarType> dtype = std::nullopt,
+    const models::ModelConfig& cfg = models::ModelConfig::preset("tiny")) {
+  auto model = std::make_shared<models::CausalLM>(cfg, at::TensorOptions().device(at::kMeta));
+  nn::InitOptions io;
+  io.seed = 3;
+  io.std = cfg.initializer_range;
+  io.device = Accelerator::cuda().device();
+  io.dtype = dtype;
+  nn::init_parameters(*model, io);
+  return model;
+}
+
 struct StepResult {
   double loss = 0;
   std::map<std::string, at::Tensor> grads;
@@ -39,12 +55,7 @@ StepResult run(at::ScalarType dtype, bool fused, int64_t batch) {
   kernels::set_enabled(fused);
   models::ModelConfig cfg = models::ModelConfig::preset("tiny");
   const at::Device dev = Accelerator::cuda().device();
-  auto model = std::make_shared<models::CausalLM>(cfg, at::TensorOptions().device(at::kMeta));
-  nn::InitOptions io;
-  io.seed = 3;
-  io.std = cfg.initializer_range;
-  io.device = dev;
-  nn::init_parameters(*model, io);
+  auto model = tiny_on_gpu();
   for (auto& p : model->parameters()) p.set_data(p.data().to(dtype));
   at::manual_seed(4);
   at::Tensor ids = at::randint(0, cfg.vocab_size, {batch, 96}, at::kLong).to(dev);
@@ -92,13 +103,7 @@ TEST(ModelCuda, ReplacedProjectionsRunTheirOwnForwardUnderFusion) {
   ASSERT_TRUE(kernels::enabled());
   models::ModelConfig cfg = models::ModelConfig::preset("tiny");
   const at::Device dev = Accelerator::cuda().device();
-  auto model = std::make_shared<models::CausalLM>(cfg, at::TensorOptions().device(at::kMeta));
-  nn::InitOptions io;
-  io.seed = 3;
-  io.std = cfg.initializer_range;
-  io.device = dev;
-  io.dtype = at::kBFloat16;
-  nn::init_parameters(*model, io);
+  auto model = tiny_on_gpu(at::kBFloat16);
   at::manual_seed(4);
   at::Tensor ids = at::randint(0, cfg.vocab_size, {2, 64}, at::kLong).to(dev);
   at::Tensor fused = model->forward(ids).to(at::kFloat);
@@ -126,13 +131,7 @@ TEST(ModelCuda, PackedDocumentsTakeTheVariableLengthKernel) {
   if (!Accelerator::cuda().available()) GTEST_SKIP() << "no CUDA device";
   models::ModelConfig cfg = models::ModelConfig::preset("tiny");
   const at::Device dev = Accelerator::cuda().device();
-  auto model = std::make_shared<models::CausalLM>(cfg, at::TensorOptions().device(at::kMeta));
-  nn::InitOptions io;
-  io.seed = 3;
-  io.std = cfg.initializer_range;
-  io.device = dev;
-  io.dtype = at::kBFloat16;
-  nn::init_parameters(*model, io);
+  auto model = tiny_on_gpu(at::kBFloat16);
   const int64_t S = 128;
   const std::vector<std::vector<int64_t>> lens{{40, 1, 70, 17}, {128}, {64, 64}};
   const int64_t B = static_cast<int64_t>(lens.size());
@@ -195,12 +194,7 @@ TEST(ModelCuda, LoraProjectionsAreNeverFusedAway) {
   if (!Accelerator::cuda().available()) GTEST_SKIP() << "no CUDA device";
   models::ModelConfig cfg = models::ModelConfig::preset("tiny");
   const at::Device dev = Accelerator::cuda().device();
-  auto model = std::make_shared<models::CausalLM>(cfg, at::TensorOptions().device(at::kMeta));
-  nn::InitOptions io;
-  io.seed = 3;
-  io.std = cfg.initializer_range;
-  io.device = dev;
-  nn::init_parameters(*model, io);
+  auto model = tiny_on_gpu();
   at::manual_seed(4);
   at::Tensor ids = at::randint(0, cfg.vocab_size, {2, 64}, at::kLong).to(dev);
   kernels::set_enabled(true);
@@ -263,16 +257,7 @@ TEST(ModelCuda, QuantizedBasesUnderLoraAreNeverFusedAway) {
   if (!Accelerator::cuda().available()) GTEST_SKIP() << "no CUDA device";
   models::ModelConfig cfg = models::ModelConfig::preset("tiny");
   const at::Device dev = Accelerator::cuda().device();
-  auto make = [&] {
-    auto m = std::make_shared<models::CausalLM>(cfg, at::TensorOptions().device(at::kMeta));
-    nn::InitOptions io;
-    io.seed = 3;
-    io.std = cfg.initializer_range;
-    io.device = dev;
-    nn::init_parameters(*m, io);
-    return m;
-  };
-  auto model = make(), plain = make(), original = make();
+  auto model = tiny_on_gpu(), plain = tiny_on_gpu(), original = tiny_on_gpu();
   at::manual_seed(4);
   at::Tensor ids = at::randint(0, cfg.vocab_size, {2, 64}, at::kLong).to(dev);
   kernels::set_enabled(true);
@@ -397,17 +382,7 @@ TEST(ModelCuda, Fp8LayersAreNeverFusedAway) {
   if (!Accelerator::cuda().available()) GTEST_SKIP() << "no CUDA device";
   models::ModelConfig cfg = models::ModelConfig::preset("tiny");
   const at::Device dev = Accelerator::cuda().device();
-  auto make = [&] {
-    auto m = std::make_shared<models::CausalLM>(cfg, at::TensorOptions().device(at::kMeta));
-    nn::InitOptions io;
-    io.seed = 3;
-    io.std = cfg.initializer_range;
-    io.device = dev;
-    io.dtype = at::kBFloat16;
-    nn::init_parameters(*m, io);
-    return m;
-  };
-  auto model = make(), plain = make();
+  auto model = tiny_on_gpu(at::kBFloat16), plain = tiny_on_gpu(at::kBFloat16);
   nn::convert_to_fp8(*model, nn::Fp8Config{}, dev);
   at::manual_seed(4);
   at::Tensor ids = at::randint(0, cfg.vocab_size, {2, 64}, at::kLong).to(dev);
