@@ -13,6 +13,7 @@
 
 #include "colossal/core/error.h"
 #include "colossal/data/documents.h"
+#include "common/document_files.h"
 #include "common/temp_dir.h"
 
 using namespace colossal;
@@ -22,19 +23,11 @@ using colossal::tests::TempDir;
 namespace {
 
 std::vector<int32_t> header(int32_t magic, uint64_t count, int32_t seq = 0) {
-  std::vector<int32_t> h(256, 0);
-  h[0] = magic;
-  h[1] = 1;
-  h[2] = static_cast<int32_t>(count & 0xFFFFFFFFu);
-  h[3] = static_cast<int32_t>(count >> 32);
-  h[4] = seq;
-  return h;
+  return tests::document_file_header(magic, count, seq);
 }
 
 void write(const std::string& path, const std::vector<int32_t>& h, const void* body, size_t bytes) {
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  f.write(reinterpret_cast<const char*>(h.data()), static_cast<std::streamsize>(h.size() * 4));
-  f.write(static_cast<const char*>(body), static_cast<std::streamsize>(bytes));
+  tests::write_document_file(path, h, body, bytes);
 }
 
 std::string error_of(const std::function<void()>& f) {

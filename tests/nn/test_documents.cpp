@@ -25,6 +25,7 @@
 #include "colossal/models/llama/model.h"
 #include "colossal/nn/attention.h"
 #include "colossal/nn/init.h"
+#include "common/document_files.h"
 #include "common/tiny_llama.h"
 
 using namespace colossal;
@@ -36,34 +37,12 @@ std::string temp_path(const std::string& name) {
   return str(::testing::TempDir(), "/docs_", ::getpid(), "_", name);
 }
 
-void write_bytes(const std::string& path, const std::vector<char>& b) {
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  f.write(b.data(), static_cast<std::streamsize>(b.size()));
-}
-
-std::vector<char> header(int32_t magic, uint64_t count, int32_t extra = 0) {
-  std::vector<int32_t> h(256, 0);
-  h[0] = magic;
-  h[1] = 1;
-  h[2] = static_cast<int32_t>(count & 0xFFFFFFFFu);
-  h[3] = static_cast<int32_t>(count >> 32);
-  h[4] = extra;
-  std::vector<char> b(1024);
-  std::memcpy(b.data(), h.data(), 1024);
-  return b;
-}
-
 void write_index(const std::string& path, const std::vector<uint64_t>& off) {
-  std::vector<char> b = header(data::kDocIndexMagic, off.size() - 1);
-  const char* p = reinterpret_cast<const char*>(off.data());
-  b.insert(b.end(), p, p + off.size() * 8);
-  write_bytes(path, b);
+  tests::write_doc_index(path, off);
 }
 
 void write_mask(const std::string& path, const std::vector<uint8_t>& m, int32_t packed = 0) {
-  std::vector<char> b = header(data::kLossMaskMagic, m.size(), packed);
-  b.insert(b.end(), m.begin(), m.end());
-  write_bytes(path, b);
+  tests::write_loss_mask(path, m, packed);
 }
 
 ModelConfig small_config(bool sliding) {
@@ -157,11 +136,11 @@ TEST(DocumentData, BadFilesAreNamedErrors) {
   two[7] = 2;
   write_mask(m, two);
   expect_input_error([&] { data::LossMaskFile f(m); }, "byte 2 at token 7");
-  std::vector<char> cut = header(data::kLossMaskMagic, 20);
-  cut.resize(cut.size() + 5, 1);
-  write_bytes(m, cut);
+  const std::vector<uint8_t> five(5, 1);
+  tests::write_document_file(m, tests::document_file_header(data::kLossMaskMagic, 20), five.data(),
+                             five.size());
   expect_input_error([&] { data::LossMaskFile f(m); }, "holds 5 mask bytes");
-  write_bytes(m, std::vector<char>(100, 0));
+  tests::write_document_file(m, std::vector<int32_t>(25, 0), nullptr, 0);
   expect_input_error([&] { data::LossMaskFile f(m); }, "shorter than its header");
   const std::string d = tok + ".docs";
   write_index(d, {0, 5, 19});
