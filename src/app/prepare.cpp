@@ -285,11 +285,8 @@ bool py_space(uint32_t c) {
 // str.strip() on valid UTF-8.
 std::string_view py_strip(std::string_view s) {
   auto decode_at = [&](size_t i, size_t& len) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    len = c < 0x80 ? 1 : (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3 : 4;
-    uint32_t cp = len == 1 ? c : c & (0x7F >> len);
-    for (size_t k = 1; k < len; ++k) cp = (cp << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3F);
-    return cp;
+    len = data::utf8_len(static_cast<unsigned char>(s[i]));
+    return data::utf8_decode(s, i);
   };
   size_t a = 0;
   while (a < s.size()) {

@@ -36,19 +36,7 @@ using json::Value;
 
 // ---- UTF-8 -----------------------------------------------------------------------------------
 
-// Length of the UTF-8 sequence starting with byte `b` (input already validated).
-inline size_t utf8_len(unsigned char b) {
-  return b < 0x80 ? 1 : b < 0xE0 ? 2 : b < 0xF0 ? 3 : 4;
-}
-
-inline uint32_t utf8_decode(std::string_view s, size_t i) {
-  auto b = [&](size_t k) { return static_cast<unsigned char>(s[i + k]); };
-  unsigned char c = b(0);
-  if (c < 0x80) return c;
-  if (c < 0xE0) return ((c & 0x1Fu) << 6) | (b(1) & 0x3Fu);
-  if (c < 0xF0) return ((c & 0x0Fu) << 12) | ((b(1) & 0x3Fu) << 6) | (b(2) & 0x3Fu);
-  return ((c & 0x07u) << 18) | ((b(1) & 0x3Fu) << 12) | ((b(2) & 0x3Fu) << 6) | (b(3) & 0x3Fu);
-}
+// utf8_len / utf8_decode of validated text: data/utf8.h.
 
 bool utf8_valid(std::string_view s, size_t* where) {
   *where = first_invalid_utf8(s);
