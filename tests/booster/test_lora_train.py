@@ -4,7 +4,7 @@ Reference: the same HF model and the same PEFT adapter (random A and B, saved by
 PEFT with torch.optim.AdamW (decay 0.1 on the adapter matrices), the cosine schedule with warmup,
 gradient clipping at 1.0 and the same samples (no shuffle). Our loss per step equals PEFT's, the
 trained adapter we write to <save_dir>/adapter equals PEFT's trained adapter, and the base weights
-in our last checkpoint are bit-for-bit the initial ones. One process, two DDP ranks, ZeRO-2 and Gemini
+in our last checkpoint are bit-for-bit the initial ones. One process, two DDP ranks, ZeRO-1, ZeRO-2 and Gemini
 at two ranks give one curve and one adapter (Booster::save_lora_as_pretrained, gathered from each
 layout; PEFT loads Gemini's), and so does the hybrid plugin: tensor parallelism (tp 2; with split_gather
 and ring sequence parallelism; x pp 2, x dp 2 with ZeRO-2 at four ranks) and a pipeline (pp 2), each
@@ -138,7 +138,7 @@ def test_plugins_give_one_curve(work):
     one, a1, _ = train(work, "lay_one", ["--lora_r", "4", "--lora_targets", "q_proj,v_proj,down_proj",
                                          "--micro_batch", "4", "--plugin", "none"])
     assert len(set(one)) == STEPS
-    for name, plugin in (("lay_ddp", "ddp"), ("lay_zero2", "zero2"), ("lay_gemini", "gemini")):
+    for name, plugin in (("lay_ddp", "ddp"), ("lay_zero1", "zero1"), ("lay_zero2", "zero2"), ("lay_gemini", "gemini")):
         c, a, _ = train(work, name, ["--lora_r", "4", "--lora_targets", "q_proj,v_proj,down_proj",
                                      "--micro_batch", "2", "--plugin", plugin], nproc=2)
         for x, y in zip(c, one):
