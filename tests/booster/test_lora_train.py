@@ -11,10 +11,10 @@ and ring sequence parallelism; x pp 2, x dp 2 with ZeRO-2 at four ranks) and a p
 adapter sharded with its base and saved whole. Layouts we do not support (LoRA on lm_head under tensor
 parallelism) and contradicting options are named errors.
 
-Tolerances (fp32, CPU): step 1 sees identical weights, only the forward implementations differ:
-1e-5 (tests/nn/test_lora_peft.py). Later steps carry AdamW's amplification of those differences
-through 9 updates at lr 3e-3: 1e-4, as tests/booster/test_train.py's torch-DDP comparison; the
-trained adapters norm-wise per tensor: 1e-4 likewise. Layouts: reordered sums, 1e-5.
+Tolerances (fp32, CPU): the issue's 1e-5 for every step's loss and, norm-wise per tensor, for the
+trained adapters: only the forward implementations differ (tests/nn/test_lora_peft.py), and AdamW's
+amplification of that rounding over 9 updates at lr 3e-3 stays far below it (measured: 1.1e-7 per
+step at most, 8.6e-8 on the adapters). Layouts: reordered sums, 1e-5.
 """
 import json
 import os
@@ -106,12 +106,11 @@ def test_equals_peft_and_keeps_the_base(work):
     ours, adapter, out = train(work, "one", ["--lora_adapter", str(work / "adapter"), "--micro_batch", "4",
                                              "--plugin", "none"])
     ref, ref_adapter = peft_reference(work)
-    assert rel(ours[0], ref[0]) <= 1e-5, (ours, ref)
     for a, b in zip(ours, ref):
-        assert rel(a, b) <= 1e-4, (ours, ref)
+        assert rel(a, b) <= 1e-5, (ours, ref)
     assert adapter.keys() == ref_adapter.keys()
     for k in adapter:
-        assert norm_rel(adapter[k], ref_adapter[k]) <= 1e-4, k
+        assert norm_rel(adapter[k], ref_adapter[k]) <= 1e-5, k
         assert norm_rel(adapter[k], load_file(str(work / "adapter" / "adapter_model.safetensors"))[k]) > 1e-3, k
     # The base is untouched: every non-adapter tensor of the last checkpoint equals the initial one.
     base = load_file(str(work / "base" / "model.safetensors"))
