@@ -238,14 +238,17 @@ for phase in "$@"; do
   lora)
     # Issue 21: LoRA on the 7b shape (bf16 base, r 16, alpha 32 on all seven projections, seq 4096,
     # batch 1) by `colossal train` (ddp, one GPU, random tokens) against HF + PEFT
-    # (bench/baseline/hf_peft_lora_baseline.py) in the same call; LORA_FULL=1 adds our full
-    # fine-tuning of the same shape for the peak-memory comparison.
+    # (bench/baseline/hf_peft_lora_baseline.py) in the same call; LORA_FULL=1 adds the peak-memory
+    # comparison: LoRA and full fine-tuning of the same shape, both with every layer recomputed
+    # (--grad_checkpoint; full fine-tuning's 112 GB of weights, gradients and AdamW states would
+    # not leave room for stored activations).
     step "LoRA 7b: ours vs HF PEFT"
     TOK=/tmp/lora_tokens.bin
     $PY -c "import numpy as np; np.random.default_rng(0).integers(0, 32000, size=600_000, dtype=np.uint16).tofile('$TOK')"
     T7=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj
-    for mode in lora ${LORA_FULL:+full}; do
-      extra="--lora_r 16 --lora_alpha 32 --lora_targets $T7"; [ $mode = full ] && extra=""
+    for mode in lora ${LORA_FULL:+lora_ck full_ck}; do
+      extra="--lora_r 16 --lora_alpha 32 --lora_targets $T7"; [ $mode = full_ck ] && extra=""
+      case $mode in *_ck) extra="$extra --grad_checkpoint true" ;; esac
       timeout 500 $C train --device cuda --model 7b --precision bf16 --plugin ddp --data $TOK \
         --seq_len 4096 --micro_batch 1 --steps ${LORA_STEPS:-15} --lr 1e-4 --warmup 2 --log_every 5 \
         --metrics_file "$LOGS/lora_$mode.jsonl" $extra > "$LOGS/lora_$mode.log" 2>&1 &
