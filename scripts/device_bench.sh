@@ -290,7 +290,14 @@ PYEOF
         else ours "fp8_${w}_${mode}$n" -c 1b -p ddp -b 8 -l 2048 -s ${FP8_STEPS:-12} -i 3 $extra; fi
       done
     done
-    ours fp8_w2_rowwise -c 7b -p ddp -b 1 -l 4096 -s ${FP8_STEPS:-10} -i 3 --use_fp8 true --fp8_recipe rowwise ;;
+    ours fp8_w2_rowwise -c 7b -p ddp -b 1 -l 4096 -s ${FP8_STEPS:-10} -i 3 --use_fp8 true --fp8_recipe rowwise
+    # FP8_G13=1: 13b gemini_auto bf16 vs FP8 (several minutes each: setup ~3 min, see g13).
+    if [ -n "${FP8_G13:-}" ]; then
+      for mode in bf16 fp8; do
+        extra=""; [ $mode = fp8 ] && extra="--use_fp8 true"
+        G13_TIMEOUT=${G13_TIMEOUT:-480} ours "fp8_g13_$mode" -c 13b -p gemini_auto -b 8 -l 4096 -s 4 -i 1 -g $extra
+      done
+    fi ;;
   fp8loss)
     # Issue 20: FP8 (tensorwise) and bf16 loss curves from the same init and data on real text:
     # a ~110M Llama (vocabulary 16384) on the Python standard library's source, tokenized on the

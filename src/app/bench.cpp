@@ -385,6 +385,7 @@ std::shared_ptr<models::CausalLM> build_model(const BenchConfig& c, const at::De
   if (c.use_fp8) {
     nn::Fp8Config fc;
     fc.recipe = c.fp8_recipe;
+    fc.keep_weight_casts = false;  // one micro-batch per step: one cast per step either way
     fc.exclude.clear();
     std::stringstream ss(c.fp8_exclude);
     for (std::string t; std::getline(ss, t, ',');)

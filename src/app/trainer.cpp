@@ -537,6 +537,7 @@ void Trainer::build_model() {
   if (c_.use_fp8) {
     nn::Fp8Config fc;
     fc.recipe = c_.fp8_recipe;
+    fc.keep_weight_casts = c_.accumulation > 1;  // one cast per step either way
     fc.exclude.clear();
     std::stringstream ss(c_.fp8_exclude);
     for (std::string t; std::getline(ss, t, ',');)

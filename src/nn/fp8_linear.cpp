@@ -109,21 +109,32 @@ Fp8Linear::Fp8Linear(const Linear& base, const Fp8Config& cfg)
   if (has_bias()) replace_parameter("bias", base.param("bias"));
 }
 
+Fp8Linear::WeightCasts Fp8Linear::cast_weight(const at::Tensor& w) const {
+  at::NoGradGuard ng;
+  const at::Tensor wd = w.detach();
+  WeightCasts c;
+  if (cfg_.recipe == "tensorwise") {
+    c.w = kernels::cast_to_fp8(wd, at::kFloat8_e4m3fn, false, true);
+  } else {
+    c.w = kernels::cast_to_fp8(wd, at::kFloat8_e4m3fn, true, false);
+    c.w_t = kernels::cast_to_fp8(wd.t().contiguous(), at::kFloat8_e4m3fn, true, false);
+  }
+  return c;
+}
+
 const Fp8Linear::WeightCasts& Fp8Linear::weight_casts_for(const at::Tensor& w) {
   const uint64_t epoch = weights_epoch();
+  if (!cfg_.keep_weight_casts) {
+    cache_ = cast_weight(w);
+    cache_impl_ = nullptr;  // never a hit: forward drops the casts after handing them over
+    ++weight_casts_;
+    return cache_;
+  }
   if (cache_impl_ == w.unsafeGetTensorImpl() && cache_data_ == w.const_data_ptr() &&
       cache_version_ == static_cast<int64_t>(w._version()) &&
       cache_epoch_ == static_cast<int64_t>(epoch) && cache_dtype_ == w.scalar_type())
     return cache_;
-  at::NoGradGuard ng;
-  const at::Tensor wd = w.detach();
-  if (cfg_.recipe == "tensorwise") {
-    cache_.w = kernels::cast_to_fp8(wd, at::kFloat8_e4m3fn, false, true);
-    cache_.w_t = {};
-  } else {
-    cache_.w = kernels::cast_to_fp8(wd, at::kFloat8_e4m3fn, true, false);
-    cache_.w_t = kernels::cast_to_fp8(wd.t().contiguous(), at::kFloat8_e4m3fn, true, false);
-  }
+  cache_ = cast_weight(w);
   cache_impl_ = w.unsafeGetTensorImpl();
   cache_data_ = w.const_data_ptr();
   cache_version_ = static_cast<int64_t>(w._version());
@@ -150,6 +161,7 @@ at::Tensor Fp8Linear::forward(const at::Tensor& x) {
     wc = {c.w.data, c.w.data_t, c.w.inv_scale};
   else
     wc = {c.w.data, c.w.inv_scale, c.w_t.data, c.w_t.inv_scale};
+  if (!cfg_.keep_weight_casts) cache_ = {};  // the graph holds what backward needs
   const at::Tensor b = has_bias() ? param("bias") : at::Tensor();
   return Fp8LinearFn::apply(x, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt, wc,
                             cfg_.recipe == "rowwise");

@@ -176,6 +176,13 @@ TEST(Fp8Linear, TheWeightIsCastOncePerUpdate) {
   EXPECT_EQ(layer.weight_casts(), 3);
   // Doubling W doubles the weight's inverse scale and leaves its codes: y - b doubles exactly.
   EXPECT_TRUE(at::allclose(y3 - base.param("bias"), (y1 - base.param("bias")) * 2, 1e-6, 1e-6));
+  // Without keeping them, every forward casts (and the same values come out).
+  Fp8Config dropping;
+  dropping.keep_weight_casts = false;
+  Fp8Linear fresh(base, dropping);
+  EXPECT_TRUE(at::equal(fresh.forward(x), y3));
+  fresh.forward(x);
+  EXPECT_EQ(fresh.weight_casts(), 2);
 }
 
 TEST(Fp8Linear, ConvertsAModelAndKeepsExcludedLayersPlain) {

@@ -9,9 +9,10 @@
 //               dimension for dx); dW in the input's precision (the per-row scales of x and dy run
 //               along the wrong dimension for it), x kept as is.
 // The weight's casts are cached per weight version (bumped by every optimizer step), so a step
-// of several micro-batches casts each weight once, not once per micro-batch. On CUDA the GEMMs
-// are at::_scaled_mm (compute capability 8.9+), the casts our kernels; elsewhere (the CPU: make
-// test) an emulation runs the same casts, then dequantizes and multiplies in fp32, so the
+// of several micro-batches casts each weight once, not once per micro-batch
+// (Fp8Config::keep_weight_casts; off, they live only as long as the step's graph). On CUDA the
+// GEMMs are at::_scaled_mm (compute capability 8.9+), the casts our kernels; elsewhere (the CPU:
+// make test) an emulation runs the same casts, then dequantizes and multiplies in fp32, so the
 // scaling logic is the one the GPU runs. Being a derived Linear it is never fused with its
 // siblings: q/k/v and gate/up run one FP8 GEMM each.
 #pragma once
@@ -33,6 +34,10 @@ struct Fp8Config {
   // Linear layers left in the working precision: those whose module path contains one of these
   // (default: the LM head, whose logits feed the loss).
   std::vector<std::string> exclude{"lm_head"};
+  // Keep each weight's casts (1 byte per weight, 2 with tensorwise's transpose) between forwards
+  // so that the micro-batches of one optimizer step cast it once. Without gradient accumulation
+  // every step casts each weight once anyway: false then frees them with the step's graph.
+  bool keep_weight_casts = true;
   // InputError naming the recipe when it is not one of the above.
   void validate() const;
 };
@@ -57,6 +62,7 @@ class Fp8Linear : public Linear {
 
  private:
   const WeightCasts& weight_casts_for(const at::Tensor& w);
+  WeightCasts cast_weight(const at::Tensor& w) const;
   Fp8Config cfg_;
   WeightCasts cache_;
   const void* cache_impl_ = nullptr;
