@@ -12,6 +12,7 @@
 #include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
+#include "colossal/dist/fp8_collectives.h"
 #include "colossal/optim/adamw.h"
 #include "colossal/zero/sharded_adamw.h"
 
@@ -321,7 +322,10 @@ void LowLevelZeroOptimizer::all_gather_params(std::vector<size_t> which) {
       g->gathered = g->local;
     } else {
       g->gathered = at::empty({world_ * cols}, g->local.options());
-      g->work = comm_.all_gather(g->gathered, g->local, /*async_op=*/defer);
+      g->work = options_.fp8_allgather
+                    ? dist::all_gather_fp8(comm_, g->gathered, g->local, *options_.fp8_allgather,
+                                           /*async_op=*/defer)
+                    : comm_.all_gather(g->gathered, g->local, /*async_op=*/defer);
     }
     if (!defer) {
       finish_gather(*g);

@@ -50,6 +50,11 @@ struct ZeroOptimizerOptions {
   // Only parameters marked deferrable (set_gather_plan) stay in flight after step(): the others'
   // buckets are still waited for before step() returns.
   bool overlap_allgather = false;
+  // FP8 communication: the updated working weights are all-gathered in this format
+  // (dist::all_gather_fp8: each rank's bucket slice with its own scale; every rank, the owner
+  // too, takes the dequantized values, so replicas stay identical). The fp32 masters stay exact
+  // and checkpoints are gathered exactly. One rank: no gather, no cast.
+  c10::optional<at::ScalarType> fp8_allgather;
 };
 
 class LowLevelZeroOptimizer {

@@ -36,6 +36,13 @@ void PluginOptions::validate() const {
     COLOSSAL_CHECK_INPUT(!zero.overlap_allgather,
                          "--overlap_allgather is not available with --plugin ", name);
   }
+  COLOSSAL_CHECK_INPUT(!ddp.fp8_communication || name == "ddp" || name == "low_level_zero" ||
+                           name == "zero1" || name == "zero2",
+                       "--fp8_communication is available with --plugin ddp, low_level_zero, "
+                       "zero1 or zero2, not '",
+                       name, "'",
+                       name == "none" ? " (one process: nothing is communicated)"
+                                      : " (its FP8 collectives are not wired yet)");
   COLOSSAL_CHECK_INPUT(!(name == "zero1" && zero.stage != 1), "--plugin zero1 contradicts --stage ",
                        zero.stage);
 }
@@ -108,6 +115,7 @@ std::shared_ptr<Plugin> make_plugin(const PluginOptions& o, const std::string& d
   zero.precision = o.ddp.precision;
   zero.device = device;
   zero.loss_scale = o.ddp.loss_scale;
+  zero.fp8_communication = o.ddp.fp8_communication;
   return std::make_shared<LowLevelZeroPlugin>(zero, std::move(comm));
 }
 

@@ -151,6 +151,7 @@ std::shared_ptr<OptimizerWrapper> LowLevelZeroPlugin::configure_optimizer(
   zo.cpu_offload = options_.cpu_offload;
   zo.allgather_bucket_numel = static_cast<int64_t>(options_.reduce_bucket_size_in_m * 1024 * 1024);
   zo.overlap_allgather = options_.overlap_allgather;
+  if (options_.fp8_communication) zo.fp8_allgather = at::kFloat8_e4m3fn;
   auto zopt = std::make_shared<zero::LowLevelZeroOptimizer>(optimizer, comm_, zm->masters, zo);
   zm->masters.clear();
   for (auto& h : zm->hooks) h.remove();
@@ -163,6 +164,7 @@ std::shared_ptr<OptimizerWrapper> LowLevelZeroPlugin::configure_optimizer(
   gs.overlap = options_.overlap_communication;
   if (!options_.communication_dtype.empty())
     gs.communication_dtype = working_dtype(precision_from_string(options_.communication_dtype));
+  if (options_.fp8_communication) gs.fp8 = at::kFloat8_e5m2;
   auto params = plugins::trainable(model.module());
   zm->stage = static_cast<int>(options_.stage);
   if (options_.stage == 2) {
@@ -179,6 +181,7 @@ std::shared_ptr<OptimizerWrapper> LowLevelZeroPlugin::configure_optimizer(
   zm->set_require_grad_sync(zm->require_grad_sync());
   log_info("low_level_zero: stage ", options_.stage, ", ", to_string(precision_), ", dp ",
            comm_.size(), options_.cpu_offload ? ", cpu offload" : "",
+           options_.fp8_communication ? ", fp8 communication" : "",
            "; optimizer state on this rank ", zopt->state_bytes(), " bytes");
   return std::make_shared<ZeroOptimizerWrapper>(std::move(optimizer), std::move(zopt), precision_,
                                                 options_.loss_scale, options_.max_norm);
