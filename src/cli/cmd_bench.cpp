@@ -37,7 +37,7 @@ struct HybridFlags {
         .add("3d", "custom_ckpt", &custom_ckpt, "3d's custom layer split (not available)")
         .add("3d", "nsys", &nsys, "nsys ranges (not available)")
         .add("3d", "use_fp8_comm", &use_fp8_comm,
-             "fp8 communication: the same as --fp8_communication (ddp, zero1, zero2)")
+             "fp8 communication: the same as --fp8_communication (ddp, zero1/2, gemini)")
         .add("3d", "disable_async_reduce", &disable_async_reduce,
              "Gemini only: accepted, no effect on our plugins")
         .add("3d", "no_cache", &no_cache, "Gemini only: accepted, no effect on our plugins")

@@ -127,6 +127,27 @@ void LowLevelZeroOptimizer::wait_all() {
   gathers_.clear();
 }
 
+void LowLevelZeroOptimizer::exact_weights() {
+  wait_all();
+  if (!fp8_weights_) return;
+  const auto fp8 = options_.fp8_allgather;
+  const bool overlap = options_.overlap_allgather;
+  options_.fp8_allgather.reset();
+  options_.overlap_allgather = false;
+  std::vector<size_t> all(params_.size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+  try {
+    all_gather_params(all);
+  } catch (...) {
+    options_.fp8_allgather = fp8;
+    options_.overlap_allgather = overlap;
+    throw;
+  }
+  options_.fp8_allgather = fp8;
+  options_.overlap_allgather = overlap;
+  fp8_weights_ = false;
+}
+
 size_t LowLevelZeroOptimizer::gathers_in_flight() const {
   size_t n = 0;
   for (const auto& g : gathers_) n += g->done ? 0 : 1;
@@ -321,6 +342,7 @@ void LowLevelZeroOptimizer::all_gather_params(std::vector<size_t> which) {
     if (world_ == 1) {
       g->gathered = g->local;
     } else {
+      fp8_weights_ = fp8_weights_ || options_.fp8_allgather.has_value();
       g->gathered = at::empty({world_ * cols}, g->local.options());
       g->work = options_.fp8_allgather
                     ? dist::all_gather_fp8(comm_, g->gathered, g->local, *options_.fp8_allgather,

@@ -22,8 +22,8 @@ void DDPOptions::register_options(OptionSet& set) {
       .add("plugin", "fp32_grad_reduce", &fp32_grad_reduce,
            "ddp: all-reduce bf16/fp16 gradients in fp32")
       .add("plugin", "fp8_communication", &fp8_communication,
-           "ddp, low_level_zero: gradients (e5m2) and ZeRO's weight all-gather (e4m3) travel in "
-           "FP8 with per-rank scales")
+           "ddp, low_level_zero, gemini: gradients (e5m2) and ZeRO/Gemini weight all-gathers "
+           "(e4m3) travel in FP8 with per-rank scales")
       .add("plugin", "initial_scale", &loss_scale.initial_scale, "fp16: initial loss scale")
       .add("plugin", "min_scale", &loss_scale.min_scale, "fp16: minimum loss scale")
       .add("plugin", "max_scale", &loss_scale.max_scale, "fp16: maximum loss scale")

@@ -54,14 +54,15 @@ class ZeroModel : public ModelWrapper {
   void finish_backward() override {
     if (sync) sync->finish();
   }
+  // fp8_communication: the weights are gathered again exactly (checkpoints read exact values).
   void wait_weights() override {
-    if (auto z = zero.lock()) z->wait_all();
+    if (auto z = zero.lock()) z->exact_weights();
   }
   ~ZeroModel() override {
     for (auto& h : hooks) h.remove();
   }
   int stage = 1;
-  std::weak_ptr<zero::LowLevelZeroOptimizer> zero;  // overlap_allgather: in-flight gathers
+  std::weak_ptr<zero::LowLevelZeroOptimizer> zero;  // in-flight / FP8 weight gathers
   std::vector<nn::HookHandle> hooks;
   std::unique_ptr<GradSync> sync;
   std::vector<std::pair<std::string, at::Tensor>> masters;  // fp32 values before the cast
@@ -157,6 +158,7 @@ std::shared_ptr<OptimizerWrapper> LowLevelZeroPlugin::configure_optimizer(
   for (auto& h : zm->hooks) h.remove();
   zm->hooks.clear();
   if (options_.overlap_allgather) plan_gathers(*zopt, *zm, zopt);
+  zm->zero = zopt;
 
   GradSync::Options gs;
   const int64_t elem = at::elementSize(working_dtype(precision_));

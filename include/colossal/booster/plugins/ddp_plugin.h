@@ -29,7 +29,7 @@ struct DDPOptions {
   bool fp32_grad_reduce = false;
   // ColossalAI's fp8_communication: gradient buckets all-reduced in FP8 (e5m2, as ColossalAI's
   // DDP comm hook) with per-slice scales (dist/fp8_collectives.h). The flag is shared with
-  // low_level_zero (PluginOptions); gemini, hybrid and none refuse it.
+  // low_level_zero and gemini (PluginOptions); hybrid and none refuse it.
   bool fp8_communication = false;
   LossScaleOptions loss_scale;
 
