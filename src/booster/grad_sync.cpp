@@ -154,7 +154,7 @@ void GradSync::launch(size_t bi) {
       slot.zero_();
     }
   }
-  b.work = options_.fp8
+  b.work = options_.fp8 && comm_.size() > 1
                ? dist::all_reduce_fp8(comm_, b.flat, *options_.fp8, dist::ReduceOp::Avg, true)
                : comm_.all_reduce(b.flat, dist::ReduceOp::Avg, /*async_op=*/true);
   b.launched = true;
