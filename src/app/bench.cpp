@@ -218,6 +218,7 @@ json::Value BenchReport::to_json() const {
   c.set("grad_checkpoint", config.checkpointing);
   c.set("ckpt_layers", config.ckpt_layers);
   c.set("fp8", config.use_fp8 ? config.fp8_recipe : std::string("off"));
+  c.set("fp8_communication", config.plugin.ddp.fp8_communication);
   c.set("attn_backend", config.attn_backend);
   c.set("fused_kernels", config.fused_kernels);
   c.set("cuda_graph", config.cuda_graph);

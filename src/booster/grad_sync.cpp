@@ -7,6 +7,7 @@
 
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
+#include "colossal/dist/fp8_collectives.h"
 
 namespace colossal::booster {
 namespace {
@@ -153,7 +154,9 @@ void GradSync::launch(size_t bi) {
       slot.zero_();
     }
   }
-  b.work = comm_.all_reduce(b.flat, dist::ReduceOp::Avg, /*async_op=*/true);
+  b.work = options_.fp8 && comm_.size() > 1
+               ? dist::all_reduce_fp8(comm_, b.flat, *options_.fp8, dist::ReduceOp::Avg, true)
+               : comm_.all_reduce(b.flat, dist::ReduceOp::Avg, /*async_op=*/true);
   b.launched = true;
 }
 
@@ -207,7 +210,9 @@ void GradSync::launch_reduce_scatter(size_t bi) {
   }
   b.flat = input.view({-1});
   b.out = at::empty({cols}, input.options());
-  b.work = comm_.reduce_scatter(b.out, b.flat, dist::ReduceOp::Avg, /*async_op=*/true);
+  b.work = options_.fp8 ? dist::reduce_scatter_fp8(comm_, b.out, b.flat, *options_.fp8,
+                                                   dist::ReduceOp::Avg, /*async_op=*/true)
+                        : comm_.reduce_scatter(b.out, b.flat, dist::ReduceOp::Avg, true);
   b.launched = true;
 }
 

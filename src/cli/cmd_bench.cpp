@@ -22,8 +22,8 @@ namespace {
 
 using colossal::InputError;
 
-// Flags of ColossalAI's benchmark that need what we do not have yet (extra dp, fp8
-// communication; --use_fp8 itself is BenchConfig's):
+// Flags of ColossalAI's benchmark that need what we do not have yet (extra dp; --use_fp8 itself
+// is BenchConfig's; --use_fp8_comm sets the plugins' --fp8_communication):
 // only their trivial values are accepted; the Gemini/3d tuning switches are accepted and warned
 // about.
 struct HybridFlags {
@@ -36,7 +36,8 @@ struct HybridFlags {
     s.add("3d", "extra_dp", &extra_dp, "extra data parallel size (only 1)")
         .add("3d", "custom_ckpt", &custom_ckpt, "3d's custom layer split (not available)")
         .add("3d", "nsys", &nsys, "nsys ranges (not available)")
-        .add("3d", "use_fp8_comm", &use_fp8_comm, "fp8 communication (not available)")
+        .add("3d", "use_fp8_comm", &use_fp8_comm,
+             "fp8 communication: the same as --fp8_communication (ddp, zero1/2, gemini)")
         .add("3d", "disable_async_reduce", &disable_async_reduce,
              "Gemini only: accepted, no effect on our plugins")
         .add("3d", "no_cache", &no_cache, "Gemini only: accepted, no effect on our plugins")
@@ -53,8 +54,7 @@ struct HybridFlags {
                                        ok, ")"));
     };
     need("extra_dp", extra_dp, 1, "extra data parallelism (gemini/3d)");
-    for (auto [name, on] : {std::pair{"custom_ckpt", custom_ckpt}, std::pair{"nsys", nsys},
-                            std::pair{"use_fp8_comm", use_fp8_comm}})
+    for (auto [name, on] : {std::pair{"custom_ckpt", custom_ckpt}, std::pair{"nsys", nsys}})
       if (on) throw InputError(colossal::str("--", name, " is not available in colossal.cpp yet"));
   }
 
@@ -94,6 +94,7 @@ int run_bench(int argc, char** argv) {
                        ": this ColossalAI plugin is not available in colossal.cpp yet (use none, "
                        "ddp, low_level_zero, zero1, zero2, gemini, gemini_auto or 3d)");
   hybrid.check();
+  if (hybrid.use_fp8_comm) c.plugin.ddp.fp8_communication = true;
   {
     colossal::booster::HybridOptions& h = c.plugin.hybrid;
     if (h.pp_size > 1 && h.num_microbatches == 0 && h.microbatch_size == 0) h.microbatch_size = 1;

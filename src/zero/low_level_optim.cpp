@@ -12,6 +12,7 @@
 #include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
+#include "colossal/dist/fp8_collectives.h"
 #include "colossal/optim/adamw.h"
 #include "colossal/zero/sharded_adamw.h"
 
@@ -124,6 +125,27 @@ void LowLevelZeroOptimizer::wait_params(const std::vector<size_t>& which) {
 void LowLevelZeroOptimizer::wait_all() {
   for (auto& g : gathers_) finish_gather(*g);
   gathers_.clear();
+}
+
+void LowLevelZeroOptimizer::exact_weights() {
+  wait_all();
+  if (!fp8_weights_) return;
+  const auto fp8 = options_.fp8_allgather;
+  const bool overlap = options_.overlap_allgather;
+  options_.fp8_allgather.reset();
+  options_.overlap_allgather = false;
+  std::vector<size_t> all(params_.size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+  try {
+    all_gather_params(all);
+  } catch (...) {
+    options_.fp8_allgather = fp8;
+    options_.overlap_allgather = overlap;
+    throw;
+  }
+  options_.fp8_allgather = fp8;
+  options_.overlap_allgather = overlap;
+  fp8_weights_ = false;
 }
 
 size_t LowLevelZeroOptimizer::gathers_in_flight() const {
@@ -320,8 +342,12 @@ void LowLevelZeroOptimizer::all_gather_params(std::vector<size_t> which) {
     if (world_ == 1) {
       g->gathered = g->local;
     } else {
+      fp8_weights_ = fp8_weights_ || options_.fp8_allgather.has_value();
       g->gathered = at::empty({world_ * cols}, g->local.options());
-      g->work = comm_.all_gather(g->gathered, g->local, /*async_op=*/defer);
+      g->work = options_.fp8_allgather
+                    ? dist::all_gather_fp8(comm_, g->gathered, g->local, *options_.fp8_allgather,
+                                           /*async_op=*/defer)
+                    : comm_.all_gather(g->gathered, g->local, /*async_op=*/defer);
     }
     if (!defer) {
       finish_gather(*g);

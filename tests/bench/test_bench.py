@@ -181,7 +181,7 @@ def test_two_ranks_per_gpu_figures(tmp_path, hf_config):
     (["-p", "3d", "--sp_mode", "bogus"], "unknown sequence parallelism mode"),
     (["--pp_style", "zbv"], "apply to --plugin hybrid (3d) only"),
     (["--shard_param_frac", "0.5"], "shard_param_frac"),
-    (["--use_fp8_comm"], "use_fp8_comm"),
+    (["-p", "3d", "--use_fp8_comm"], "--fp8_communication is available with --plugin ddp"),
     (["--use_fp8", "--fp8_recipe", "blockwise"], "blockwise"),
     (["-s", "2", "-i", "2"], "at least one step is timed"),
     (["-b", "0"], "batch_size"),

@@ -10,12 +10,14 @@
 
 #include <cmath>
 #include <limits>
+#include <map>
 
 #include "colossal/booster/booster.h"
 #include "colossal/booster/grad_sync.h"
 #include "colossal/booster/plugins/ddp_plugin.h"
 #include "colossal/data/dataloader.h"
 #include "colossal/data/token_file.h"
+#include "colossal/dist/fp8_collectives.h"
 #include "colossal/optim/adamw.h"
 
 #include <unistd.h>
@@ -140,6 +142,48 @@ TEST(DDP, BucketsFollowReverseOrder) {
   booster::GradSync sync(ps, dist::world(), o);
   EXPECT_GT(sync.num_buckets(), 3u);
   EXPECT_EQ(sync.bucket_names(0).front(), "unused.bias");
+}
+
+// fp8_communication's wiring: a bucket (q then p: reverse registration order) goes through
+// dist::all_reduce_fp8 / reduce_scatter_fp8 (avg, e5m2) as one flat tensor, whose results (checked
+// bit for bit in tests/dist/test_fp8_collectives.cpp) land in .grad / the shard callback as they
+// are.
+TEST(DDP, Fp8GradSyncReducesBucketsThroughTheFp8Collectives) {
+  const int W = dist::world_size(), me = dist::rank();
+  if (W == 1) GTEST_SKIP() << "one rank communicates nothing";
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(100 + me));
+  const at::Tensor c = at::randn({7}, gen), d = at::randn({3, 5}, gen) * 1e-3;
+  for (bool scatter : {false, true}) {
+    SCOPED_TRACE(scatter);
+    at::Tensor p = at::zeros({7}).requires_grad_(true), q = at::zeros({3, 5}).requires_grad_(true);
+    booster::GradSync::Options o;
+    o.fp8 = at::kFloat8_e5m2;
+    std::map<size_t, at::Tensor> shards;
+    if (scatter) o.on_shard = [&](size_t k, const at::Tensor& slice) { shards[k] = slice.clone(); };
+    booster::GradSync sync({{"p", p}, {"q", q}}, dist::world(), o);
+    ((p * c).sum() + (q * d).sum()).backward();
+    if (!scatter) {
+      at::Tensor flat = at::cat({d.reshape({-1}), c});
+      dist::all_reduce_fp8(dist::world(), flat, at::kFloat8_e5m2, dist::ReduceOp::Avg);
+      EXPECT_TRUE(q.grad().equal(flat.narrow(0, 0, 15).view({3, 5})));
+      EXPECT_TRUE(p.grad().equal(flat.narrow(0, 15, 7)));
+      EXPECT_FALSE(p.grad().equal(c));
+      continue;
+    }
+    const int64_t sq = (15 + W - 1) / W, sp = (7 + W - 1) / W;
+    at::Tensor in = at::zeros({W, sq + sp});
+    at::Tensor qp = at::zeros({W * sq}), pp = at::zeros({W * sp});
+    qp.narrow(0, 0, 15).copy_(d.reshape({-1}));
+    pp.narrow(0, 0, 7).copy_(c);
+    in.narrow(1, 0, sq).copy_(qp.view({W, sq}));
+    in.narrow(1, sq, sp).copy_(pp.view({W, sp}));
+    at::Tensor out = at::empty({sq + sp});
+    dist::reduce_scatter_fp8(dist::world(), out, in.view({-1}), at::kFloat8_e5m2,
+                             dist::ReduceOp::Avg);
+    ASSERT_EQ(shards.size(), 2u);
+    EXPECT_TRUE(shards[1].equal(out.narrow(0, 0, sq)));
+    EXPECT_TRUE(shards[0].equal(out.narrow(0, sq, sp)));
+  }
 }
 
 TEST(DDP, Fp16OverflowOnOneRankSkipsEverywhere) {

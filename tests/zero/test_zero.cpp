@@ -461,6 +461,62 @@ TEST(ZeroNormReducer, ComposedOverAxesCountsReplicatedParametersOnce) {
   }
 }
 
+// fp8_communication's weight all-gather: after a step every rank's working parameters are the
+// all-gather of the updated fp32 master shards quantized per rank with one e4m3 scale over the
+// rank's whole bucket (its slices of every parameter, zero padding included), bit for bit. The
+// exact masters come from the same optimizer without FP8 (identical shards and AdamW math).
+// exact_weights() (what checkpoint saves read) then gathers them again exactly.
+TEST(ZeroFp8, WeightAllGatherIsEachRanksDequantizedBucket) {
+  const int R = dist::world_size();
+  if (R == 1) GTEST_SKIP() << "one rank gathers nothing";
+  auto run = [&](bool fp8, bool exact_after) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(uint64_t{41});
+    at::Tensor a = at::randn({9}, gen).requires_grad_(true);
+    at::Tensor b = (at::randn({4, 5}, gen) * 0.01).requires_grad_(true);
+    auto inner = std::make_shared<optim::AdamW>();
+    inner->add_param_group({{"a", a}, {"b", b}}, optim::GroupOptions{});
+    zero::ZeroOptimizerOptions zo_opts;
+    if (fp8) zo_opts.fp8_allgather = at::kFloat8_e4m3fn;
+    zero::LowLevelZeroOptimizer zo(inner, dist::world(), {}, zo_opts);
+    a.mutable_grad() = at::randn({9}, gen);
+    b.mutable_grad() = at::randn({4, 5}, gen);
+    zo.take_full_grads();
+    zo.step(1.0);
+    if (exact_after) zo.exact_weights();
+    return std::vector<at::Tensor>{a.detach().clone(), b.detach().clone()};
+  };
+  const auto exact = run(false, false), got = run(true, false), regathered = run(true, true);
+  std::vector<int64_t> s;
+  for (const auto& t : exact) s.push_back((t.numel() + R - 1) / R);
+  std::vector<at::Tensor> want = {at::zeros({s[0] * R}), at::zeros({s[1] * R})};
+  for (int r = 0; r < R; ++r) {
+    std::vector<at::Tensor> parts;
+    for (size_t i = 0; i < exact.size(); ++i) {
+      at::Tensor padded = at::zeros({s[i] * R});
+      padded.narrow(0, 0, exact[i].numel()).copy_(exact[i].reshape({-1}));
+      parts.push_back(padded.narrow(0, r * s[i], s[i]));
+    }
+    at::Tensor local = at::cat(parts);
+    const at::Tensor amax = local.abs().amax().clamp_min(1e-12);
+    const at::Tensor scale = at::full_like(amax, 448.0) / amax;
+    at::Tensor deq = (local * scale).clamp(-448.0, 448.0).to(at::kFloat8_e4m3fn).to(at::kFloat) *
+                     scale.reciprocal();
+    int64_t off = 0;
+    for (size_t i = 0; i < exact.size(); ++i) {
+      want[i].narrow(0, r * s[i], s[i]).copy_(deq.narrow(0, off, s[i]));
+      off += s[i];
+    }
+  }
+  for (size_t i = 0; i < exact.size(); ++i) {
+    at::Tensor w = want[i].narrow(0, 0, exact[i].numel()).view(exact[i].sizes());
+    EXPECT_TRUE(at::equal(got[i], w)) << "parameter " << i << "\ngot\n"
+                                      << got[i] << "\nwant\n"
+                                      << w;
+    EXPECT_FALSE(at::equal(got[i], exact[i])) << "parameter " << i << ": FP8 was not used";
+    EXPECT_TRUE(at::equal(regathered[i], exact[i])) << "parameter " << i << " after exact_weights";
+  }
+}
+
 TEST(ZeroCuda, OffloadedAndHeldGradientsTrainAlike) {
   if (!Accelerator::cuda().available() || dist::world_size() != 1)
     GTEST_SKIP() << "needs CUDA and one rank";

@@ -13,6 +13,8 @@
 // In reduce-scatter mode (Options::on_shard, the engine of ZeRO-2) the same hooks and buckets
 // reduce-scatter instead, and each rank keeps only its slice of every gradient.
 //
+// With Options::fp8 the buckets travel in FP8 with scales (dist/fp8_collectives.h).
+//
 // Why not c10d::Reducer: it needs a c10d::ProcessGroup (we hold Backends through our
 // Communicator), its no_sync and unused-parameter handling are driven from Python, and ZeRO-2
 // needs the same hook + bucket machinery with reduce-scatter instead of all-reduce.
@@ -36,6 +38,11 @@ class GradSync {
     double bucket_cap_mb = 25.0;
     // Gradients are reduced in this dtype (undefined = their own dtype), e.g. fp32 for bf16 grads.
     c10::optional<at::ScalarType> communication_dtype;
+    // FP8 communication (the plugins' fp8_communication): buckets are all-reduced /
+    // reduce-scattered with dist::all_reduce_fp8 / reduce_scatter_fp8 in this format (each rank's
+    // slices cast with their own scales, summed in fp32 in rank order), instead of in
+    // communication_dtype. One rank: nothing is communicated and nothing is cast.
+    c10::optional<at::ScalarType> fp8;
     // Launch each bucket from the hooks as soon as it is full (overlapping backward); false:
     // every bucket is launched by finish().
     bool overlap = true;

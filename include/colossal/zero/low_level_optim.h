@@ -50,6 +50,11 @@ struct ZeroOptimizerOptions {
   // Only parameters marked deferrable (set_gather_plan) stay in flight after step(): the others'
   // buckets are still waited for before step() returns.
   bool overlap_allgather = false;
+  // FP8 communication: the updated working weights are all-gathered in this format
+  // (dist::all_gather_fp8: each rank's bucket slice with its own scale; every rank, the owner
+  // too, takes the dequantized values, so replicas stay identical). The fp32 masters stay exact
+  // and checkpoints are gathered exactly. One rank: no gather, no cast.
+  c10::optional<at::ScalarType> fp8_allgather;
 };
 
 class LowLevelZeroOptimizer {
@@ -108,6 +113,10 @@ class LowLevelZeroOptimizer {
   // load_state_dict(), sync_masters_from_params() and the destructor call it first (zero_grad()
   // touches no weight and leaves the gathers running).
   void wait_all();
+  // wait_all(), then, when the working parameters came from an FP8 all-gather, all-gathers them
+  // again exactly (the masters cast to the working dtype): what checkpoint saves and loads read
+  // (the plugin's wait_weights). Collective when it gathers (every rank calls it).
+  void exact_weights();
   // Number of all-gather buckets still in flight (for tests).
   size_t gathers_in_flight() const;
 
@@ -183,6 +192,7 @@ class LowLevelZeroOptimizer {
   bool pin_ = false;
   std::vector<Param> params_;
   bool grads_taken_ = false;
+  bool fp8_weights_ = false;  // some working parameters hold FP8-gathered values
   std::vector<int64_t> position_;
   std::vector<bool> deferrable_;
   std::vector<std::unique_ptr<Gather>> gathers_;  // in flight, launch order

@@ -21,6 +21,9 @@ void DDPOptions::register_options(OptionSet& set) {
            "ddp: broadcast buffers from rank 0 at boost")
       .add("plugin", "fp32_grad_reduce", &fp32_grad_reduce,
            "ddp: all-reduce bf16/fp16 gradients in fp32")
+      .add("plugin", "fp8_communication", &fp8_communication,
+           "ddp, low_level_zero, gemini: gradients (e5m2) and ZeRO/Gemini weight all-gathers "
+           "(e4m3) travel in FP8 with per-rank scales")
       .add("plugin", "initial_scale", &loss_scale.initial_scale, "fp16: initial loss scale")
       .add("plugin", "min_scale", &loss_scale.min_scale, "fp16: minimum loss scale")
       .add("plugin", "max_scale", &loss_scale.max_scale, "fp16: maximum loss scale")
@@ -103,6 +106,12 @@ std::shared_ptr<ModelWrapper> DDPPlugin::configure_model(std::shared_ptr<torch::
   gs.bucket_cap_mb = options_.bucket_cap_mb;
   if (options_.fp32_grad_reduce && precision_ != Precision::FP32)
     gs.communication_dtype = at::kFloat;
+  if (options_.fp8_communication) {
+    gs.fp8 = at::kFloat8_e5m2;
+    log_info(
+        "ddp: fp8 communication: gradients all-reduced in FP8 e5m2 with per-slice scales over ",
+        comm_.size(), " rank(s)");
+  }
   return std::make_shared<DDPModel>(std::move(model), comm_, gs, std::move(masters));
 }
 

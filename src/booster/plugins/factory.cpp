@@ -36,6 +36,14 @@ void PluginOptions::validate() const {
     COLOSSAL_CHECK_INPUT(!zero.overlap_allgather,
                          "--overlap_allgather is not available with --plugin ", name);
   }
+  COLOSSAL_CHECK_INPUT(!ddp.fp8_communication || name == "ddp" || name == "low_level_zero" ||
+                           name == "zero1" || name == "zero2" || name == "gemini" ||
+                           name == "gemini_auto",
+                       "--fp8_communication is available with --plugin ddp, low_level_zero, "
+                       "zero1, zero2, gemini or gemini_auto, not '",
+                       name, "'",
+                       name == "none" ? " (one process: nothing is communicated)"
+                                      : " (its FP8 collectives are not wired yet)");
   COLOSSAL_CHECK_INPUT(!(name == "zero1" && zero.stage != 1), "--plugin zero1 contradicts --stage ",
                        zero.stage);
 }
@@ -98,6 +106,7 @@ std::shared_ptr<Plugin> make_plugin(const PluginOptions& o, const std::string& d
     gemini.device = device;
     gemini.loss_scale = o.ddp.loss_scale;
     gemini.communication_dtype = o.zero.communication_dtype;
+    gemini.fp8_communication = o.ddp.fp8_communication;
     if (name == "gemini_auto") gemini.placement_policy = "auto";
     return std::make_shared<GeminiPlugin>(gemini, std::move(comm));
   }
@@ -108,6 +117,7 @@ std::shared_ptr<Plugin> make_plugin(const PluginOptions& o, const std::string& d
   zero.precision = o.ddp.precision;
   zero.device = device;
   zero.loss_scale = o.ddp.loss_scale;
+  zero.fp8_communication = o.ddp.fp8_communication;
   return std::make_shared<LowLevelZeroPlugin>(zero, std::move(comm));
 }
 

@@ -121,6 +121,9 @@ std::shared_ptr<ModelWrapper> GeminiPlugin::configure_model(
   wrapper->manager =
       std::make_shared<zero::gemini::ChunkManager>(*model, comm_, go, std::move(masters));
   wrapper->hooks = zero::gemini::install_hooks(*model, wrapper->manager);
+  if (go.fp8_communication)
+    log_info("gemini: fp8 communication: chunk gathers in FP8 e4m3, gradient reductions in e5m2 ",
+             "over ", comm_.size(), " rank(s)");
   return wrapper;
 }
 

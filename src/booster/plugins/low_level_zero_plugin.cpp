@@ -54,14 +54,15 @@ class ZeroModel : public ModelWrapper {
   void finish_backward() override {
     if (sync) sync->finish();
   }
+  // fp8_communication: the weights are gathered again exactly (checkpoints read exact values).
   void wait_weights() override {
-    if (auto z = zero.lock()) z->wait_all();
+    if (auto z = zero.lock()) z->exact_weights();
   }
   ~ZeroModel() override {
     for (auto& h : hooks) h.remove();
   }
   int stage = 1;
-  std::weak_ptr<zero::LowLevelZeroOptimizer> zero;  // overlap_allgather: in-flight gathers
+  std::weak_ptr<zero::LowLevelZeroOptimizer> zero;  // in-flight / FP8 weight gathers
   std::vector<nn::HookHandle> hooks;
   std::unique_ptr<GradSync> sync;
   std::vector<std::pair<std::string, at::Tensor>> masters;  // fp32 values before the cast
@@ -151,11 +152,13 @@ std::shared_ptr<OptimizerWrapper> LowLevelZeroPlugin::configure_optimizer(
   zo.cpu_offload = options_.cpu_offload;
   zo.allgather_bucket_numel = static_cast<int64_t>(options_.reduce_bucket_size_in_m * 1024 * 1024);
   zo.overlap_allgather = options_.overlap_allgather;
+  if (options_.fp8_communication) zo.fp8_allgather = at::kFloat8_e4m3fn;
   auto zopt = std::make_shared<zero::LowLevelZeroOptimizer>(optimizer, comm_, zm->masters, zo);
   zm->masters.clear();
   for (auto& h : zm->hooks) h.remove();
   zm->hooks.clear();
   if (options_.overlap_allgather) plan_gathers(*zopt, *zm, zopt);
+  zm->zero = zopt;
 
   GradSync::Options gs;
   const int64_t elem = at::elementSize(working_dtype(precision_));
@@ -163,6 +166,7 @@ std::shared_ptr<OptimizerWrapper> LowLevelZeroPlugin::configure_optimizer(
   gs.overlap = options_.overlap_communication;
   if (!options_.communication_dtype.empty())
     gs.communication_dtype = working_dtype(precision_from_string(options_.communication_dtype));
+  if (options_.fp8_communication) gs.fp8 = at::kFloat8_e5m2;
   auto params = plugins::trainable(model.module());
   zm->stage = static_cast<int>(options_.stage);
   if (options_.stage == 2) {
@@ -179,6 +183,7 @@ std::shared_ptr<OptimizerWrapper> LowLevelZeroPlugin::configure_optimizer(
   zm->set_require_grad_sync(zm->require_grad_sync());
   log_info("low_level_zero: stage ", options_.stage, ", ", to_string(precision_), ", dp ",
            comm_.size(), options_.cpu_offload ? ", cpu offload" : "",
+           options_.fp8_communication ? ", fp8 communication" : "",
            "; optimizer state on this rank ", zopt->state_bytes(), " bytes");
   return std::make_shared<ZeroOptimizerWrapper>(std::move(optimizer), std::move(zopt), precision_,
                                                 options_.loss_scale, options_.max_norm);

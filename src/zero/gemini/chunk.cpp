@@ -9,6 +9,7 @@
 
 #include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
+#include "colossal/dist/fp8_collectives.h"
 
 namespace colossal::zero::gemini {
 
@@ -164,7 +165,7 @@ void Chunk::set_all(TensorState from, TensorState to) {
     if (tensors_[k].state == from) set_state(k, to);
 }
 
-void Chunk::start_gather() {
+void Chunk::start_gather(bool exact) {
   if (full_.defined() || pending_) return;
   c10::NoGradGuard no_grad;
   if (shards_ == 1) {  // one rank, parameters on the host: a copy up, no collective
@@ -181,8 +182,20 @@ void Chunk::start_gather() {
   full_ = at::empty({size_}, at::TensorOptions().dtype(dtype_).device(device_));
   gather_src_ = shard_.device() == device_ ? shard_ : shard_.to(device_, /*non_blocking=*/true);
   if (param_place_ == Place::Host) h2d_bytes_ += shard_bytes();
-  gather_work_ = comm_.all_gather(full_, gather_src_, /*async_op=*/true);
+  full_fp8_ = fp8_ && !exact;
+  gather_work_ = full_fp8_
+                     ? dist::all_gather_fp8(comm_, full_, gather_src_, at::kFloat8_e4m3fn, true)
+                     : comm_.all_gather(full_, gather_src_, /*async_op=*/true);
   pending_ = true;
+}
+
+void Chunk::make_exact() {
+  if (!full_fp8_) return;
+  wait_gather();
+  c10::NoGradGuard no_grad;
+  at::Tensor src = shard_.device() == device_ ? shard_ : shard_.to(device_);
+  comm_.all_gather(full_, src);
+  full_fp8_ = false;
 }
 
 void Chunk::wait_gather() {
@@ -214,6 +227,7 @@ void Chunk::release(bool write_back) {
   set_all(TensorState::Hold, TensorState::Free);
   point_params_at_placeholder();
   full_ = at::Tensor();
+  full_fp8_ = false;
 }
 
 void Chunk::move_param_shard(Place to) {
@@ -300,10 +314,16 @@ Chunk::PendingReduce Chunk::reduce_grad_async(c10::optional<at::ScalarType> comm
     r.out = r.in;
   } else if (shards_ > 1) {
     r.out = at::empty({shard_size()}, r.in.options());
-    r.work = comm_.reduce_scatter(r.out, r.in, dist::ReduceOp::Avg, /*async_op=*/true);
+    r.work = fp8_ ? dist::reduce_scatter_fp8(comm_, r.out, r.in, at::kFloat8_e5m2,
+                                             dist::ReduceOp::Avg, /*async_op=*/true)
+                  : comm_.reduce_scatter(r.out, r.in, dist::ReduceOp::Avg, /*async_op=*/true);
   } else {
     r.out = r.in;
-    r.work = comm_.all_reduce(r.out, dist::ReduceOp::Avg, /*async_op=*/true);
+    // FP8: the all-gather phase is issued when the Work is waited for; the manager waits for
+    // its reductions in launch order on every rank.
+    r.work = fp8_ ? dist::all_reduce_fp8(comm_, r.out, at::kFloat8_e5m2, dist::ReduceOp::Avg,
+                                         /*async_op=*/true)
+                  : comm_.all_reduce(r.out, dist::ReduceOp::Avg, /*async_op=*/true);
   }
   return r;
 }

@@ -169,6 +169,7 @@ ChunkManager::ChunkManager(torch::nn::Module& model, dist::Communicator comm, Ge
         std::make_unique<Chunk>(static_cast<int>(ci), pl.size, g.dtype, device_, sharded, comm_);
     for (size_t k : pl.members) chunk->append(g.params[k].first, g.params[k].second);
     chunk->set_mover(mover_);
+    chunk->set_fp8_communication(o.fp8_communication);
     OptimChunk oc;
     oc.place = ip.optim;
     param_place.push_back(ip.param);
@@ -484,11 +485,13 @@ void ChunkManager::finish_backward() {
 
 void ChunkManager::gather_all() {
   finish_updates();
-  for (auto& c : chunks_) c->start_gather();
+  // Saves and loads read exact weights: new gathers are exact, FP8 ones are redone.
+  for (auto& c : chunks_) c->start_gather(/*exact=*/true);
   for (size_t i = 0; i < chunks_.size(); ++i) {
     if (chunks_[i]->releasable() && !chunks_[i]->gathered()) external_[i] = 1;
     if (chunks_[i]->gather_in_flight()) external_[i] = 1;
     chunks_[i]->wait_gather();
+    chunks_[i]->make_exact();
   }
   update_peak();
 }
@@ -520,12 +523,15 @@ void ChunkManager::read_param(const at::Tensor& param, bool write) {
   finish_updates();
   Chunk& ch = *chunks_[static_cast<size_t>(c)];
   if (ch.gathered() && !ch.gather_in_flight()) {
-    // Gathered already: left as it is; a write reaches the shard on its next release.
+    // Gathered already: left as it is (exact: an FP8 gather is redone); a write reaches the
+    // shard on its next release.
+    ch.make_exact();
     if (write && ch.releasable()) external_[static_cast<size_t>(c)] = 1;
     return;
   }
-  ch.start_gather();
+  ch.start_gather(/*exact=*/true);
   ch.wait_gather();
+  ch.make_exact();  // it was in flight as an FP8 (prefetch) gather
   read_chunk_ = c;
   read_write_ = write;
 }

@@ -3,7 +3,8 @@
 // ddp: parameters broadcast from rank 0 at boost, gradients all-reduced (averaged) in buckets
 // overlapped with backward (GradSync), no_sync accumulation. Options follow ColossalAI's
 // TorchDDPPlugin names; precision is the plugin's (fp32, or bf16/fp16 working weights with fp32
-// masters in the optimizer and a dynamic loss scale for fp16).
+// masters in the optimizer and a dynamic loss scale for fp16). fp8_communication: gradients
+// travel in FP8 with scales.
 #pragma once
 
 #include <memory>
@@ -26,6 +27,10 @@ struct DDPOptions {
   bool broadcast_buffers = true;
   // Reduce gradients in fp32 even when they are bf16/fp16 (costs bandwidth, saves precision).
   bool fp32_grad_reduce = false;
+  // ColossalAI's fp8_communication: gradient buckets all-reduced in FP8 (e5m2, as ColossalAI's
+  // DDP comm hook) with per-slice scales (dist/fp8_collectives.h). The flag is shared with
+  // low_level_zero and gemini (PluginOptions); hybrid and none refuse it.
+  bool fp8_communication = false;
   LossScaleOptions loss_scale;
 
   // Registers every field under section "plugin" (flags --bucket_cap_mb, ...).

@@ -60,6 +60,12 @@ struct ZeroOptions {
   bool overlap_allgather = false;       // background weight all-gather, waited per layer
   bool cpu_offload = false;             // masters, grad shards and moments in CPU memory
   bool master_weights = true;           // false is refused for bf16/fp16 (fp32 masters always)
+  // ColossalAI's fp8_communication: gradient buckets reduce-scattered (stage 2) or all-reduced
+  // (stage 1) in FP8 e5m2 and the updated weights all-gathered in FP8 e4m3, with per-rank scales
+  // (dist/fp8_collectives.h). Set through DDPOptions' shared flag by the factory. The model's
+  // wait_weights() (checkpoint saves and loads) then gathers the weights again exactly, so it
+  // is collective.
+  bool fp8_communication = false;
 
   // Registers the ZeRO-specific fields under section "plugin" (stage, reduce_bucket_size_in_m,
   // communication_dtype, overlap_communication, overlap_allgather, cpu_offload). Precision and

@@ -114,7 +114,16 @@ class Chunk {
 
   // Starts the all-gather (async) into a fresh full buffer; wait_gather() finishes it and
   // re-points the parameters. access() = both, synchronously. No-ops when already gathered.
-  void start_gather();
+  // With FP8 communication on, the gather moves FP8 (every rank, the owner too, then holds the
+  // dequantized values) unless `exact`.
+  void start_gather(bool exact = false);
+  // FP8 communication (set_fp8_communication): compute gathers in e4m3, gradient reductions in
+  // e5m2.
+  void set_fp8_communication(bool on) { fp8_ = on; }
+  bool gathered_fp8() const { return full_fp8_; }
+  // A full buffer gathered in FP8 is gathered again exactly, in place (the parameters keep
+  // pointing at it). Collective over the chunk's group; a no-op otherwise.
+  void make_exact();
   void wait_gather();
   void access() {
     start_gather();
@@ -188,6 +197,8 @@ class Chunk {
   dist::Work gather_work_;
   at::Tensor gather_src_;
   bool pending_ = false;
+  bool fp8_ = false;       // FP8 communication
+  bool full_fp8_ = false;  // full_ came from an FP8 gather
   std::shared_ptr<CopyStream> mover_;
   std::unique_ptr<Event> up_done_;  // the side-stream copy filling full_
   int64_t h2d_bytes_ = 0, d2h_bytes_ = 0;

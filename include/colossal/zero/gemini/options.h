@@ -41,6 +41,11 @@ struct GeminiOptions : ChunkSearchOptions {
   bool overlap_cpu_adam = true;
   // Gradients are reduced in this dtype: "" (the chunk's dtype), fp32, bf16 or fp16.
   std::string communication_dtype;
+  // ColossalAI's fp8_communication: the compute all-gathers of sharded chunks travel in FP8 e4m3
+  // and the gradient reduce-scatter / all-reduce in FP8 e5m2, with per-rank scales
+  // (dist/fp8_collectives.h). Checkpoint reads and writes (gather_all, read_param) gather
+  // exactly; fp32 masters and optimizer states never see FP8.
+  bool fp8_communication = false;
 };
 
 }  // namespace colossal::zero::gemini
