@@ -236,7 +236,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_fwd(const at::Tensor& x, cons
 std::pair<at::Tensor, at::Tensor> rms_bwd(const at::Tensor& dy, const at::Tensor& x,
                                           const at::Tensor& w, const at::Tensor& rstd,
                                           const at::Tensor& dres = at::Tensor()) {
-  const int64_t h = x.size(-1), rows = h ? x.numel() / h : 0;
+  const int64_t h = x.size(-1);
+  [[maybe_unused]] const int64_t rows = h ? x.numel() / h : 0;  // the CUDA path's
   at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
   at::Tensor dw = at::empty_like(w, at::MemoryFormat::Contiguous);
   if (path_for(x) == Path::Cpu) {
