@@ -387,10 +387,7 @@ std::shared_ptr<models::CausalLM> build_model(const BenchConfig& c, const at::De
     nn::Fp8Config fc;
     fc.recipe = c.fp8_recipe;
     fc.keep_weight_casts = false;  // one micro-batch per step: one cast per step either way
-    fc.exclude.clear();
-    std::stringstream ss(c.fp8_exclude);
-    for (std::string t; std::getline(ss, t, ',');)
-      if (!t.empty()) fc.exclude.push_back(t);
+    fc.exclude = split_list(c.fp8_exclude);
     const auto paths = nn::convert_to_fp8(*model, fc, device);
     if (rank0) log_info("bench: FP8 (", fc.recipe, ") on ", paths.size(), " linear layers");
   }

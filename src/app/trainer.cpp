@@ -21,7 +21,6 @@
 #include <iterator>
 #include <optional>
 #include <set>
-#include <sstream>
 #include <system_error>
 #include <thread>
 #include <vector>
@@ -538,10 +537,7 @@ void Trainer::build_model() {
     nn::Fp8Config fc;
     fc.recipe = c_.fp8_recipe;
     fc.keep_weight_casts = c_.accumulation > 1;  // one cast per step either way
-    fc.exclude.clear();
-    std::stringstream ss(c_.fp8_exclude);
-    for (std::string t; std::getline(ss, t, ',');)
-      if (!t.empty()) fc.exclude.push_back(t);
+    fc.exclude = split_list(c_.fp8_exclude);
     const at::Device dev =
         c_.device == "cuda" ? Accelerator::cuda().device() : at::Device(at::kCPU);
     const auto paths = nn::convert_to_fp8(*model_, fc, dev);
@@ -567,9 +563,7 @@ void Trainer::build_lora() {
     lc.lora_alpha = c_.lora_alpha;
     lc.lora_dropout = c_.lora_dropout;
     lc.use_rslora = c_.lora_rslora;
-    std::stringstream ss(c_.lora_targets);
-    for (std::string t; std::getline(ss, t, ',');)
-      if (!t.empty()) lc.target_modules.push_back(t);
+    lc.target_modules = split_list(c_.lora_targets);
     booster_->enable_lora(model_, lc, static_cast<uint64_t>(c_.seed));
   }
   if (const nn::LoraConfig* applied = booster_->lora_config(*model_)) lora_ = *applied;

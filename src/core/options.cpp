@@ -331,4 +331,12 @@ json::Value OptionSet::to_json() const {
   return out;
 }
 
+std::vector<std::string> split_list(const std::string& value) {
+  std::vector<std::string> out;
+  std::stringstream ss(value);
+  for (std::string t; std::getline(ss, t, ',');)
+    if (!t.empty()) out.push_back(t);
+  return out;
+}
+
 }  // namespace colossal

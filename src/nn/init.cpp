@@ -57,7 +57,6 @@ void init_parameters(torch::nn::Module& root, const InitOptions& opts) {
     std::string key, full_name;
     std::vector<int64_t> full_shape;
     std::optional<int64_t> pad;
-    at::Tensor value;  // the full-shape initial value, made by a worker
   };
   std::vector<Job> jobs;
   for (const auto& [prefix, raw] : all) {
@@ -70,22 +69,47 @@ void init_parameters(torch::nn::Module& root, const InitOptions& opts) {
     if (auto* e = dynamic_cast<Embedding*>(mod)) pad = e->padding_idx();
     for (const auto& p : own)
       jobs.push_back({mod, p.key(), prefix.empty() ? p.key() : prefix + "." + p.key(),
-                      mod->full_shape(p.key()), pad, at::Tensor()});
+                      mod->full_shape(p.key()), pad});
   }
-  // Values depend only on (seed, name), so they are made by several threads at once (a 13b
-  // model is 13 G normal samples and 52 GB of fresh pages) in waves of one parameter per
-  // thread; the main thread installs each wave before the next starts, so at most one value
-  // per thread is alive beyond the installed parameters.
+  // Values depend only on (seed, name), so make_init_values makes them on several threads at
+  // once (a 13b model is 13 G normal samples and 52 GB of fresh pages).
+  std::vector<InitValueJob> values;
+  values.reserve(jobs.size());
+  for (const Job& job : jobs) values.push_back({job.full_name, job.full_shape, job.pad});
+  make_init_values(values, opts, [&](size_t j, at::Tensor value) {
+    Job& job = jobs[j];
+    const at::Tensor cur = job.mod->named_parameters(/*recurse=*/false)[job.key];
+    at::Tensor v = job.mod->shard_slice(job.key, value);
+    value = at::Tensor();
+    COLOSSAL_CHECK(v.sizes() == cur.sizes(), "init_parameters: ", job.full_name, " has shape ",
+                   cur.sizes(), " but its initial value has ", v.sizes());
+    at::ScalarType dt = opts.dtype.value_or(cur.scalar_type());
+    at::Device dev = opts.device.value_or(cur.is_meta() ? at::Device(at::kCPU) : cur.device());
+    v = v.to(dev, dt).contiguous();
+    if (cur.is_meta() || cur.device() != dev) {
+      job.mod->replace_parameter(job.key, v);
+    } else if (cur.scalar_type() != dt) {
+      const_cast<at::Tensor&>(cur).set_data(v);
+    } else {
+      const_cast<at::Tensor&>(cur).copy_(v);
+    }
+  });
+}
+
+void make_init_values(const std::vector<InitValueJob>& jobs, const InitOptions& opts,
+                      const std::function<void(size_t, at::Tensor)>& install) {
+  at::NoGradGuard ng;
   const size_t threads = std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 8);
   for (size_t first = 0; first < jobs.size(); first += threads) {
     const size_t last = std::min(jobs.size(), first + threads);
+    std::vector<at::Tensor> values(last - first);
     std::vector<std::exception_ptr> errors(last - first);
     std::vector<std::thread> pool;
     for (size_t j = first; j < last; ++j)
       pool.emplace_back([&, j] {
         try {
           at::NoGradGuard worker_ng;
-          jobs[j].value = init_value(jobs[j].full_name, jobs[j].full_shape, opts, jobs[j].pad);
+          values[j - first] = init_value(jobs[j].name, jobs[j].shape, opts, jobs[j].padding_idx);
         } catch (...) {
           errors[j - first] = std::current_exception();
         }
@@ -93,24 +117,7 @@ void init_parameters(torch::nn::Module& root, const InitOptions& opts) {
     for (auto& t : pool) t.join();
     for (auto& e : errors)
       if (e) std::rethrow_exception(e);
-    for (size_t j = first; j < last; ++j) {
-      Job& job = jobs[j];
-      const at::Tensor cur = job.mod->named_parameters(/*recurse=*/false)[job.key];
-      at::Tensor v = job.mod->shard_slice(job.key, job.value);
-      job.value = at::Tensor();
-      COLOSSAL_CHECK(v.sizes() == cur.sizes(), "init_parameters: ", job.full_name, " has shape ",
-                     cur.sizes(), " but its initial value has ", v.sizes());
-      at::ScalarType dt = opts.dtype.value_or(cur.scalar_type());
-      at::Device dev = opts.device.value_or(cur.is_meta() ? at::Device(at::kCPU) : cur.device());
-      v = v.to(dev, dt).contiguous();
-      if (cur.is_meta() || cur.device() != dev) {
-        job.mod->replace_parameter(job.key, v);
-      } else if (cur.scalar_type() != dt) {
-        const_cast<at::Tensor&>(cur).set_data(v);
-      } else {
-        const_cast<at::Tensor&>(cur).copy_(v);
-      }
-    }
+    for (size_t j = first; j < last; ++j) install(j, std::move(values[j - first]));
   }
 }
 

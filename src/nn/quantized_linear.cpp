@@ -4,11 +4,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include <algorithm>
-#include <exception>
 #include <optional>
 #include <set>
-#include <thread>
 #include <typeinfo>
 #include <utility>
 
@@ -236,43 +233,24 @@ int64_t init_quantized_weights(torch::nn::Module& root, const InitOptions& opts,
   for (const auto& item : root.named_modules("", false))
     if (auto* q = dynamic_cast<QuantizedLinear*>(item.value().get()); q && !q->has_weight())
       todo.emplace_back(item.key() + ".weight", q);
-  const size_t threads = std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 8);
+  std::vector<InitValueJob> jobs;
+  for (const auto& [name, q] : todo)
+    jobs.push_back({name, {q->out_features(), q->in_features()}, {}});
   int64_t bytes = 0;
   size_t last_tenth = 0;
-  at::NoGradGuard ng;
-  for (size_t first = 0; first < todo.size(); first += threads) {
-    const size_t last = std::min(todo.size(), first + threads);
-    std::vector<at::Tensor> values(last - first);
-    std::vector<std::exception_ptr> errors(last - first);
-    std::vector<std::thread> pool;
-    for (size_t j = first; j < last; ++j)
-      pool.emplace_back([&, j] {
-        try {
-          at::NoGradGuard worker_ng;
-          QuantizedLinear* q = todo[j].second;
-          values[j - first] =
-              init_value(todo[j].first, {q->out_features(), q->in_features()}, opts);
-        } catch (...) {
-          errors[j - first] = std::current_exception();
-        }
-      });
-    for (auto& t : pool) t.join();
-    for (auto& e : errors)
-      if (e) std::rethrow_exception(e);
-    for (size_t j = first; j < last; ++j) {
-      QuantizedLinear* q = todo[j].second;
-      at::Tensor v = values[j - first].to(device, opts.dtype.value_or(at::kFloat));
-      values[j - first] = at::Tensor();
-      q->set_weight(v);
-      bytes += q->storage_bytes();
-    }
+  make_init_values(jobs, opts, [&](size_t j, at::Tensor value) {
+    QuantizedLinear* q = todo[j].second;
+    at::Tensor v = value.to(device, opts.dtype.value_or(at::kFloat));
+    value = at::Tensor();
+    q->set_weight(v);
+    bytes += q->storage_bytes();
     // Minutes at 70b: say how far it is every tenth.
-    if (const size_t tenth = 10 * last / todo.size(); tenth > last_tenth && todo.size() >= 20) {
-      log_info("initialising quantized weights: ", last, " of ", todo.size(), " (",
+    if (const size_t tenth = 10 * (j + 1) / todo.size(); tenth > last_tenth && todo.size() >= 20) {
+      log_info("initialising quantized weights: ", j + 1, " of ", todo.size(), " (",
                static_cast<double>(bytes) / (1 << 30), " GiB so far)");
       last_tenth = tenth;
     }
-  }
+  });
   return bytes;
 }
 

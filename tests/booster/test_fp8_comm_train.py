@@ -20,7 +20,7 @@ import pytest
 from safetensors.numpy import load_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from train_helpers import SEQ, make_work, rel  # noqa: E402
+from train_helpers import SEQ, make_work, rel, run_losses  # noqa: E402
 
 BIN = os.environ["COLOSSAL_BIN"]
 
@@ -31,18 +31,9 @@ def work(tmp_path_factory):
 
 
 def train(d, name, extra, nproc=2, ok=True):
-    out = d / name
-    out.mkdir()
-    args = [BIN, "train", "--model", str(d / "model.json"), "--data", str(d / "tokens.bin"), "--seq_len", str(SEQ),
-            "--steps", "10", "--lr", "3e-3", "--warmup", "2", "--shuffle", "false", "--precision", "fp32",
-            "--micro_batch", "2", "--seed", "7", "--metrics_file", str(out / "m.jsonl")] + extra
-    if nproc:
-        args = [BIN, "run", "--nproc_per_node", str(nproc), "--master_port", "0"] + args
-    p = subprocess.run(args, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    if not ok:
-        return p
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return [json.loads(l)["loss"] for l in (out / "m.jsonl").read_text().splitlines()], p.stderr
+    return run_losses(d / name, ["--model", str(d / "model.json"), "--data", str(d / "tokens.bin"), "--seq_len",
+                                 str(SEQ), "--steps", "10", "--lr", "3e-3", "--warmup", "2", "--shuffle", "false",
+                                 "--precision", "fp32", "--micro_batch", "2", "--seed", "7"] + extra, nproc, ok)
 
 
 @pytest.mark.parametrize("plugin", ["ddp", "zero1", "zero2", "gemini"])

@@ -13,18 +13,14 @@ casts and scaling logic being the ones the GPU runs).
   by transformers.
 - Bad combinations are named errors.
 """
-import json
 import os
-import subprocess
 import sys
 
 import pytest
 from safetensors import safe_open
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from train_helpers import SEQ, make_work, rel  # noqa: E402
-
-BIN = os.environ["COLOSSAL_BIN"]
+from train_helpers import SEQ, make_work, rel, run_losses  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -34,17 +30,10 @@ def work(tmp_path_factory):
 
 def train(d, name, extra, nproc=0, ok=True):
     out = d / name
-    out.mkdir()
-    args = [BIN, "train", "--model", str(d / "model.json"), "--data", str(d / "tokens.bin"), "--seq_len", str(SEQ),
-            "--steps", "10", "--lr", "3e-3", "--warmup", "2", "--shuffle", "false", "--precision", "fp32",
-            "--seed", "7", "--metrics_file", str(out / "m.jsonl"), "--save_dir", str(out / "ck")] + extra
-    if nproc:
-        args = [BIN, "run", "--nproc_per_node", str(nproc), "--master_port", "0"] + args
-    p = subprocess.run(args, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    if not ok:
-        return p
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return [json.loads(l)["loss"] for l in (out / "m.jsonl").read_text().splitlines()], out, p.stderr
+    r = run_losses(out, ["--model", str(d / "model.json"), "--data", str(d / "tokens.bin"), "--seq_len", str(SEQ),
+                         "--steps", "10", "--lr", "3e-3", "--warmup", "2", "--shuffle", "false", "--precision",
+                         "fp32", "--seed", "7", "--save_dir", str(out / "ck")] + extra, nproc, ok)
+    return (r[0], out, r[1]) if ok else r
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])

@@ -11,7 +11,6 @@ observed bitwise equal). The layouts (ddp, ZeRO-2, Gemini at 2 ranks) reproduce 
 QLoRA curve within 1e-5 (reordered sums, as tests/booster/test_lora_train.py). A resumed run is
 bitwise the uninterrupted one (the base is quantized again from the same folder: the same codes).
 """
-import json
 import math
 import os
 import shutil
@@ -24,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nf4_reference import nf4_dequantized  # noqa: E402
-from train_helpers import MODEL, SEQ, make_work, rel  # noqa: E402
+from train_helpers import MODEL, SEQ, make_work, rel, run_losses  # noqa: E402
 
 BIN = os.environ["COLOSSAL_BIN"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -66,22 +65,14 @@ def work(tmp_path_factory):
 
 def train(d, name, init, extra, nproc=0, ok=True, resume=None):
     out = d / name
-    args = [BIN, "train", "--init", str(init), "--data", str(d / "tokens.bin"), "--seq_len", str(SEQ),
-            "--steps", str(STEPS), "--lr", "3e-3", "--schedule", "cosine", "--warmup", "2", "--weight_decay", "0.1",
-            "--max_grad_norm", "1.0", "--shuffle", "false", "--precision", "fp32", "--lora_r", "4",
-            "--lora_targets", ",".join(TARGETS), "--metrics_file", str(out / "m.jsonl"),
-            "--save_dir", str(out / "ck")] + extra
-    if resume:
-        args += ["--resume", str(out / "ck")]
-    if nproc:
-        args = [BIN, "run", "--nproc_per_node", str(nproc), "--master_port", "0"] + args
-    out.mkdir(exist_ok=True)
-    p = subprocess.run(args, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    args = ["--init", str(init), "--data", str(d / "tokens.bin"), "--seq_len", str(SEQ), "--steps", str(STEPS),
+            "--lr", "3e-3", "--schedule", "cosine", "--warmup", "2", "--weight_decay", "0.1", "--max_grad_norm", "1.0",
+            "--shuffle", "false", "--precision", "fp32", "--lora_r", "4", "--lora_targets", ",".join(TARGETS),
+            "--save_dir", str(out / "ck")] + extra + (["--resume", str(out / "ck")] if resume else [])
+    r = run_losses(out, args, nproc, ok)
     if not ok:
-        return p
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    losses = [json.loads(l)["loss"] for l in (out / "m.jsonl").read_text().splitlines()]
-    return losses, load_file(str(out / "ck" / "adapter" / "adapter_model.safetensors")), out, p.stderr
+        return r
+    return r[0], load_file(str(out / "ck" / "adapter" / "adapter_model.safetensors")), out, r[1]
 
 
 def norm_rel(a, b):
@@ -128,15 +119,10 @@ def test_initialised_base_and_activation_checkpointing(work):
     plain init's, tests/nn/test_quantized_linear.cpp); recomputing every decoder layer
     (--grad_checkpoint) gives the same curve bit for bit (the same ops on the same values)."""
     def run(name, extra):
-        out = work / name
-        out.mkdir()
-        args = [BIN, "train", "--model", str(work / "model.json"), "--data", str(work / "tokens.bin"),
-                "--seq_len", str(SEQ), "--steps", "6", "--lr", "3e-3", "--shuffle", "false", "--precision", "fp32",
-                "--lora_r", "4", "--quantize", "fp8", "--micro_batch", "4", "--metrics_file", str(out / "m.jsonl")]
-        p = subprocess.run(args + extra, capture_output=True, text=True, timeout=600,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"))
-        assert p.returncode == 0, p.stderr[-3000:]
-        return [json.loads(l)["loss"] for l in (out / "m.jsonl").read_text().splitlines()], p.stderr
+        return run_losses(work / name, ["--model", str(work / "model.json"), "--data", str(work / "tokens.bin"),
+                                        "--seq_len", str(SEQ), "--steps", "6", "--lr", "3e-3", "--shuffle", "false",
+                                        "--precision", "fp32", "--lora_r", "4", "--quantize", "fp8", "--micro_batch",
+                                        "4"] + extra)
     plain, log = run("init_plain", [])
     assert "14 linear layers quantized to fp8" in log, log[-2000:]
     assert len(set(plain)) == 6 and all(math.isfinite(x) for x in plain)

@@ -80,4 +80,7 @@ class OptionSet {
   std::map<std::string, std::string> set_;  // option -> where it was set ("flag --lr")
 };
 
+// The items of a comma-separated option value ("q_proj,v_proj"), empty items dropped.
+std::vector<std::string> split_list(const std::string& value);
+
 }  // namespace colossal

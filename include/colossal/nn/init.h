@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 
@@ -32,6 +33,19 @@ uint64_t param_seed(uint64_t seed, const std::string& name);
 // normal(0, std) (the padding row of an embedding zero), norm weights one, biases zero. fp32, CPU.
 at::Tensor init_value(const std::string& name, at::IntArrayRef full_shape, const InitOptions& opts,
                       std::optional<int64_t> padding_idx = std::nullopt);
+
+// The initial values of many tensors, each init_value(name, shape, opts, padding_idx): made on
+// the host by up to 8 threads at once in waves of one value per thread (values depend only on
+// seed and name), and handed to install(i, value) on the calling thread in order, a wave at a
+// time, so at most one value per thread is alive beyond what install keeps. A worker's error is
+// rethrown on the calling thread.
+struct InitValueJob {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::optional<int64_t> padding_idx;
+};
+void make_init_values(const std::vector<InitValueJob>& jobs, const InitOptions& opts,
+                      const std::function<void(size_t, at::Tensor)>& install);
 
 // Initializes every parameter of our layers under `root` (names relative to root, e.g.
 // "model.layers.0.mlp.up_proj.weight"). Meta parameters are replaced by real storage (the model
