@@ -770,6 +770,39 @@ std::map<std::string, ShardedParameter> find_sharded_parameters(torch::nn::Modul
   return out;
 }
 
+namespace {
+
+// The model's tensors that `select` accepts (all when it is empty) as items over `tp`: each with
+// its entry of `sharded` (find_sharded_parameters of the same root; the items point into it) and
+// its full-shape declaration; every rank refuses a meta tensor or a dtype safetensors lacks alike,
+// before any communication. `what` names the caller in errors.
+std::vector<Item> model_items(torch::nn::Module& root,
+                              const std::map<std::string, ShardedParameter>& sharded,
+                              const dist::Communicator& tp,
+                              const std::function<bool(const std::string&)>& select,
+                              const char* what) {
+  std::vector<Item> items;
+  for (auto& [name, t] : checkpoint::module_state(root)) {
+    if (select && !select(name)) continue;
+    COLOSSAL_CHECK(!t.is_meta(), what, ": ", name,
+                   " is on the meta device; materialize the model first");
+    auto it = sharded.find(name);
+    const ShardedParameter* sp = it == sharded.end() ? nullptr : &it->second;
+    COLOSSAL_CHECK(!sp || sp->group.ranks() == tp.ranks(), what, ": ", name,
+                   " is sharded over group ", sp ? sp->group.name() : "",
+                   ", whose members are not those of the checkpoint IO's tp group ", tp.name());
+    items.push_back({name,
+                     t,
+                     sp,
+                     {name, t.scalar_type(), sp ? sp->full_shape : t.sizes().vec()},
+                     t.sizes().vec()});
+    checkpoint::dtype_to_safetensors(t.scalar_type());
+  }
+  return items;
+}
+
+}  // namespace
+
 TensorParallelCheckpointIO::TensorParallelCheckpointIO(dist::Communicator tp, dist::Communicator dp)
     : tp_(std::move(tp)), dp_(std::move(dp)) {
   COLOSSAL_CHECK_INPUT(tp_.valid(),
@@ -820,22 +853,7 @@ void TensorParallelCheckpointIO::save_model(ModelWrapper& model, const std::stri
   model.wait_weights();
   torch::nn::Module& root = model.module();
   const auto sharded = find_sharded_parameters(root, tp_);
-  std::vector<Item> items;
-  for (auto& [name, t] : checkpoint::module_state(root)) {
-    COLOSSAL_CHECK(!t.is_meta(), "save_model: ", name,
-                   " is on the meta device; materialize the model first");
-    auto it = sharded.find(name);
-    const ShardedParameter* sp = it == sharded.end() ? nullptr : &it->second;
-    COLOSSAL_CHECK(!sp || sp->group.ranks() == tp_.ranks(), "save_model: ", name,
-                   " is sharded over group ", sp ? sp->group.name() : "",
-                   ", whose members are not those of the checkpoint IO's tp group ", tp_.name());
-    items.push_back({name,
-                     t,
-                     sp,
-                     {name, t.scalar_type(), sp ? sp->full_shape : t.sizes().vec()},
-                     t.sizes().vec()});
-    checkpoint::dtype_to_safetensors(t.scalar_type());  // every rank refuses alike, before talking
-  }
+  std::vector<Item> items = model_items(root, sharded, tp_, {}, "save_model");
   COLOSSAL_CHECK(!items.empty(), "save_model: the model has no parameters");
   auto lm = std::dynamic_pointer_cast<models::CausalLM>(model.module_ptr());
   if (pipelined()) {
@@ -885,20 +903,7 @@ checkpoint::TensorList TensorParallelCheckpointIO::gather_model_tensors(
   model.wait_weights();
   torch::nn::Module& root = model.module();
   const auto sharded = find_sharded_parameters(root, tp_);
-  std::vector<Item> items;
-  for (auto& [name, t] : checkpoint::module_state(root)) {
-    if (!select(name)) continue;
-    auto it = sharded.find(name);
-    const ShardedParameter* sp = it == sharded.end() ? nullptr : &it->second;
-    COLOSSAL_CHECK(!sp || sp->group.ranks() == tp_.ranks(), "gather_model_tensors: ", name,
-                   " is sharded over group ", sp ? sp->group.name() : "",
-                   ", whose members are not those of the checkpoint IO's tp group ", tp_.name());
-    items.push_back({name,
-                     t,
-                     sp,
-                     {name, t.scalar_type(), sp ? sp->full_shape : t.sizes().vec()},
-                     t.sizes().vec()});
-  }
+  std::vector<Item> items = model_items(root, sharded, tp_, select, "gather_model_tensors");
   checkpoint::TensorList out;
   // Data-parallel copies hold the same values: the dp rank 0 groups gather.
   if (dp_.valid() && dp_.rank() != 0) return out;
