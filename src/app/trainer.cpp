@@ -554,8 +554,9 @@ void Trainer::build_model() {
 // (the plugin places and wraps them with the rest); the Booster keeps their config for
 // save_lora_as_pretrained.
 void Trainer::build_lora() {
+  std::vector<std::string> adapted;  // the paths enable_lora adapted
   if (!c_.lora_adapter.empty()) {
-    booster_->enable_lora(model_, c_.lora_adapter);
+    adapted = booster_->enable_lora(model_, c_.lora_adapter);
     log_info("LoRA adapter from ", c_.lora_adapter);
   } else if (c_.lora_r > 0) {
     nn::LoraConfig lc;
@@ -564,7 +565,7 @@ void Trainer::build_lora() {
     lc.lora_dropout = c_.lora_dropout;
     lc.use_rslora = c_.lora_rslora;
     lc.target_modules = split_list(c_.lora_targets);
-    booster_->enable_lora(model_, lc, static_cast<uint64_t>(c_.seed));
+    adapted = booster_->enable_lora(model_, lc, static_cast<uint64_t>(c_.seed));
   }
   if (const nn::LoraConfig* applied = booster_->lora_config(*model_)) lora_ = *applied;
   if (lora_) {
@@ -573,13 +574,10 @@ void Trainer::build_lora() {
       total += p.numel();
       if (p.requires_grad()) trainable += p.numel();
     }
-    int64_t layers = 0;
-    for (const auto& m : model_->modules(false))
-      if (std::dynamic_pointer_cast<nn::LoraLinear>(m)) ++layers;
     std::string targets;
     for (const auto& t : lora_->target_modules) targets += (targets.empty() ? "" : ",") + t;
-    log_info("LoRA: r ", lora_->r, ", alpha ", lora_->lora_alpha, " on ", layers, " layers (",
-             targets, "); ", trainable, " of ", total, " parameters train");
+    log_info("LoRA: r ", lora_->r, ", alpha ", lora_->lora_alpha, " on ", adapted.size(),
+             " layers (", targets, "); ", trainable, " of ", total, " parameters train");
   }
 }
 

@@ -75,7 +75,6 @@ LoraLinear::LoraLinear(const Linear& base, const LoraConfig& cfg, uint64_t seed)
     wopts = base.weight().options();
   }
   if (has_bias()) replace_parameter("bias", base.param("bias"));
-  const at::Tensor w = at::empty({0}, wopts);
   const at::TensorOptions opts = wopts.requires_grad(false);
   lora_A = register_module(
       "lora_A",
@@ -83,14 +82,12 @@ LoraLinear::LoraLinear(const Linear& base, const LoraConfig& cfg, uint64_t seed)
   lora_B = register_module(
       "lora_B",
       std::make_shared<Linear>(LinearOptions(r_, out_features()).bias(false).tensor_options(opts)));
-  // Drawn on a CPU generator in fp32 (the same values on any device), then cast.
-  at::NoGradGuard ng;
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  at::Tensor a = at::empty({r_, in_features()}, at::kFloat);
-  if (w.device().is_meta()) {
-    lora_A->replace_parameter("weight", at::empty_like(lora_A->weight()));
-    lora_B->replace_parameter("weight", at::empty_like(lora_B->weight()));
-  } else {
+  // On a meta base the adapters stay meta (shapes only); otherwise A is drawn on a CPU generator
+  // in fp32 (the same values on any device), then cast, and B is zero.
+  if (!wopts.device().is_meta()) {
+    at::NoGradGuard ng;
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+    at::Tensor a = at::empty({r_, in_features()}, at::kFloat);
     if (cfg.init == "gaussian") {
       a.normal_(0.0, 1.0 / static_cast<double>(r_), gen);
     } else {
@@ -98,8 +95,8 @@ LoraLinear::LoraLinear(const Linear& base, const LoraConfig& cfg, uint64_t seed)
       const double bound = 1.0 / std::sqrt(static_cast<double>(in_features()));
       a.uniform_(-bound, bound, gen);
     }
-    lora_A->weight().set_data(a.to(w.options()));
-    lora_B->weight().set_data(at::zeros({out_features(), r_}, w.options()));
+    lora_A->weight().set_data(a.to(wopts));
+    lora_B->weight().set_data(at::zeros({out_features(), r_}, wopts));
   }
   for (auto& p : parameters(true)) p.set_requires_grad(false);
   lora_A->weight().set_requires_grad(true);
