@@ -27,14 +27,6 @@ bool ends_with(const std::string& s, const std::string& suffix) {
          s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-// Lists names, at most `limit` of them, for error messages.
-std::string name_list(const std::vector<std::string>& names, size_t limit = 50) {
-  std::string out;
-  for (size_t i = 0; i < names.size() && i < limit; ++i) out += (i ? ", " : "") + names[i];
-  if (names.size() > limit) out += str(" and ", names.size() - limit, " more");
-  return out;
-}
-
 // `wanted` (may be empty: every tensor) selects the tensors returned; a shard holding none of
 // them is not opened. `names` (may be null) receives every tensor the index lists.
 TensorList load_index(const std::string& index_path, const NameFilter& wanted,
@@ -363,6 +355,13 @@ void load_into_module(torch::nn::Module& module, const TensorList& tensors, bool
     // A mapped file's pages go back once copied: a load holds one tensor, not the file.
     release_mapped_pages(*it->second);
   }
+}
+
+std::string name_list(const std::vector<std::string>& names, size_t limit) {
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < limit; ++i) out += (i ? ", " : "") + names[i];
+  if (names.size() > limit) out += str(" and ", names.size() - limit, " more");
+  return out;
 }
 
 }  // namespace colossal::checkpoint

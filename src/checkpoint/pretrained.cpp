@@ -101,17 +101,11 @@ std::shared_ptr<models::CausalLM> load_quantized(const std::string& dir,
     if (!q->has_weight()) missing.push_back(name);
   for (const auto& [name, p] : params)
     if (p.first->param(p.second).is_meta()) missing.push_back(name);
-  auto join = [](const std::vector<std::string>& v) {
-    std::string out;
-    for (size_t i = 0; i < v.size() && i < 8; ++i) out += (i ? ", " : "") + v[i];
-    if (v.size() > 8) out += str(", ... (", v.size(), " in all)");
-    return out;
-  };
   COLOSSAL_CHECK_INPUT(missing.empty() && unexpected.empty() && mismatched.empty(),
                        "model folder '", dir, "' does not fit its config.json",
-                       missing.empty() ? "" : "; missing: ", join(missing),
-                       unexpected.empty() ? "" : "; unexpected: ", join(unexpected),
-                       mismatched.empty() ? "" : "; wrong shape: ", join(mismatched));
+                       missing.empty() ? "" : "; missing: ", name_list(missing, 8),
+                       unexpected.empty() ? "" : "; unexpected: ", name_list(unexpected, 8),
+                       mismatched.empty() ? "" : "; wrong shape: ", name_list(mismatched, 8));
   log_info("loaded ", cfg.model_type, " model from ", dir, " with ", qpaths.size(),
            " linear layers quantized to ", opts.quantize->kind, " on ", qdev, " (",
            static_cast<double>(qbytes) / (1 << 30), " GiB)");

@@ -69,6 +69,9 @@ void save_state_dict_streamed(const std::string& dir, const std::vector<TensorDe
 void load_into_module(torch::nn::Module& module, const TensorList& tensors, bool strict = true,
                       const std::function<void(const at::Tensor& dst)>& before_copy = {});
 
+// Names for an error message: at most `limit` of them, then " and N more".
+std::string name_list(const std::vector<std::string>& names, size_t limit = 50);
+
 // The module's parameters and persistent buffers as a TensorList (no copies).
 TensorList module_state(const torch::nn::Module& module);
 
