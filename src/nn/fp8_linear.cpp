@@ -109,7 +109,8 @@ Fp8Linear::Fp8Linear(const Linear& base, const Fp8Config& cfg)
   if (has_bias()) replace_parameter("bias", base.param("bias"));
 }
 
-Fp8Linear::WeightCasts Fp8Linear::cast_weight(const at::Tensor& w) const {
+Fp8Linear::WeightCasts Fp8Linear::cast_weight(const at::Tensor& w) {
+  ++weight_casts_;
   at::NoGradGuard ng;
   const at::Tensor wd = w.detach();
   WeightCasts c;
@@ -124,12 +125,6 @@ Fp8Linear::WeightCasts Fp8Linear::cast_weight(const at::Tensor& w) const {
 
 const Fp8Linear::WeightCasts& Fp8Linear::weight_casts_for(const at::Tensor& w) {
   const uint64_t epoch = weights_epoch();
-  if (!cfg_.keep_weight_casts) {
-    cache_ = cast_weight(w);
-    cache_impl_ = nullptr;  // never a hit: forward drops the casts after handing them over
-    ++weight_casts_;
-    return cache_;
-  }
   if (cache_impl_ == w.unsafeGetTensorImpl() && cache_data_ == w.const_data_ptr() &&
       cache_version_ == static_cast<int64_t>(w._version()) &&
       cache_epoch_ == static_cast<int64_t>(epoch) && cache_dtype_ == w.scalar_type())
@@ -140,7 +135,6 @@ const Fp8Linear::WeightCasts& Fp8Linear::weight_casts_for(const at::Tensor& w) {
   cache_version_ = static_cast<int64_t>(w._version());
   cache_epoch_ = static_cast<int64_t>(epoch);
   cache_dtype_ = w.scalar_type();
-  ++weight_casts_;
   return cache_;
 }
 
@@ -155,13 +149,14 @@ at::Tensor Fp8Linear::forward(const at::Tensor& x) {
                        " gets ", x.numel() / x.size(-1),
                        " tokens; the FP8 weight-gradient GEMM needs a multiple of 16 (choose "
                        "micro_batch * seq_len accordingly)");
-  const WeightCasts& c = weight_casts_for(w);
+  WeightCasts fresh;  // without keep_weight_casts: the step's graph holds them, nothing else
+  const WeightCasts& c =
+      cfg_.keep_weight_casts ? weight_casts_for(w) : (fresh = cast_weight(w), fresh);
   std::vector<at::Tensor> wc;
   if (cfg_.recipe == "tensorwise")
     wc = {c.w.data, c.w.data_t, c.w.inv_scale};
   else
     wc = {c.w.data, c.w.inv_scale, c.w_t.data, c.w_t.inv_scale};
-  if (!cfg_.keep_weight_casts) cache_ = {};  // the graph holds what backward needs
   const at::Tensor b = has_bias() ? param("bias") : at::Tensor();
   return Fp8LinearFn::apply(x, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt, wc,
                             cfg_.recipe == "rowwise");

@@ -61,8 +61,9 @@ class Fp8Linear : public Linear {
   };
 
  private:
+  // The cache's casts, made again when the weight changed (keep_weight_casts).
   const WeightCasts& weight_casts_for(const at::Tensor& w);
-  WeightCasts cast_weight(const at::Tensor& w) const;
+  WeightCasts cast_weight(const at::Tensor& w);  // counts in weight_casts_
   Fp8Config cfg_;
   WeightCasts cache_;
   const void* cache_impl_ = nullptr;
