@@ -35,11 +35,13 @@
 #include "colossal/nn/init.h"
 #include "colossal/nn/lora.h"
 #include "colossal/optim/adamw.h"
+#include "common/error_of.h"
 #include "dist/dist_test_env.h"
 
 namespace {
 
 using namespace colossal;
+using colossal::tests::error_of;
 namespace fs = std::filesystem;
 
 constexpr int64_t kVocab = 96, kLen = 16, kSteps = 3, kRows = 4;  // the global batch: 4 rows
@@ -124,15 +126,6 @@ std::map<std::string, at::Tensor> read_adapter(const std::string& dir) {
 double norm_rel(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble) - b.to(at::kDouble)).norm().item<double>() /
          std::max(1e-12, b.to(at::kDouble).norm().item<double>());
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  return "no error";
 }
 
 at::Tensor global_batch(int step) {

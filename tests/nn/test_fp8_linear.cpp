@@ -18,21 +18,14 @@
 #include "colossal/models/llama/model.h"
 #include "colossal/nn/fp8_linear.h"
 #include "colossal/nn/init.h"
+#include "common/error_of.h"
 #include "common/tiny_llama.h"
 
 using namespace colossal;
+using colossal::tests::error_of;
 using namespace colossal::nn;
 
 namespace {
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  return "no error";
-}
 
 // The largest rounding error of the cast of x (fp64, x's scale) element by element: relative
 // half a unit in the last place for normal values (e4m3: 3 mantissa bits, 2^-4; e5m2: 2^-3),

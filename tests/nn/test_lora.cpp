@@ -14,24 +14,17 @@
 #include "colossal/models/llama/model.h"
 #include "colossal/nn/init.h"
 #include "colossal/nn/lora.h"
+#include "common/error_of.h"
 #include "common/tiny_llama.h"
 
 using namespace colossal;
+using colossal::tests::error_of;
 using namespace colossal::nn;
 
 namespace {
 
 models::ModelConfig tiny() {
   return tests::tiny_llama();
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  return "no error";
 }
 
 }  // namespace

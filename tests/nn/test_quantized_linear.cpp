@@ -19,10 +19,12 @@
 #include "colossal/nn/init.h"
 #include "colossal/nn/lora.h"
 #include "colossal/nn/quantized_linear.h"
+#include "common/error_of.h"
 #include "common/temp_dir.h"
 #include "common/tiny_llama.h"
 
 using namespace colossal;
+using colossal::tests::error_of;
 using namespace colossal::nn;
 
 namespace {
@@ -31,15 +33,6 @@ models::ModelConfig tiny() {
   models::ModelConfig c = tests::tiny_llama();
   c.tie_word_embeddings = false;
   return c;
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  return "no error";
 }
 
 QuantizeConfig kind(const std::string& k) {
