@@ -190,8 +190,11 @@ at::Tensor Linear::vocab_parallel_loss(const at::Tensor& hidden, const at::Tenso
 }
 
 bool Linear::fusable() const {
-  return typeid(*this) == typeid(Linear) && !defer_weight_grad_ &&
-         !(shard_spec_ && shard_spec_->communicates());
+  return typeid(*this) == typeid(Linear) && plain_storage();
+}
+
+bool Linear::plain_storage() const {
+  return !defer_weight_grad_ && !(shard_spec_ && shard_spec_->communicates());
 }
 
 void Linear::shard(const ShardSpec& spec) {
@@ -271,13 +274,29 @@ std::optional<at::Tensor> fused_projections(const at::Tensor& x,
     return std::nullopt;
   const Linear& first = *projections.front();
   // Plain projections, or column shards of one group and mode (their region entered once).
+  // Among plain projections, a layer offering a low-rank addition on a plain base (LoRA) joins
+  // with its base, and its addition follows the GEMM.
   const bool column = first.fusable_column_shard();
-  for (const Linear* p : projections) {
+  std::vector<std::optional<Linear::LowRankAddition>> adds(projections.size());
+  bool any_add = false;
+  for (size_t i = 0; i < projections.size(); ++i) {
+    Linear* p = projections[i];
+    if (!column && !p->fusable()) {
+      adds[i] = p->low_rank_addition();
+      if (!adds[i] || !p->plain_storage() || !adds[i]->a->fusable() || !adds[i]->b->fusable() ||
+          adds[i]->a->weight().scalar_type() != p->weight().scalar_type() ||
+          adds[i]->b->weight().scalar_type() != p->weight().scalar_type())
+        return std::nullopt;
+      any_add = true;
+    }
+  }
+  for (size_t i = 0; i < projections.size(); ++i) {
+    const Linear* p = projections[i];
     const bool kind_ok =
         column ? p->fusable_column_shard() &&
                      p->shard_spec()->group.impl() == first.shard_spec()->group.impl() &&
                      p->shard_spec()->sequence_parallel == first.shard_spec()->sequence_parallel
-               : p->fusable();
+               : p->fusable() || adds[i].has_value();
     if (!kind_ok || p->has_bias() != first.has_bias() ||
         p->weight().scalar_type() != first.weight().scalar_type() ||
         p->weight().device() != first.weight().device())
@@ -301,6 +320,40 @@ std::optional<at::Tensor> fused_projections(const at::Tensor& x,
              : copy_to_region(x, s.group);
   }
   at::Tensor y = kernels::linear_concat(in, w, bias);
+  if (any_add) {
+    // The additions of every adapted projection at once: H = x [A_1; A_2; ..]^T (one GEMM,
+    // [tokens, sum r]), then y += H D^T with D the block-diagonal [sum out, sum r] of the scaled
+    // B_i (zero rows for plain projections), accumulated in place into the GEMM's output (which
+    // its backward does not read). A's and B's hooks fire as if their forwards ran.
+    std::vector<at::Tensor> as;
+    std::vector<std::unique_ptr<Module::ForwardScope>> ab_scopes;
+    int64_t rank_sum = 0;
+    for (auto& a : adds) {
+      if (!a) continue;
+      ab_scopes.push_back(std::make_unique<Module::ForwardScope>(*a->a));
+      ab_scopes.push_back(std::make_unique<Module::ForwardScope>(*a->b));
+      as.push_back(a->a->weight());
+      rank_sum += a->a->weight().size(0);
+    }
+    at::Tensor h = at::linear(x, at::cat(as, 0));  // [.., sum r]
+    std::vector<at::Tensor> rows;
+    int64_t r0 = 0;
+    for (size_t i = 0; i < projections.size(); ++i) {
+      const int64_t out = projections[i]->weight().size(0);
+      if (!adds[i]) {
+        rows.push_back(at::zeros({out, rank_sum}, h.options()));
+        continue;
+      }
+      const at::Tensor& b = adds[i]->b->weight();  // [out, r]
+      const int64_t r = b.size(1);
+      rows.push_back(at::constant_pad_nd(b * adds[i]->scaling, {r0, rank_sum - r0 - r}, 0));
+      r0 += r;
+    }
+    at::Tensor d = at::cat(rows, 0);  // [sum out, sum r]
+    const int64_t n = y.size(-1);
+    y = at::addmm(y.reshape({-1, n}), h.reshape({-1, rank_sum}), d.t()).view(y.sizes());
+    while (!ab_scopes.empty()) ab_scopes.pop_back();
+  }
   while (!scopes.empty()) scopes.pop_back();
   return y;
 }

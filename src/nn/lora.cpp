@@ -112,8 +112,25 @@ at::Tensor LoraLinear::forward(const at::Tensor& x) {
   } else {
     y = local_linear(x, true);
   }
-  at::Tensor h = dropout_ > 0 ? at::dropout(x, dropout_, is_training()) : x;
-  return y + lora_B->forward(lora_A->forward(h)) * scaling_;
+  at::Tensor h = lora_A->forward(dropout_ > 0 ? at::dropout(x, dropout_, is_training()) : x);
+  // PEFT's order of operations, except where the fused kernels run (CUDA): there a plain B
+  // computes y + scaling * h B^T as one GEMM accumulating into y (addmm, beta 1, alpha
+  // scaling) instead of a GEMM, a scale and an add over the [tokens, out] output (two
+  // memory-bound passes per adapter). B's hooks fire as if its forward ran.
+  if (!use_fused_kernels(y) || !lora_B->fusable() || y.scalar_type() != h.scalar_type())
+    return y + lora_B->forward(h) * scaling_;
+  ForwardScope b_scope(*lora_B);
+  const int64_t out = y.size(-1);
+  at::Tensor y2 = at::addmm(y.reshape({-1, out}), h.reshape({-1, h.size(-1)}), lora_B->weight().t(),
+                            1.0, scaling_);
+  return y2.view(y.sizes());
+}
+
+std::optional<Linear::LowRankAddition> LoraLinear::low_rank_addition() {
+  // Each adapter draws its own dropout mask; a quantized base has no weight for the fused GEMM;
+  // a tensor-parallel layer runs its own region operations.
+  if (dropout_ > 0 || quantized_base_ || shard_spec_) return std::nullopt;
+  return LowRankAddition{lora_A.get(), lora_B.get(), scaling_};
 }
 
 void LoraLinear::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {

@@ -5,6 +5,7 @@
 // tests/kernels/test_model_cuda.cpp. Parity with Python's peft: test_lora_peft.py.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
 
 #include <cmath>
 #include <functional>
@@ -113,4 +114,48 @@ TEST(Lora, BadConfigsAreNamed) {
   apply_lora(*model, cfg);
   EXPECT_NE(error_of([&] { apply_lora(*model, cfg); }).find("already has a LoRA adapter"),
             std::string::npos);
+}
+
+// fused_projections over a mix of LoRA and plain projections (the CPU loops of the fused kernels,
+// any_device): the bases in one concatenated GEMM, the adapters added after it, equal to each
+// projection's own forward in value and in every gradient; with dropout the LoRA layer keeps
+// its own forward (the group is not fused).
+TEST(Lora, FusedProjectionsTakeAdaptersAlong) {
+  at::manual_seed(2);
+  auto make = [](int64_t out) {
+    auto l = std::make_shared<Linear>(LinearOptions(8, out).bias(false));
+    l->weight().set_data(at::randn({out, 8}) * 0.3);
+    return l;
+  };
+  auto q = make(6), k = make(4), v = make(4);
+  LoraConfig cfg;
+  cfg.r = 2;
+  cfg.lora_alpha = 3;
+  cfg.target_modules = {"x"};
+  auto lq = std::make_shared<LoraLinear>(*q, cfg, 1);
+  cfg.r = 3;
+  auto lv = std::make_shared<LoraLinear>(*v, cfg, 2);
+  lq->lora_B->weight().set_data(at::randn({6, 2}));
+  lv->lora_B->weight().set_data(at::randn({4, 3}));
+  for (auto* l : {lq.get(), lv.get()}) l->lora_B->weight().set_requires_grad(true);
+  at::Tensor x = at::randn({2, 5, 8}).requires_grad_(true);
+  auto fused = fused_projections(x, {lq.get(), k.get(), lv.get()}, /*any_device=*/true);
+  ASSERT_TRUE(fused.has_value());
+  at::Tensor ref = at::cat({lq->forward(x), k->forward(x), lv->forward(x)}, -1);
+  EXPECT_TRUE(at::allclose(*fused, ref, 1e-5, 1e-6));
+  at::Tensor g = at::randn_like(ref);
+  auto grads = [&](const at::Tensor& y) {
+    std::vector<at::Tensor> params{x,
+                                   lq->lora_A->weight(),
+                                   lq->lora_B->weight(),
+                                   lv->lora_A->weight(),
+                                   lv->lora_B->weight(),
+                                   k->weight()};
+    return torch::autograd::grad({y}, params, {g});
+  };
+  auto gf = grads(*fused), gr = grads(ref);
+  for (size_t i = 0; i < gf.size(); ++i) EXPECT_TRUE(at::allclose(gf[i], gr[i], 1e-5, 1e-6)) << i;
+  cfg.lora_dropout = 0.1;
+  auto ld = std::make_shared<LoraLinear>(*v, cfg, 3);
+  EXPECT_FALSE(fused_projections(x, {lq.get(), k.get(), ld.get()}, true).has_value());
 }

@@ -1,8 +1,9 @@
 // The linear layer family: nn::Linear with a virtual forward, so a parallel, LoRA or FP8 linear
 // can take its place (Module::replace_child) and be called through the parent's typed member;
 // and fused_projections(), which lets a parent compute several projections of one input as one
-// concatenated GEMM only when every one of them is a plain Linear, so a projection of another
-// kind is never bypassed on any device.
+// concatenated GEMM only when every one of them is a plain Linear (or a plain base plus a
+// low-rank addition the GEMM is followed by: LoRA), so a projection of another kind is never
+// bypassed on any device.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -65,12 +66,26 @@ class Linear : public Module {
   // communication; the check is on the dynamic type, so a derived layer is never fused unless
   // it overrides this to opt in.
   virtual bool fusable() const;
+  // A layer whose forward is its plain base x W^T (+ b) over this rank's storage plus a scaled
+  // low-rank product scaling * (x A^T) B^T with A and B plain Linears (a LoRA adapter without
+  // dropout) says so here: fused_projections then computes the base inside its siblings'
+  // concatenated GEMM and adds the product with two more small GEMMs, running A's and B's hooks.
+  // None for every other layer (the default).
+  struct LowRankAddition {
+    Linear* a = nullptr;  // [r, in]
+    Linear* b = nullptr;  // [out, r]
+    double scaling = 1;
+  };
+  virtual std::optional<LowRankAddition> low_rank_addition() { return std::nullopt; }
   // Whether this is a plain nn::Linear column shard whose forward is exactly: the input enters
   // the tensor-parallel region (copy_to_region, or gather_from_sequence under split_gather),
   // then x W_local^T + b_local, with nothing after it (no gathered output, no padding, no
   // replicated head, not the ring mode). Sibling projections of this kind over one group may
   // share the region entry and one GEMM (fused_projections). Dynamic type checked as fusable().
   bool fusable_column_shard() const;
+  // The conditions of fusable() on the storage and options alone (any dynamic type): no
+  // communication, no deferred weight gradient. For derived layers that offer their base.
+  bool plain_storage() const;
 
   const at::Tensor& weight() const { return param("weight"); }
   bool has_bias() const { return has_bias_; }
@@ -139,10 +154,13 @@ class Linear : public Module {
 // plus their adds), with each projection's forward hooks fired around it. Returns nullopt —
 // and the caller must call each projection's forward — unless the fused kernels run for x and
 // the projections are alike (weights of one dtype and device, all with a bias or none) and
-// either every one is fusable(), or every one is a fusable_column_shard() over the same group
-// and sequence mode: then x enters the region once (one gather under split_gather instead of
-// one per projection) and the GEMM runs over this rank's column shards. `any_device`: also where
-// the fused kernels are not what the model runs (the CPU), so tests reach this path there.
+// either every one is fusable() or offers a low_rank_addition() on plain storage (LoRA: its base
+// joins the GEMM, and every adapter's scaled (x A^T) B^T is added after it with one GEMM pair
+// for the whole group, A's and B's hooks firing), or every one is a fusable_column_shard() over
+// the same group and sequence mode: then x enters the region once (one gather under
+// split_gather instead of one per projection) and the GEMM runs over this rank's column shards.
+// `any_device`: also where the fused kernels are not what the model runs (the CPU), so tests reach
+// this path there.
 std::optional<at::Tensor> fused_projections(const at::Tensor& x,
                                             const std::vector<Linear*>& projections,
                                             bool any_device = false);

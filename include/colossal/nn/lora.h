@@ -75,6 +75,10 @@ class LoraLinear : public Linear {
   at::Tensor shard_slice(const std::string& name, const at::Tensor& full) const override;
   std::vector<int64_t> full_shape(const std::string& name) const override;
   int64_t replication(const std::string& name) const override;
+  // Without dropout, over a plain unsharded base: the base joins its siblings' fused GEMM and
+  // the adapter follows it (Linear::low_rank_addition); nullopt otherwise (a quantized base, a
+  // tensor-parallel layer, dropout).
+  std::optional<LowRankAddition> low_rank_addition() override;
 
   double scaling() const { return scaling_; }
   int64_t rank() const { return r_; }
