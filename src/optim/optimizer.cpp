@@ -154,7 +154,9 @@ void Optimizer::adopt_masters(const std::vector<std::pair<std::string, at::Tenso
       const at::Tensor& m = *it->second;
       COLOSSAL_CHECK(m.sizes() == g.params[i].sizes(), "adopt_masters: shape of '", g.names[i],
                      "' differs");
-      masters_[g.names[i]] = m.detach().to(g.params[i].device(), at::kFloat, false, /*copy=*/true);
+      // Taken over without a copy when it already is fp32 on the parameter's device (the caller
+      // drops its list): a second full fp32 copy would double the boost-time peak.
+      masters_[g.names[i]] = m.detach().to(g.params[i].device(), at::kFloat);
     }
 }
 

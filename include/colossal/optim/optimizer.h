@@ -124,7 +124,8 @@ class Optimizer {
   void sync_masters_from_params();
   // Takes fp32 masters for parameters that were cast to bf16/fp16 after they were added (the
   // Booster casts the model at boost time): `masters` holds (name, fp32 value before the cast).
-  // Names that are not half parameters of this optimizer are ignored.
+  // Names that are not half parameters of this optimizer are ignored. An fp32 tensor already on
+  // its parameter's device is taken over, not copied: the caller must not write to it after.
   void adopt_masters(const std::vector<std::pair<std::string, at::Tensor>>& masters);
 
   const ParamState* state(const std::string& name) const;

@@ -511,11 +511,7 @@ std::shared_ptr<ModelWrapper> HybridParallelPlugin::configure_model(
   auto roles = param_roles(*model, dims_->tp().rank(), dims_->tp().size());
   if (pipe_ && lm->holds_tied_copy()) roles.at("model.embed_tokens.weight").counted_on_pp = false;
   auto masters = plugins::cast_module_in_place(*model, working_dtype(precision_), options_.device);
-  // Frozen parameters (a LoRA run's base) are never stepped: no fp32 master is kept for them.
-  std::set<std::string> frozen;
-  for (auto& item : model->named_parameters(true))
-    if (!item.value().requires_grad()) frozen.insert(item.key());
-  std::erase_if(masters, [&frozen](const auto& m) { return frozen.count(m.first) > 0; });
+  // (Frozen parameters, a LoRA run's base, get no fp32 master: cast_module_in_place.)
   if (tp_io_) tp_io_->set_model(model);
   auto hm = std::make_shared<HybridModel>(std::move(model), std::move(masters));
   hm->stage = static_cast<int>(options_.zero_stage);

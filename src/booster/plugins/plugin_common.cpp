@@ -21,7 +21,9 @@ NamedTensors cast_module_in_place(torch::nn::Module& module, at::ScalarType dtyp
     at::Tensor& p = item.value();
     at::Tensor data = p.detach();
     const bool floating = at::isFloatingType(p.scalar_type());
-    if (floating && where == MasterCopies::kOnDevice) {
+    if (floating && !p.requires_grad()) {
+      // frozen: no master
+    } else if (floating && where == MasterCopies::kOnDevice) {
       masters.emplace_back(item.key(),
                            data.to(dev, at::kFloat, /*non_blocking=*/false, /*copy=*/true));
     } else if (floating && dtype != at::kFloat) {
