@@ -112,7 +112,9 @@ void QuantizedLinear::set_weight(const at::Tensor& w) {
   }
   at::Tensor x = w.detach().to(at::kFloat);
   at::Tensor amax = x.abs().amax(1);
-  at::Tensor scale = at::where(amax > 0, amax / kFp8Max, at::ones_like(amax));
+  // A tensor divisor: ATen's CUDA division by a host scalar multiplies by its rounded reciprocal,
+  // which can land one ulp away from the CPU's quotient; the same storage on every device.
+  at::Tensor scale = at::where(amax > 0, amax / at::full_like(amax, kFp8Max), at::ones_like(amax));
   fp8_codes_ = (x / scale.unsqueeze(1)).clamp(-kFp8Max, kFp8Max).to(at::kFloat8_e4m3fn);
   fp8_scale_ = scale.contiguous();
   fp8_dtype_ = w.scalar_type();

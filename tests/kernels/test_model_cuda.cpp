@@ -17,6 +17,7 @@
 #include "colossal/core/accelerator.h"
 #include "colossal/kernels/fp8.h"
 #include "colossal/kernels/fused.h"
+#include "colossal/kernels/quant.h"
 #include "colossal/models/llama/config.h"
 #include "colossal/models/llama/model.h"
 #include "colossal/nn/attention.h"
@@ -239,13 +240,21 @@ TEST(ModelCuda, DequantizationKernelsEqualTheReference) {
     fp8.kind = "fp8";
     nn::QuantizedLinear ql(nn::LinearOptions(shape[1], shape[0]).bias(false), fp8);
     ql.set_weight(w);
+    // Quantizing on the GPU stores what quantizing on the CPU stores (scales and codes).
+    nn::QuantizedLinear cpu(nn::LinearOptions(shape[1], shape[0]).bias(false), fp8);
+    cpu.set_weight(w.cpu());
+    const auto [gcodes, gscale] = ql.fp8_storage();
+    const auto [ccodes, cscale] = cpu.fp8_storage();
+    EXPECT_TRUE(at::equal(gscale.cpu(), cscale)) << "fp8 scales of " << shape[0] << "x" << shape[1];
+    EXPECT_TRUE(at::equal(gcodes.cpu().view(at::kByte), ccodes.view(at::kByte)))
+        << "fp8 codes of " << shape[0] << "x" << shape[1];
     for (auto dt : {at::kFloat, at::kBFloat16, at::kHalf}) {
-      // The layer's storage through the kernel, and the reference on a CPU copy of it.
+      // The layer's storage through the kernel, and the reference on the same storage.
       at::Tensor k = ql.dequantized_weight(dt);
-      nn::QuantizedLinear cpu(nn::LinearOptions(shape[1], shape[0]).bias(false), fp8);
-      cpu.set_weight(w.cpu());
+      EXPECT_TRUE(at::equal(k, kernels::dequantize_fp8_rows_reference(gcodes, gscale, dt)))
+          << "fp8 kernel " << shape[0] << "x" << shape[1] << " " << dt;
       EXPECT_TRUE(at::equal(k.cpu(), cpu.dequantized_weight(dt)))
-          << "fp8 " << shape[0] << "x" << shape[1] << " " << dt;
+          << "fp8 across devices " << shape[0] << "x" << shape[1] << " " << dt;
     }
   }
 }
@@ -315,7 +324,10 @@ TEST(ModelCuda, Fp8CastKernelsEqualTheReference) {
   if (!Accelerator::cuda().available()) GTEST_SKIP() << "no CUDA device";
   const at::Device dev = Accelerator::cuda().device();
   at::manual_seed(8);
-  const std::vector<std::vector<int64_t>> shapes{{4096, 1024}, {77, 130}, {1, 16}, {33, 2049}};
+  // The wide kernel (sizes multiples of 8): whole tiles, partial tiles (200 x 136), one small
+  // tile (8 x 8), a single row without transpose (1 x 16, rowwise); the tile kernel otherwise.
+  const std::vector<std::vector<int64_t>> shapes{{4096, 1024}, {200, 136}, {8, 8},
+                                                 {77, 130},    {1, 16},    {33, 2049}};
   for (const auto& shape : shapes)
     for (auto dt : {at::kFloat, at::kBFloat16, at::kHalf}) {
       at::Tensor x = (at::randn(shape) * 3).to(dt).to(dev);

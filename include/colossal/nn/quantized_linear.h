@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "colossal/nn/init.h"
@@ -63,6 +64,10 @@ class QuantizedLinear : public Linear {
   const QuantizeConfig& config() const { return cfg_; }
   at::Device storage_device() const;
   int64_t storage_bytes() const;  // codes and constants
+  // The stored tensors themselves (for tests across devices): kind nf4, and kind fp8's
+  // {codes, scale}.
+  const NF4Tensor& nf4_storage() const { return nf4_; }
+  std::pair<at::Tensor, at::Tensor> fp8_storage() const { return {fp8_codes_, fp8_scale_}; }
   // Moves the quantized storage with the module (dtypes kept: the dtype argument only casts the
   // bias).
   void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
