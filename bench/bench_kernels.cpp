@@ -492,24 +492,41 @@ void bench_fp8_cast() {
     }
 }
 
-// FP8 GEMM rate (at::_scaled_mm, tensorwise, fast accumulation) against the bf16 GEMM at the 7b
-// layer shapes, 4096 tokens: "fused" is FP8, "aten" bf16; flops 2 M N K.
+// FP8 GEMM rate (at::_scaled_mm, tensorwise) against the bf16 GEMM at the 7b layer shapes, 4096
+// tokens: "fused" is FP8, "aten" the same product in bf16; flops 2 M N K. Per shape the three
+// GEMMs of an FP8 linear layer as Fp8Linear runs them: y = x W^T (e4m3 x e4m3, fast
+// accumulation), dx = dy W (e5m2 x e4m3) and dW = dy^T x (e5m2 x e4m3), both with the periodic
+// fp32 promotion (no fast accumulation), and dx with fast accumulation for comparison.
 void bench_fp8_gemm() {
   const int64_t m = 4096;
   at::NoGradGuard ng;
+  const auto e4 = at::kFloat8_e4m3fn, e5 = at::kFloat8_e5m2;
   for (const auto& [name, n, k] : std::vector<std::tuple<std::string, int64_t, int64_t>>{
            {"q/k/v/o", 4096, 4096}, {"gate/up", 11008, 4096}, {"down", 4096, 11008}}) {
-    at::Tensor a = at::randn({m, k}, opts()), b = at::randn({n, k}, opts()) * 0.02;
-    K::Fp8Tensor qa = K::cast_to_fp8(a, at::kFloat8_e4m3fn, false, false);
-    K::Fp8Tensor qb = K::cast_to_fp8(b, at::kFloat8_e4m3fn, false, false);
-    Row r{"fp8_gemm", name, shape_str({m, n, k}), "fwd"};
-    r.fused_ms = median_ms([&] {
-      at::_scaled_mm(qa.data, qb.data.t(), qa.inv_scale, qb.inv_scale, std::nullopt, std::nullopt,
-                     at::kBFloat16, true);
-    });
-    r.aten_ms = median_ms([&] { at::mm(a, b.t()); });
-    r.flops = 2.0 * double(m) * double(n) * double(k);
-    g_rows.push_back(r);
+    at::Tensor x = at::randn({m, k}, opts()), w = at::randn({n, k}, opts()) * 0.02,
+               dy = at::randn({m, n}, opts()) * 1e-3;
+    K::Fp8Tensor qx = K::cast_to_fp8(x, e4, false, true), qw = K::cast_to_fp8(w, e4, false, true),
+                 qd = K::cast_to_fp8(dy, e5, false, true);
+    auto row = [&](const std::string& dir, const K::Fp8Tensor& a, bool at_, const K::Fp8Tensor& b,
+                   bool bt, bool fast, const at::Tensor& ba, const at::Tensor& bb, int64_t mm,
+                   int64_t nn, int64_t kk) {
+      // a: [mm, kk] row-major (data or data_t), b: [nn, kk] row-major; bf16: ba [mm, kk] x bb^T.
+      const at::Tensor& ad = at_ ? a.data_t : a.data;
+      const at::Tensor& bd = bt ? b.data_t : b.data;
+      Row r{"fp8_gemm", name, shape_str({mm, nn, kk}), dir};
+      r.fused_ms = median_ms([&] {
+        at::_scaled_mm(ad, bd.t(), a.inv_scale, b.inv_scale, std::nullopt, std::nullopt,
+                       at::kBFloat16, fast);
+      });
+      r.aten_ms = median_ms([&] { at::mm(ba, bb.t()); });
+      r.flops = 2.0 * double(mm) * double(nn) * double(kk);
+      g_rows.push_back(r);
+    };
+    at::Tensor wt = w.t().contiguous(), dyt = dy.t().contiguous(), xt = x.t().contiguous();
+    row("y fast", qx, false, qw, false, true, x, w, m, n, k);
+    row("dx", qd, false, qw, true, false, dy, wt, m, k, n);
+    row("dx fast", qd, false, qw, true, true, dy, wt, m, k, n);
+    row("dW", qd, true, qx, true, false, dyt, xt, n, k, m);
   }
 }
 

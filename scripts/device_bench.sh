@@ -122,6 +122,14 @@ for phase in "$@"; do
     step "W2 ours (bs1, no recompute) under the profiler"
     ours w2_prof -c 7b -p ddp -b 1 -l 4096 -s 5 -i 3 --profile --profile_dir "$LOGS/prof_w2"
     sed -n '/^profile of one step/,/Chrome trace/p' "$LOGS/w2_prof.log" | tee -a "$SUMMARY" ;;
+  fp8prof)
+    # Issue 20: where the W2 step goes with FP8 linears, next to bf16 (kernel tables).
+    step "W2 bf16 and FP8 under the profiler"
+    for mode in bf16 fp8; do
+      extra=""; [ $mode = fp8 ] && extra="--use_fp8 true --fp8_recipe ${FP8_RECIPE:-tensorwise}"
+      ours w2_prof_$mode -c 7b -p ddp -b 1 -l 4096 -s 5 -i 3 --profile --profile_dir "$LOGS/prof_w2_$mode" $extra
+      sed -n '/^profile of one step/,/Chrome trace/p' "$LOGS/w2_prof_$mode.log" | tee -a "$SUMMARY"
+    done ;;
   graphs)
     step "CUDA graphs: forward + backward replayed (launch-bound small models vs W1)"
     for m in tiny 100m; do
@@ -290,7 +298,7 @@ PYEOF
         else ours "fp8_${w}_${mode}$n" -c 1b -p ddp -b 8 -l 2048 -s ${FP8_STEPS:-12} -i 3 $extra; fi
       done
     done
-    ours fp8_w2_rowwise -c 7b -p ddp -b 1 -l 4096 -s ${FP8_STEPS:-10} -i 3 --use_fp8 true --fp8_recipe rowwise
+    [ "${FP8_ROWWISE:-1}" = 0 ] || ours fp8_w2_rowwise -c 7b -p ddp -b 1 -l 4096 -s ${FP8_STEPS:-10} -i 3 --use_fp8 true --fp8_recipe rowwise
     # FP8_G13=1: 13b gemini_auto bf16 vs FP8 (several minutes each: setup ~3 min, see g13).
     if [ -n "${FP8_G13:-}" ]; then
       for mode in bf16 fp8; do

@@ -28,6 +28,23 @@ __global__ void amax_kernel(const T* __restrict__ x, int64_t n, float* __restric
   if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned int*>(amax), __float_as_uint(m));
 }
 
+// The same over 16-byte packs (n a multiple of the pack, x 16-byte aligned).
+template <typename T>
+__global__ void amax_vec_kernel(const T* __restrict__ x, int64_t packs, float* __restrict__ amax) {
+  constexpr int V = vec_of<T>();
+  __shared__ float red[32];
+  float m = 0.f;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < packs;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    float v[V];
+    load<T, V>(x + i * V, v);
+#pragma unroll
+    for (int k = 0; k < V; ++k) m = fmaxf(m, fabsf(v[k]));
+  }
+  m = block_max<kBlock>(m, red);
+  if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned int*>(amax), __float_as_uint(m));
+}
+
 // Rowwise amax: one block per row (grid-stride over rows).
 template <typename T>
 __global__ void amax_rows_kernel(const T* __restrict__ x, int64_t rows, int64_t cols,
@@ -86,6 +103,81 @@ __global__ void cast_kernel(const T* __restrict__ x, int64_t rows, int64_t cols,
   }
 }
 
+// The wide cast: a kWide x kWide tile per block of kBlock threads, each thread converting 8
+// consecutive elements of a row (one 16-byte load of bf16/fp16, two of fp32) into one 8-byte
+// store; the transpose goes through shared memory and leaves as 8-byte stores of 8 consecutive
+// rows of one column. cols a multiple of 8 (and rows too with a transpose), x 16-byte and the
+// outputs 8-byte aligned. The scale comes straight from the amax (the scales kernel's operation,
+// so the same bits); the blocks of the first tile column write the inverse scales.
+constexpr int kWide = 64;
+template <typename T, bool E5M2, bool TRANS>
+__global__ void __launch_bounds__(kBlock)
+    cast_wide_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, bool rowwise,
+                     const float* __restrict__ amax, float fp8_max, uint8_t* __restrict__ out,
+                     uint8_t* __restrict__ out_t, float* __restrict__ inv_scale) {
+  constexpr int kPad = 68;  // bytes per shared row: 4-byte aligned, column reads spread over banks
+  __shared__ uint8_t tile[TRANS ? kWide : 1][kPad];
+  const int64_t r0 = blockIdx.y * int64_t(kWide), c0 = blockIdx.x * int64_t(kWide);
+  auto scale_of = [&](int64_t i) {
+    const float a = amax[i];
+    return isnan(a) ? a : __fdiv_rn(fp8_max, fmaxf(a, 1e-12f));
+  };
+  const float ts = rowwise ? 0.f : scale_of(0);
+  const int tc = (threadIdx.x % 8) * 8;
+  constexpr int kPasses = kWide / (kBlock / 8);  // rows per thread, all loaded before any store
+  float v[kPasses][8];
+  bool in[kPasses];
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int lr = threadIdx.x / 8 + p * (kBlock / 8);
+    const int64_t r = r0 + lr, c = c0 + tc;
+    in[p] = r < rows && c < cols;
+    if (!in[p]) continue;
+    if constexpr (sizeof(T) == 4) {
+      load<T, 4>(x + r * cols + c, reinterpret_cast<float(&)[4]>(v[p][0]));
+      load<T, 4>(x + r * cols + c + 4, reinterpret_cast<float(&)[4]>(v[p][4]));
+    } else {
+      load<T, 8>(x + r * cols + c, v[p]);
+    }
+  }
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    if (!in[p]) continue;
+    const int lr = threadIdx.x / 8 + p * (kBlock / 8);
+    const int64_t r = r0 + lr, c = c0 + tc;
+    const float s = rowwise ? scale_of(r) : ts;
+    if (rowwise && blockIdx.x == 0 && tc == 0) inv_scale[r] = __frcp_rn(s);
+    uint32_t lo = 0, hi = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      lo |= uint32_t(to_fp8<E5M2>(__fmul_rn(v[p][k], s), fp8_max)) << (8 * k);
+      hi |= uint32_t(to_fp8<E5M2>(__fmul_rn(v[p][k + 4], s), fp8_max)) << (8 * k);
+    }
+    *reinterpret_cast<uint2*>(out + r * cols + c) = make_uint2(lo, hi);
+    if constexpr (TRANS) {
+      *reinterpret_cast<uint32_t*>(&tile[lr][tc]) = lo;
+      *reinterpret_cast<uint32_t*>(&tile[lr][tc + 4]) = hi;
+    }
+  }
+  if (!rowwise && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0)
+    inv_scale[0] = __frcp_rn(ts);
+  if constexpr (TRANS) {
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < kWide * kWide / 8; idx += kBlock) {
+      const int lc = idx / 8, lr = (idx % 8) * 8;
+      const int64_t c = c0 + lc, r = r0 + lr;
+      if (c >= cols || r >= rows) continue;
+      uint32_t lo = 0, hi = 0;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        lo |= uint32_t(tile[lr + k][lc]) << (8 * k);
+        hi |= uint32_t(tile[lr + 4 + k][lc]) << (8 * k);
+      }
+      *reinterpret_cast<uint2*>(out_t + c * rows + r) = make_uint2(lo, hi);
+    }
+  }
+}
+
 }  // namespace
 
 void fp8_cast(const void* x, int64_t rows, int64_t cols, bool rowwise, bool e5m2, float fp8_max,
@@ -97,14 +189,35 @@ void fp8_cast(const void* x, int64_t rows, int64_t cols, bool rowwise, bool e5m2
   dispatch(dt, [&](auto tag) {
     using T = decltype(tag);
     const T* xt = static_cast<const T*>(x);
+    constexpr int V = vec_of<T>();
     if (rowwise) {
       const int grid = int(std::min<int64_t>(rows, int64_t(sm_count()) * 16));
       amax_rows_kernel<T><<<grid, kBlock, 0, stream>>>(xt, rows, cols, amax);
     } else {
       check(cudaMemsetAsync(amax, 0, sizeof(float), stream), "fp8 amax reset");
-      amax_kernel<T><<<grid_for(n, kBlock), kBlock, 0, stream>>>(xt, n, amax);
+      if (n % V == 0 && aligned(x, 16))
+        amax_vec_kernel<T><<<grid_for(n / V, kBlock), kBlock, 0, stream>>>(xt, n / V, amax);
+      else
+        amax_kernel<T><<<grid_for(n, kBlock), kBlock, 0, stream>>>(xt, n, amax);
     }
     check_launch("fp8 amax");
+    const bool wide = cols % 8 == 0 && (out_t == nullptr || rows % 8 == 0) && aligned(x, 16) &&
+                      aligned(out, 8) && (out_t == nullptr || aligned(out_t, 8));
+    if (wide) {
+      const dim3 grid(unsigned((cols + kWide - 1) / kWide), unsigned((rows + kWide - 1) / kWide));
+      auto go = [&](auto kernel) {
+        kernel<<<grid, kBlock, 0, stream>>>(xt, rows, cols, rowwise, amax, fp8_max, out, out_t,
+                                            inv_scale);
+      };
+      if (out_t)
+        e5m2 ? go(cast_wide_kernel<T, true, true>) : go(cast_wide_kernel<T, false, true>);
+      else
+        e5m2 ? go(cast_wide_kernel<T, true, false>) : go(cast_wide_kernel<T, false, false>);
+      check_launch("fp8 cast");
+      // `scale` is the caller's scratch: the wide path computes the scales in place.
+      (void)scale;
+      return;
+    }
     scales_kernel<<<grid_for(count, kBlock), kBlock, 0, stream>>>(amax, count, fp8_max, scale,
                                                                   inv_scale);
     check_launch("fp8 scales");

@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <typeinfo>
+#include <vector>
 
 #include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
@@ -32,15 +33,66 @@ at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& a_inv, const at::Ten
   return at::mm(a.to(at::kFloat) * a_inv, (b.to(at::kFloat) * b_inv).t()).to(out);
 }
 
+// The last activation cast of this thread, for the next layer that reads the same input (q, k
+// and v read one normed hidden state, gate and up another): the same storage at the same offset,
+// shape, strides and version, cast the same way. The input's storage is held weakly (a freed
+// input whose memory is reused never matches); the fp8 data and scale are held until the next
+// cast replaces them (at most one activation's fp8 copy, M x K bytes, outlives its layers), the
+// transpose weakly: it lives as long as a layer saved it for the weight gradient.
+struct ActivationCast {
+  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage;
+  int64_t offset = 0, version = -1;
+  std::vector<int64_t> sizes, strides;
+  at::ScalarType dtype = at::kFloat, fp8 = at::kFloat;
+  bool rowwise = false;
+  at::Tensor data, inv_scale;
+  using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+  std::optional<WeakImpl> data_t;
+};
+thread_local ActivationCast last_cast;
+thread_local int64_t activation_casts_made = 0;
+
+kernels::Fp8Tensor cast_activation(const at::Tensor& x2, at::ScalarType fp8, bool rowwise,
+                                   bool transpose) {
+  ActivationCast& c = last_cast;
+  if (c.storage && c.version == static_cast<int64_t>(x2._version()) &&
+      c.offset == x2.storage_offset() && c.sizes == x2.sizes().vec() &&
+      c.strides == x2.strides().vec() && c.dtype == x2.scalar_type() && c.fp8 == fp8 &&
+      c.rowwise == rowwise) {
+    c10::intrusive_ptr<c10::StorageImpl> st = c.storage->lock();
+    if (st && st.get() == x2.storage().unsafeGetStorageImpl()) {
+      kernels::Fp8Tensor hit;
+      hit.data = c.data;
+      hit.inv_scale = c.inv_scale;
+      if (transpose && c.data_t) hit.data_t = at::Tensor(c.data_t->lock());
+      if (!transpose || hit.data_t.defined()) return hit;
+    }
+  }
+  c = ActivationCast{};  // nothing of a stale entry outlives this call
+  kernels::Fp8Tensor q = kernels::cast_to_fp8(x2, fp8, rowwise, transpose);
+  ++activation_casts_made;
+  c.storage = x2.storage().getWeakStorageImpl();
+  c.version = static_cast<int64_t>(x2._version());
+  c.offset = x2.storage_offset();
+  c.sizes = x2.sizes().vec();
+  c.strides = x2.strides().vec();
+  c.dtype = x2.scalar_type();
+  c.fp8 = fp8;
+  c.rowwise = rowwise;
+  c.data = q.data;
+  c.inv_scale = q.inv_scale;
+  if (q.data_t.defined()) c.data_t = ActivationCast::WeakImpl(q.data_t.getIntrusivePtr());
+  return q;
+}
+
 // y = x W^T (+ b) with the recipe's FP8 GEMMs. Non-variable arguments: the weight's casts
 // (tensorwise {w data, w data_t, w inv}; rowwise {w data, w inv, w_t data, w_t inv}).
 struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             const at::Tensor& w, const std::optional<at::Tensor>& bias,
-                            const std::vector<at::Tensor>& wc, bool rowwise) {
+                            const std::vector<at::Tensor>& wc, bool rowwise, bool need_dw) {
     const int64_t k = x.size(-1), n = w.size(0);
     const at::Tensor x2 = x.reshape({-1, k});
-    const bool need_dw = w.requires_grad();
     std::vector<int64_t> out_shape = x.sizes().vec();
     out_shape.back() = n;
     ctx->saved_data["rowwise"] = rowwise;
@@ -49,11 +101,11 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     ctx->saved_data["w_dtype"] = static_cast<int64_t>(w.scalar_type());
     at::Tensor y;
     if (!rowwise) {
-      kernels::Fp8Tensor xq = kernels::cast_to_fp8(x2, at::kFloat8_e4m3fn, false, need_dw);
+      kernels::Fp8Tensor xq = cast_activation(x2, at::kFloat8_e4m3fn, false, need_dw);
       y = scaled_mm(xq.data, xq.inv_scale, wc[0], wc[2], x.scalar_type(), true);
       ctx->save_for_backward({need_dw ? xq.data_t : at::Tensor(), xq.inv_scale, wc[1], wc[2]});
     } else {
-      kernels::Fp8Tensor xq = kernels::cast_to_fp8(x2, at::kFloat8_e4m3fn, true, false);
+      kernels::Fp8Tensor xq = cast_activation(x2, at::kFloat8_e4m3fn, true, false);
       y = scaled_mm(xq.data, xq.inv_scale, wc[0], wc[1], x.scalar_type(), true);
       ctx->save_for_backward({need_dw ? x2 : at::Tensor(), wc[2], wc[3]});
     }
@@ -63,7 +115,7 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad) {
-    if (!grad[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), {}};
+    if (!grad[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), {}, {}};
     const auto x_shape = ctx->saved_data["x_shape"].toIntVector();
     const bool rowwise = ctx->saved_data["rowwise"].toBool();
     const auto w_dtype = static_cast<at::ScalarType>(ctx->saved_data["w_dtype"].toInt());
@@ -85,11 +137,15 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     at::Tensor db;
     if (ctx->saved_data["bias_grad"].toBool()) db = dy.sum(0);
     (void)k;
-    return {dx.view(x_shape), dw, db, at::Tensor(), at::Tensor()};
+    return {dx.view(x_shape), dw, db, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
+
+int64_t Fp8Linear::activation_casts() {
+  return activation_casts_made;
+}
 
 void Fp8Config::validate() const {
   COLOSSAL_CHECK_INPUT(recipe == "tensorwise" || recipe == "rowwise", "fp8: recipe '", recipe,
@@ -158,8 +214,11 @@ at::Tensor Fp8Linear::forward(const at::Tensor& x) {
   else
     wc = {c.w.data, c.w.inv_scale, c.w_t.data, c.w_t.inv_scale};
   const at::Tensor b = has_bias() ? param("bias") : at::Tensor();
+  // The weight gradient (and so the input's transpose) only when a graph is recorded: inside
+  // the autograd function grad mode is always off.
+  const bool need_dw = at::GradMode::is_enabled() && w.requires_grad();
   return Fp8LinearFn::apply(x, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt, wc,
-                            cfg_.recipe == "rowwise");
+                            cfg_.recipe == "rowwise", need_dw);
 }
 
 void Fp8Linear::shard(const ShardSpec& spec) {

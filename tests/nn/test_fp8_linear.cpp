@@ -10,7 +10,9 @@
 
 #include <cmath>
 #include <functional>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "colossal/core/error.h"
 #include "colossal/core/weights_epoch.h"
@@ -176,6 +178,67 @@ TEST(Fp8Linear, TheWeightIsCastOncePerUpdate) {
   EXPECT_TRUE(at::equal(fresh.forward(x), y3));
   fresh.forward(x);
   EXPECT_EQ(fresh.weight_casts(), 2);
+}
+
+// q, k and v read one input: its cast is made once and shared while the layers' saved tensors
+// hold it; an in-place change of the input, or a forward that saves nothing, casts afresh. The
+// shared cast gives the same outputs and gradients as separate ones.
+TEST(Fp8Linear, LayersReadingOneInputShareItsCast) {
+  std::vector<std::shared_ptr<Fp8Linear>> layers;
+  for (int i = 0; i < 3; ++i) {
+    Linear base(LinearOptions(32, 16).bias(false));
+    base.weight().set_data(at::randn({16, 32}));
+    layers.push_back(std::make_shared<Fp8Linear>(base, Fp8Config{}));
+  }
+  at::Tensor x = at::randn({16, 32}).requires_grad_();
+  const int64_t n0 = Fp8Linear::activation_casts();
+  std::vector<at::Tensor> ys;
+  for (auto& l : layers) ys.push_back(l->forward(x));
+  EXPECT_EQ(Fp8Linear::activation_casts(), n0 + 1);
+  (ys[0].sum() + ys[1].pow(2).sum() + ys[2].sum()).backward();
+  // Separately: each layer on its own copy of x (another storage: its own cast).
+  at::Tensor gx = at::zeros_like(x);
+  for (int i = 0; i < 3; ++i) {
+    at::Tensor xi = x.detach().clone().requires_grad_();
+    at::Tensor yi = layers[i]->forward(xi);
+    EXPECT_TRUE(at::equal(yi, ys[i])) << "layer " << i;
+    (i == 1 ? yi.pow(2).sum() : yi.sum()).backward();
+    gx += xi.grad();
+  }
+  EXPECT_EQ(Fp8Linear::activation_casts(), n0 + 4);
+  EXPECT_TRUE(at::allclose(x.grad(), gx, 1e-6, 1e-6));
+  // An in-place change of the input is a new version: cast again.
+  at::Tensor y0 = layers[0]->forward(x);
+  {
+    at::NoGradGuard ng;
+    x.mul_(2);
+  }
+  at::Tensor y1 = layers[1]->forward(x);
+  EXPECT_EQ(Fp8Linear::activation_casts(), n0 + 6);
+  EXPECT_TRUE(at::equal(y1, layers[1]->forward(x.detach().clone())));
+  // Without grad nothing needs the transpose: the three layers still share one cast.
+  at::NoGradGuard ng;
+  const int64_t n1 = Fp8Linear::activation_casts();
+  for (auto& l : layers) l->forward(x);
+  EXPECT_EQ(Fp8Linear::activation_casts(), n1 + 1);
+  // A layer that needs the transpose after its saver is gone casts again (x3 with grad: the
+  // transpose is held weakly and nobody kept it).
+  {
+    at::AutoGradMode on(true);
+    layers[2]->forward(x);
+  }
+  EXPECT_EQ(Fp8Linear::activation_casts(), n1 + 2);
+  // A freed input whose memory comes back for a new tensor of the same shape never matches.
+  at::Tensor z = at::randn({16, 32});
+  layers[0]->forward(z);
+  const void* where = z.const_data_ptr();
+  z = at::Tensor();
+  at::Tensor w = at::randn({16, 32});
+  const int64_t n2 = Fp8Linear::activation_casts();
+  at::Tensor yw = layers[0]->forward(w);
+  EXPECT_EQ(Fp8Linear::activation_casts(), n2 + 1)
+      << "same address: " << (where == w.const_data_ptr());
+  EXPECT_TRUE(at::equal(yw, layers[0]->forward(w.clone())));
 }
 
 TEST(Fp8Linear, ConvertsAModelAndKeepsExcludedLayersPlain) {

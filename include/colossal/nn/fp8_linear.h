@@ -53,6 +53,9 @@ class Fp8Linear : public Linear {
   const std::string& recipe() const { return cfg_.recipe; }
   // How many times the weight has been cast to FP8 (tests: once per optimizer step).
   int64_t weight_casts() const { return weight_casts_; }
+  // How many activation casts this thread has made (tests: layers reading one input, q/k/v or
+  // gate/up, share one cast while its saved tensors live).
+  static int64_t activation_casts();
 
   // The weight's casts for this forward: from the cache while the weight is unchanged.
   struct WeightCasts {
