@@ -36,6 +36,10 @@
 #include "colossal/kernels/fused.h"
 #include "colossal/kernels/quant.h"
 
+#ifdef COLOSSAL_WITH_CUDNN_FRONTEND
+#include "cudnn_sdpa.h"
+#endif
+
 using namespace colossal;
 namespace K = colossal::kernels;
 
@@ -608,6 +612,21 @@ void adamw_cases() {
   Accelerator::cuda().empty_cache();
 }
 
+#ifdef COLOSSAL_WITH_CUDNN_FRONTEND
+// cuDNN's SDPA graphs through its frontend (bench/cudnn_sdpa.cpp), in this table's rows: the
+// issue-25 comparison point next to the `sdpa` op's LibTorch backends.
+void sdpa_frontend_cases() {
+  for (const auto& f : colossal::bench::cudnn_frontend_sdpa(
+           [](const std::function<void()>& body) { return median_ms(body); })) {
+    Row r{"sdpa_fe", f.name, f.shape, f.dir};
+    r.fused_ms = f.ms;
+    r.flops = f.flops;
+    r.note = f.note;
+    g_rows.push_back(r);
+  }
+}
+#endif
+
 void sdpa_cases() {
   sdpa("W1", 8, 32, 4, 2048, 64);
   for (int64_t b : {1, 2, 4}) sdpa("W2", b, 32, 32, 4096, 128);
@@ -652,6 +671,10 @@ const std::vector<Op>& ops() {
        bench_nf4_dequantize},
       {"sdpa", "SDPA backends (flash, cuDNN, memory-efficient) at the W1/W2 shapes", true,
        sdpa_cases},
+#ifdef COLOSSAL_WITH_CUDNN_FRONTEND
+      {"sdpa_fe", "cuDNN frontend SDPA graphs (dense, packed documents, deterministic)", true,
+       sdpa_frontend_cases},
+#endif
   };
   return table;
 }

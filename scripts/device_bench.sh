@@ -56,7 +56,9 @@ for phase in "$@"; do
     TL=$($PY -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
     NV=$(find "$(dirname "$TL")/.." /usr/local/cuda*/lib64 -maxdepth 4 -name 'libcudart.so.13*' 2>/dev/null | head -1)
     PB=${PREBUILT:-build-carry}  # another packed build (an A/B of two commits) by name
-    export LD_LIBRARY_PATH="$TL${NV:+:$(dirname "$NV")}:$PWD/$PB/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    # cuDNN from the nvidia-cudnn wheel next to torch (bench_kernels --op sdpa_fe links it).
+    CD=$(find "$(dirname "$TL")/.." -maxdepth 4 -name 'libcudnn.so.9' 2>/dev/null | head -1)
+    export LD_LIBRARY_PATH="$TL${NV:+:$(dirname "$NV")}${CD:+:$(dirname "$CD")}:$PWD/$PB/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     if [ -x $PB/colossal ] && $PB/colossal check > "$LOGS/prebuilt_check.log" 2>&1; then
       BUILD=$PB; C=$BUILD/colossal
       note "prebuilt binaries start here: $(grep -i 'cuda kernels\|device 0' "$LOGS/prebuilt_check.log" | head -2 | tr '\n' ' ')"
@@ -122,6 +124,15 @@ for phase in "$@"; do
     step "W2 ours (bs1, no recompute) under the profiler"
     ours w2_prof -c 7b -p ddp -b 1 -l 4096 -s 5 -i 3 --profile --profile_dir "$LOGS/prof_w2"
     sed -n '/^profile of one step/,/Chrome trace/p' "$LOGS/w2_prof.log" | tee -a "$SUMMARY" ;;
+  attn)
+    # Issue 25, first step: cuDNN's SDPA graphs through the cuDNN frontend (bench_kernels built
+    # with scripts/fetch_cudnn_frontend.sh's headers) next to LibTorch's SDPA backends, same call.
+    step "attention: LibTorch SDPA backends and cuDNN frontend graphs"
+    for op in sdpa sdpa_fe; do
+      timeout 300 "$BUILD/bench/bench_kernels" --op $op --reps 10 > "$LOGS/bk_$op.log" 2>&1
+      grep -E "^sdpa" "$LOGS/bk_$op.log" | tee -a "$SUMMARY"
+      tail -2 "$LOGS/bk_$op.log"
+    done ;;
   fp8prof)
     # Issue 20: where the W2 step goes with FP8 linears, next to bf16 (kernel tables).
     step "W2 bf16 and FP8 under the profiler"
