@@ -23,6 +23,7 @@
 #include <map>
 #include <string>
 
+#include "booster/plugins/plugin_common.h"
 #include "colossal/booster/booster.h"
 #include "colossal/booster/plugins/factory.h"
 #include "colossal/booster/plugins/hybrid_plugin.h"
@@ -278,6 +279,32 @@ TEST(BoosterLora, PretrainedDirLoadsAndSavesBack) {
             read_bytes(root + "/first/adapter_config.json"));
   dist::world().barrier();
   if (dist::rank() == 0) checkpoint::remove_tree(root);
+}
+
+// The cast at boost keeps fp32 masters only for what trains: a frozen base (here everything but
+// the adapters) gets none, on the device or on the host, so a bf16 LoRA boost never holds an fp32
+// copy of the base; the adapters' masters are their fp32 values before the cast.
+TEST(BoosterLora, TheCastKeepsNoMasterOfTheFrozenBase) {
+  for (auto where :
+       {booster::plugins::MasterCopies::kOnDevice, booster::plugins::MasterCopies::kHostWhenHalf}) {
+    auto model = make_model();
+    booster::Booster booster(plugin("ddp"));
+    booster.enable_lora(model, lora_config(), /*seed=*/5);
+    std::map<std::string, at::Tensor> before;
+    for (auto& item : model->named_parameters(true))
+      if (item.value().requires_grad()) before[item.key()] = item.value().detach().clone();
+    ASSERT_FALSE(before.empty());
+    const auto masters =
+        booster::plugins::cast_module_in_place(*model, at::kBFloat16, "cpu", where);
+    ASSERT_EQ(masters.size(), before.size());
+    for (const auto& [name, m] : masters) {
+      ASSERT_TRUE(before.count(name)) << name << " has a master but does not train";
+      EXPECT_EQ(m.scalar_type(), at::kFloat) << name;
+      EXPECT_TRUE(at::equal(m, before[name])) << name;
+    }
+    for (auto& item : model->named_parameters(true))
+      EXPECT_EQ(item.value().scalar_type(), at::kBFloat16) << item.key();
+  }
 }
 
 TEST(BoosterLora, ErrorsAreNamed) {
