@@ -12,6 +12,7 @@ QLoRA curve within 1e-5 (reordered sums, as tests/booster/test_lora_train.py). A
 bitwise the uninterrupted one (the base is quantized again from the same folder: the same codes).
 """
 import math
+import re
 import os
 import shutil
 import subprocess
@@ -125,6 +126,14 @@ def test_initialised_base_and_activation_checkpointing(work):
                                         "4"] + extra)
     plain, log = run("init_plain", [])
     assert "14 linear layers quantized to fp8" in log, log[-2000:]
+    # The LoRA line counts the quantized weights as the model's parameters (they are no
+    # parameters of the module tree): the same total as the unquantized run's.
+    _, unq_log = run_losses(work / "init_unquantized",
+                            ["--model", str(work / "model.json"), "--data", str(work / "tokens.bin"),
+                             "--seq_len", str(SEQ), "--steps", "1", "--precision", "fp32", "--lora_r", "4",
+                             "--micro_batch", "4"])
+    totals = [re.search(r"of (\d+) parameters train", text).group(1) for text in (log, unq_log)]
+    assert totals[0] == totals[1], totals
     assert len(set(plain)) == 6 and all(math.isfinite(x) for x in plain)
     ckpt, _ = run("init_ckpt", ["--grad_checkpoint", "true"])
     assert ckpt == plain
