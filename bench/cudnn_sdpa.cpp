@@ -12,17 +12,34 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <cudnn_frontend.h>
 
+#include <dlfcn.h>
+
 #include <cmath>
 #include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+// The frontend calls cuDNN through this handle (NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING): the
+// cuDNN that LibTorch loaded, found by its soname at run time, so bench_kernels starts wherever
+// LibTorch does and this op alone reports when no cuDNN is there.
+namespace cudnn_frontend {
+void* cudnn_dlhandle = nullptr;
+}
+
 namespace colossal::bench {
 
 namespace {
 
 namespace fe = cudnn_frontend;
+
+void load_cudnn() {
+  if (fe::cudnn_dlhandle) return;
+  fe::cudnn_dlhandle = dlopen("libcudnn.so.9", RTLD_NOW | RTLD_NOLOAD);
+  if (!fe::cudnn_dlhandle) fe::cudnn_dlhandle = dlopen("libcudnn.so.9", RTLD_NOW);
+  if (!fe::cudnn_dlhandle)
+    throw std::runtime_error(std::string("cannot load libcudnn.so.9: ") + dlerror());
+}
 
 void check(fe::error_t e, const char* what) {
   if (!e.is_good()) throw std::runtime_error(std::string(what) + ": " + e.get_message());
@@ -48,10 +65,12 @@ enum Uid : int64_t {
 struct Handle {
   cudnnHandle_t h = nullptr;
   Handle() {
-    if (cudnnCreate(&h) != CUDNN_STATUS_SUCCESS) throw std::runtime_error("cudnnCreate failed");
-    cudnnSetStream(h, at::cuda::getCurrentCUDAStream());
+    load_cudnn();
+    if (fe::detail::create_handle(&h) != CUDNN_STATUS_SUCCESS)
+      throw std::runtime_error("cudnnCreate failed");
+    fe::detail::set_stream(h, at::cuda::getCurrentCUDAStream());
   }
-  ~Handle() { cudnnDestroy(h); }
+  ~Handle() { fe::detail::destroy_handle(h); }
 };
 
 // A problem: dense [b, h, s, d] (kv heads for K/V), or ragged: `docs` lengths packed in b rows
