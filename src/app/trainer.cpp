@@ -43,6 +43,7 @@
 #include "colossal/dist/runtime.h"
 #include "colossal/models/llama/config.h"
 #include "colossal/models/llama/model.h"
+#include "colossal/nn/checkpointing.h"
 #include "colossal/nn/fp8_linear.h"
 #include "colossal/nn/init.h"
 #include "colossal/nn/lora.h"
@@ -1252,6 +1253,7 @@ TrainResult Trainer::run() {
   bar_ = rank0_ && draw_progress_bar();
 
   TrainResult result;
+  const int64_t recomputes_before = nn::checkpoint_recompute_count();
   auto t_start = std::chrono::steady_clock::now();
   for (int64_t s = start_; s < c_.steps; ++s) {
     StepStats st = train_step();
@@ -1281,6 +1283,11 @@ TrainResult Trainer::run() {
     }
   }
   if (bar_ && result.stop_signal == 0) std::fputs("\n", stderr);
+  // What --grad_checkpoint did, counted where it happens (nn::checkpoint's backward re-runs).
+  if (c_.grad_checkpoint && rank0_)
+    log_info("activation checkpointing (", c_.ckpt_mode,
+             "): ", nn::checkpoint_recompute_count() - recomputes_before, " block recomputes in ",
+             result.steps_done - start_, " steps");
   if (metrics_) {
     const bool ok = std::fclose(metrics_) == 0;
     metrics_ = nullptr;

@@ -13,6 +13,7 @@ casts and scaling logic being the ones the GPU runs).
   by transformers.
 - Bad combinations are named errors.
 """
+import json
 import os
 import sys
 
@@ -52,8 +53,11 @@ def test_layouts_reproduce_one_process(work, recipe):
 def test_checkpointing_and_checkpoints(work):
     fp8 = ["--use_fp8", "true", "--micro_batch", "4", "--plugin", "none"]
     a, out, _ = train(work, "ck_a", fp8)
-    b, _, _ = train(work, "ck_b", fp8 + ["--grad_checkpoint", "true"])
+    b, _, b_log = train(work, "ck_b", fp8 + ["--grad_checkpoint", "true"])
     assert a == b
+    # The recompute did happen (one per decoder layer and step), FP8 layers inside it.
+    layers = json.loads((work / "model.json").read_text())["num_hidden_layers"]
+    assert f"activation checkpointing (full): {10 * layers} block recomputes in 10 steps" in b_log, b_log[-2000:]
     _, plain_out, _ = train(work, "ck_plain", ["--micro_batch", "4", "--plugin", "none"])
 
     def tensors(o):

@@ -11,6 +11,7 @@ observed bitwise equal). The layouts (ddp, ZeRO-2, Gemini at 2 ranks) reproduce 
 QLoRA curve within 1e-5 (reordered sums, as tests/booster/test_lora_train.py). A resumed run is
 bitwise the uninterrupted one (the base is quantized again from the same folder: the same codes).
 """
+import json
 import math
 import re
 import os
@@ -135,10 +136,16 @@ def test_initialised_base_and_activation_checkpointing(work):
     totals = [re.search(r"of (\d+) parameters train", text).group(1) for text in (log, unq_log)]
     assert totals[0] == totals[1], totals
     assert len(set(plain)) == 6 and all(math.isfinite(x) for x in plain)
-    ckpt, _ = run("init_ckpt", ["--grad_checkpoint", "true"])
+    # Each decoder layer (its attention block with --ckpt_mode attention) is recomputed once per
+    # step: the count the trainer reports, so an ignored flag cannot pass for a working one.
+    layers = json.loads((work / "model.json").read_text())["num_hidden_layers"]
+    ckpt, ckpt_log = run("init_ckpt", ["--grad_checkpoint", "true"])
     assert ckpt == plain
-    attn, _ = run("init_attn", ["--grad_checkpoint", "true", "--ckpt_mode", "attention"])
+    assert f"activation checkpointing (full): {6 * layers} block recomputes in 6 steps" in ckpt_log, ckpt_log[-2000:]
+    attn, attn_log = run("init_attn", ["--grad_checkpoint", "true", "--ckpt_mode", "attention"])
     assert attn == plain
+    assert f"activation checkpointing (attention): {6 * layers} block recomputes in 6 steps" in attn_log, \
+        attn_log[-2000:]
 
 
 def test_plugins_give_one_curve(work):
