@@ -6,10 +6,12 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <cmath>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "colossal/core/error.h"
+#include "colossal/kernels/attention_reference.h"
 #include "colossal/kernels/fused.h"
 #include "kernels/numerics.h"
 
@@ -461,6 +463,76 @@ std::string error_of(F&& f) {
   return "no error";
 }
 }  // namespace
+
+// The fp64 attention oracle (issue 25's GPU tests compare against it): per document, SDPA's math
+// on that document alone (causal and full, GQA heads expanded), its gradients too; the log-sum-
+// exp normalises every query's probabilities, and a document's first token attends only itself.
+TEST(AttentionReference, EqualsSdpaPerDocument) {
+  at::manual_seed(3);
+  const std::vector<int64_t> lens{5, 1, 9, 0};
+  const int64_t t = 15, h = 4, hkv = 2, d = 8;
+  at::Tensor cu = at::tensor({int64_t(0), int64_t(5), int64_t(6), int64_t(15), int64_t(15)});
+  auto opt = at::TensorOptions().dtype(at::kDouble);
+  at::Tensor q = at::randn({t, h, d}, opt).requires_grad_(), k = at::randn({t, hkv, d}, opt),
+             v = at::randn({t, hkv, d}, opt);
+  k.requires_grad_();
+  v.requires_grad_();
+  for (bool causal : {true, false}) {
+    K::AttentionReference r = K::attention_reference(q, k, v, cu, causal);
+    ASSERT_EQ(r.out.sizes(), q.sizes());
+    ASSERT_EQ(r.lse.sizes(), (std::vector<int64_t>{h, t}));
+    at::Tensor g = at::randn_like(r.out);
+    auto ref = torch::autograd::grad({r.out}, {q, k, v}, {g});
+    at::Tensor dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
+    int64_t a = 0;
+    for (int64_t len : lens) {
+      if (len == 0) continue;
+      auto part = [&](const at::Tensor& x) {
+        return x.narrow(0, a, len).detach().permute({1, 0, 2}).unsqueeze(0).requires_grad_();
+      };
+      at::Tensor qd = part(q), kd = part(k), vd = part(v);
+      at::Tensor o = at::scaled_dot_product_attention(qd, kd.repeat_interleave(h / hkv, 1),
+                                                      vd.repeat_interleave(h / hkv, 1),
+                                                      std::nullopt, 0.0, causal);
+      at::Tensor mine = r.out.narrow(0, a, len).permute({1, 0, 2}).unsqueeze(0);
+      EXPECT_LT((o - mine).abs().max().item<double>(), 1e-12) << "document at " << a;
+      auto gd = torch::autograd::grad({o}, {qd, kd, vd},
+                                      {g.narrow(0, a, len).permute({1, 0, 2}).unsqueeze(0)});
+      dq.narrow(0, a, len).copy_(gd[0].squeeze(0).permute({1, 0, 2}));
+      dk.narrow(0, a, len).copy_(gd[1].squeeze(0).permute({1, 0, 2}));
+      dv.narrow(0, a, len).copy_(gd[2].squeeze(0).permute({1, 0, 2}));
+      if (causal) {  // the first token sees only itself: lse = its own scaled score
+        at::Tensor self = (q[a] * k[a].repeat_interleave(h / hkv, 0)).sum(-1) / std::sqrt(8.0);
+        EXPECT_LT((r.lse.select(1, a) - self).abs().max().item<double>(), 1e-12);
+      }
+      a += len;
+    }
+    EXPECT_LT((ref[0] - dq).abs().max().item<double>(), 1e-10);
+    EXPECT_LT((ref[1] - dk).abs().max().item<double>(), 1e-10);
+    EXPECT_LT((ref[2] - dv).abs().max().item<double>(), 1e-10);
+  }
+  auto err = [&](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const InputError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(err([&] {
+              K::attention_reference(q, k, v, at::tensor({int64_t(0), int64_t(9)}), true);
+            }).find("must run from 0 to 15"),
+            std::string::npos);
+  EXPECT_NE(err([&] {
+              K::attention_reference(q, k.narrow(1, 0, 1).repeat({1, 3, 1}), v, cu, true);
+            }).find("k and v must be"),
+            std::string::npos);
+  EXPECT_NE(
+      err([&] {
+        K::attention_reference(q, at::randn({t, 3, d}, opt), at::randn({t, 3, d}, opt), cu, true);
+      }).find("4 query heads are not a multiple of 3 kv heads"),
+      std::string::npos);
+}
 
 TEST(Errors, NameTheBadArgument) {
   at::Tensor x = at::randn({4, 8});
