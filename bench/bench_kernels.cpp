@@ -511,26 +511,26 @@ void bench_fp8_gemm() {
                dy = at::randn({m, n}, opts()) * 1e-3;
     K::Fp8Tensor qx = K::cast_to_fp8(x, e4, false, true), qw = K::cast_to_fp8(w, e4, false, true),
                  qd = K::cast_to_fp8(dy, e5, false, true);
+    // a @ b^T for a [m, k] and b [n, k] row-major (each the cast's data or its transpose, as
+    // `at_` / `bt` say) against the same product in bf16, ba @ bb^T.
     auto row = [&](const std::string& dir, const K::Fp8Tensor& a, bool at_, const K::Fp8Tensor& b,
-                   bool bt, bool fast, const at::Tensor& ba, const at::Tensor& bb, int64_t mm,
-                   int64_t nn, int64_t kk) {
-      // a: [mm, kk] row-major (data or data_t), b: [nn, kk] row-major; bf16: ba [mm, kk] x bb^T.
+                   bool bt, bool fast, const at::Tensor& ba, const at::Tensor& bb) {
       const at::Tensor& ad = at_ ? a.data_t : a.data;
       const at::Tensor& bd = bt ? b.data_t : b.data;
-      Row r{"fp8_gemm", name, shape_str({mm, nn, kk}), dir};
+      Row r{"fp8_gemm", name, shape_str({ad.size(0), bd.size(0), ad.size(1)}), dir};
       r.fused_ms = median_ms([&] {
         at::_scaled_mm(ad, bd.t(), a.inv_scale, b.inv_scale, std::nullopt, std::nullopt,
                        at::kBFloat16, fast);
       });
       r.aten_ms = median_ms([&] { at::mm(ba, bb.t()); });
-      r.flops = 2.0 * double(mm) * double(nn) * double(kk);
+      r.flops = 2.0 * double(ad.size(0)) * double(bd.size(0)) * double(ad.size(1));
       g_rows.push_back(r);
     };
     at::Tensor wt = w.t().contiguous(), dyt = dy.t().contiguous(), xt = x.t().contiguous();
-    row("y fast", qx, false, qw, false, true, x, w, m, n, k);
-    row("dx", qd, false, qw, true, false, dy, wt, m, k, n);
-    row("dx fast", qd, false, qw, true, true, dy, wt, m, k, n);
-    row("dW", qd, true, qx, true, false, dyt, xt, n, k, m);
+    row("y fast", qx, false, qw, false, true, x, w);
+    row("dx", qd, false, qw, true, false, dy, wt);
+    row("dx fast", qd, false, qw, true, true, dy, wt);
+    row("dW", qd, true, qx, true, false, dyt, xt);
   }
 }
 

@@ -138,6 +138,15 @@ std::shared_ptr<fe::graph::Tensor_attributes> seq_lens(fe::graph::Graph& g, cons
                       .set_data_type(fe::DataType_t::INT32));
 }
 
+// Ragged problems: each sequence masked to its own length (forward and backward attributes).
+template <typename Attributes>
+void pad_to_documents(Attributes& a, fe::graph::Graph& g, const Problem& p) {
+  if (!p.ragged()) return;
+  a.set_padding_mask(true)
+      .set_seq_len_q(seq_lens(g, p, "seq_q", kSeqQ))
+      .set_seq_len_kv(seq_lens(g, p, "seq_kv", kSeqKv));
+}
+
 void build(fe::graph::Graph& g, cudnnHandle_t h) {
   check(g.validate(), "validate");
   check(g.build_operation_graph(h), "build_operation_graph");
@@ -162,10 +171,7 @@ Graphs make_graphs(const Problem& p, cudnnHandle_t h, bool deterministic) {
                  .set_generate_stats(true)
                  .set_attn_scale(scale)
                  .set_causal_mask(true);
-    if (p.ragged())
-      a.set_padding_mask(true)
-          .set_seq_len_q(seq_lens(*g, p, "seq_q", kSeqQ))
-          .set_seq_len_kv(seq_lens(*g, p, "seq_kv", kSeqKv));
+    pad_to_documents(a, *g, p);
     auto [o, stats] = g->sdpa(q, k, v, a);
     output(o, p, kO, p.h);
     if (p.ragged()) o->set_ragged_offset(q->get_ragged_offset());
@@ -189,10 +195,7 @@ Graphs make_graphs(const Problem& p, cudnnHandle_t h, bool deterministic) {
                  .set_attn_scale(scale)
                  .set_causal_mask(true)
                  .set_deterministic_algorithm(deterministic);
-    if (p.ragged())
-      a.set_padding_mask(true)
-          .set_seq_len_q(seq_lens(*g, p, "seq_q", kSeqQ))
-          .set_seq_len_kv(seq_lens(*g, p, "seq_kv", kSeqKv));
+    pad_to_documents(a, *g, p);
     auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, dout, stats, a);
     output(dq, p, kDQ, p.h);
     output(dk, p, kDK, p.kv);

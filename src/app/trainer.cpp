@@ -575,13 +575,8 @@ void Trainer::build_lora() {
       total += p.numel();
       if (p.requires_grad()) trainable += p.numel();
     }
-    // A QLoRA base's quantized weights are not parameters: count them as the model's all the same.
-    // (A LoRA layer holds its quantized base without registering it as a submodule.)
-    for (const auto& m : model_->modules()) {
-      std::shared_ptr<nn::QuantizedLinear> q = std::dynamic_pointer_cast<nn::QuantizedLinear>(m);
-      if (auto l = std::dynamic_pointer_cast<nn::LoraLinear>(m)) q = l->quantized_base();
-      if (q) total += q->in_features() * q->out_features();
-    }
+    // A QLoRA base's quantized weights are not parameters: counted as the model's all the same.
+    total += nn::quantized_weight_count(*model_);
     std::string targets;
     for (const auto& t : lora_->target_modules) targets += (targets.empty() ? "" : ",") + t;
     log_info("LoRA: r ", lora_->r, ", alpha ", lora_->lora_alpha, " on ", adapted.size(),

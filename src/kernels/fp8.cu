@@ -59,13 +59,17 @@ __global__ void amax_rows_kernel(const T* __restrict__ x, int64_t rows, int64_t 
   }
 }
 
-// scale = fp8_max / max(amax, 1e-12), inv_scale = 1 / scale, per entry.
+// scale = fp8_max / max(amax, 1e-12): the reference's fp32 division, for every cast kernel.
+__device__ __forceinline__ float scale_from_amax(float a, float fp8_max) {
+  return isnan(a) ? a : __fdiv_rn(fp8_max, fmaxf(a, 1e-12f));  // NaN propagates, as clamp_min's
+}
+
+// scale and inv_scale = 1 / scale, per entry.
 __global__ void scales_kernel(const float* __restrict__ amax, int64_t count, float fp8_max,
                               float* __restrict__ scale, float* __restrict__ inv_scale) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
        i += int64_t(gridDim.x) * blockDim.x) {
-    const float a = amax[i];  // NaN propagates, as through the reference's clamp_min
-    const float s = isnan(a) ? a : __fdiv_rn(fp8_max, fmaxf(a, 1e-12f));
+    const float s = scale_from_amax(amax[i], fp8_max);
     scale[i] = s;
     inv_scale[i] = __frcp_rn(s);
   }
@@ -118,11 +122,7 @@ __global__ void __launch_bounds__(kBlock)
   constexpr int kPad = 68;  // bytes per shared row: 4-byte aligned, column reads spread over banks
   __shared__ uint8_t tile[TRANS ? kWide : 1][kPad];
   const int64_t r0 = blockIdx.y * int64_t(kWide), c0 = blockIdx.x * int64_t(kWide);
-  auto scale_of = [&](int64_t i) {
-    const float a = amax[i];
-    return isnan(a) ? a : __fdiv_rn(fp8_max, fmaxf(a, 1e-12f));
-  };
-  const float ts = rowwise ? 0.f : scale_of(0);
+  const float ts = rowwise ? 0.f : scale_from_amax(amax[0], fp8_max);
   const int tc = (threadIdx.x % 8) * 8;
   constexpr int kPasses = kWide / (kBlock / 8);  // rows per thread, all loaded before any store
   float v[kPasses][8];
@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(kBlock)
     if (!in[p]) continue;
     const int lr = threadIdx.x / 8 + p * (kBlock / 8);
     const int64_t r = r0 + lr, c = c0 + tc;
-    const float s = rowwise ? scale_of(r) : ts;
+    const float s = rowwise ? scale_from_amax(amax[r], fp8_max) : ts;
     if (rowwise && blockIdx.x == 0 && tc == 0) inv_scale[r] = __frcp_rn(s);
     uint32_t lo = 0, hi = 0;
 #pragma unroll

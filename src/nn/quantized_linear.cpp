@@ -12,6 +12,7 @@
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
 #include "colossal/kernels/quant.h"
+#include "colossal/nn/lora.h"
 
 namespace colossal::nn {
 
@@ -254,6 +255,16 @@ int64_t init_quantized_weights(torch::nn::Module& root, const InitOptions& opts,
     }
   });
   return bytes;
+}
+
+int64_t quantized_weight_count(torch::nn::Module& root) {
+  int64_t n = 0;
+  for (const auto& m : root.modules()) {
+    std::shared_ptr<QuantizedLinear> q = std::dynamic_pointer_cast<QuantizedLinear>(m);
+    if (auto l = std::dynamic_pointer_cast<LoraLinear>(m)) q = l->quantized_base();
+    if (q) n += q->in_features() * q->out_features();
+  }
+  return n;
 }
 
 }  // namespace colossal::nn

@@ -228,16 +228,20 @@ TEST(Fp8Linear, LayersReadingOneInputShareItsCast) {
     layers[2]->forward(x);
   }
   EXPECT_EQ(Fp8Linear::activation_casts(), n1 + 2);
-  // A freed input whose memory comes back for a new tensor of the same shape never matches.
-  at::Tensor z = at::randn({16, 32});
+  // A freed input whose memory comes back for a new tensor of the same shape never matches:
+  // two storages over one buffer (from_blob), the first freed before the second is made, so the
+  // address, offset, shape, strides and version all agree and only the storage differs.
+  std::vector<float> buffer(16 * 32);
+  at::Tensor z = at::from_blob(buffer.data(), {16, 32}, at::kFloat);
+  z.normal_();
   layers[0]->forward(z);
-  const void* where = z.const_data_ptr();
   z = at::Tensor();
-  at::Tensor w = at::randn({16, 32});
+  at::Tensor w = at::from_blob(buffer.data(), {16, 32}, at::kFloat);
+  w.mul_(2);  // other values; one in-place op each, so both versions are 1
+  ASSERT_EQ(w._version(), 1u);
   const int64_t n2 = Fp8Linear::activation_casts();
   at::Tensor yw = layers[0]->forward(w);
-  EXPECT_EQ(Fp8Linear::activation_casts(), n2 + 1)
-      << "same address: " << (where == w.const_data_ptr());
+  EXPECT_EQ(Fp8Linear::activation_casts(), n2 + 1);
   EXPECT_TRUE(at::equal(yw, layers[0]->forward(w.clone())));
 }
 

@@ -94,4 +94,9 @@ std::vector<std::string> quantize_linears(torch::nn::Module& root, const Quantiz
 int64_t init_quantized_weights(torch::nn::Module& root, const InitOptions& opts,
                                const at::Device& device);
 
+// The weight elements (out x in each) that the quantized layers under `root` stand for, the
+// quantized bases of LoRA layers included (held without being registered as submodules): what a
+// parameter count of a QLoRA model leaves out.
+int64_t quantized_weight_count(torch::nn::Module& root);
+
 }  // namespace colossal::nn

@@ -21,12 +21,11 @@ NamedTensors cast_module_in_place(torch::nn::Module& module, at::ScalarType dtyp
     at::Tensor& p = item.value();
     at::Tensor data = p.detach();
     const bool floating = at::isFloatingType(p.scalar_type());
-    if (floating && !p.requires_grad()) {
-      // frozen: no master
-    } else if (floating && where == MasterCopies::kOnDevice) {
+    const bool trains = floating && p.requires_grad();  // a frozen parameter gets no master
+    if (trains && where == MasterCopies::kOnDevice) {
       masters.emplace_back(item.key(),
                            data.to(dev, at::kFloat, /*non_blocking=*/false, /*copy=*/true));
-    } else if (floating && dtype != at::kFloat) {
+    } else if (trains && dtype != at::kFloat) {
       const bool reuse = data.is_cpu() && data.scalar_type() == at::kFloat;
       masters.emplace_back(item.key(),
                            reuse ? data : data.to(at::kCPU, at::kFloat, false, /*copy=*/true));
