@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "colossal/kernels/adamw_hyper.h"
 
@@ -109,5 +110,10 @@ void fp8_rows_dequantize(const uint8_t* codes, const float* scale, void* out, in
 void fp8_cast(const void* x, int64_t rows, int64_t cols, bool rowwise, bool e5m2, float fp8_max,
               float* amax, float* scale, float* inv_scale, uint8_t* out, uint8_t* out_t, DType dt,
               Stream stream);
+// Tensorwise casts of xs[i] ([rows[i], cols], contiguous, of `dt`) as their concatenation along
+// rows: one amax (fp32 [1]) over all, out [sum rows, cols], out_t [cols, sum rows] or nullptr.
+void fp8_cast_rows_concat(const std::vector<const void*>& xs, const std::vector<int64_t>& rows,
+                          int64_t cols, bool e5m2, float fp8_max, float* amax, float* scale,
+                          float* inv_scale, uint8_t* out, uint8_t* out_t, DType dt, Stream stream);
 
 }  // namespace colossal::kernels::cuda

@@ -72,4 +72,60 @@ Fp8Tensor cast_to_fp8(const at::Tensor& x, at::ScalarType fp8, bool rowwise, boo
   return out;
 }
 
+namespace {
+
+void check_concat(const std::vector<at::Tensor>& xs) {
+  COLOSSAL_CHECK_INPUT(!xs.empty(), "cast_to_fp8_concat: no tensors");
+  for (const auto& x : xs) {
+    check_cast(x, at::kFloat8_e4m3fn, false, false);
+    COLOSSAL_CHECK_INPUT(x.size(1) == xs[0].size(1) && x.scalar_type() == xs[0].scalar_type() &&
+                             x.device() == xs[0].device(),
+                         "cast_to_fp8_concat: every tensor needs ", xs[0].size(1), " columns, ",
+                         xs[0].scalar_type(), " on ", xs[0].device(), "; got ", x.sizes(), " ",
+                         x.scalar_type(), " on ", x.device());
+  }
+}
+
+}  // namespace
+
+Fp8Tensor cast_to_fp8_concat_reference(const std::vector<at::Tensor>& xs, at::ScalarType fp8,
+                                       bool transpose) {
+  check_concat(xs);
+  return cast_to_fp8_reference(at::cat(xs, 0), fp8, false, transpose);
+}
+
+Fp8Tensor cast_to_fp8_concat(const std::vector<at::Tensor>& xs, at::ScalarType fp8,
+                             bool transpose) {
+  check_concat(xs);
+  if (path_for(xs[0]) != Path::Cuda) return cast_to_fp8_concat_reference(xs, fp8, transpose);
+  fp8_max(fp8);
+  std::vector<at::Tensor> parts;
+  std::vector<const void*> ptrs;
+  std::vector<int64_t> rows;
+  int64_t total = 0;
+  for (const auto& x : xs) {
+    parts.push_back(x.contiguous());
+    ptrs.push_back(parts.back().const_data_ptr());
+    rows.push_back(x.size(0));
+    total += x.size(0);
+  }
+  const int64_t cols = xs[0].size(1);
+  auto f32 = parts[0].options().dtype(at::kFloat);
+  at::Tensor amax = at::empty({1}, f32), scale = at::empty({1}, f32);
+  Fp8Tensor out;
+  out.inv_scale = at::empty({1}, f32);
+  out.data = at::empty({total, cols}, parts[0].options().dtype(fp8));
+  if (transpose) out.data_t = at::empty({cols, total}, parts[0].options().dtype(fp8));
+#ifdef COLOSSAL_WITH_CUDA
+  c10::DeviceGuard guard(parts[0].device());
+  cuda::fp8_cast_rows_concat(
+      ptrs, rows, cols, fp8 == at::kFloat8_e5m2, static_cast<float>(fp8_max(fp8)),
+      amax.mutable_data_ptr<float>(), scale.mutable_data_ptr<float>(),
+      out.inv_scale.mutable_data_ptr<float>(), static_cast<uint8_t*>(out.data.mutable_data_ptr()),
+      transpose ? static_cast<uint8_t*>(out.data_t.mutable_data_ptr()) : nullptr,
+      cuda_dtype(parts[0].scalar_type()), stream_of(parts[0]));
+#endif
+  return out;
+}
+
 }  // namespace colossal::kernels

@@ -5,6 +5,8 @@
 // nearest even and saturates like ATen's, so the output equals the reference bit for bit.
 #include <cuda_fp8.h>
 
+#include <vector>
+
 #include "kernels/cuda_common.cuh"
 
 namespace colossal::kernels::cuda {
@@ -34,8 +36,19 @@ __global__ void amax_vec_kernel(const T* __restrict__ x, int64_t packs, float* _
   constexpr int V = vec_of<T>();
   __shared__ float red[32];
   float m = 0.f;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < packs;
-       i += int64_t(gridDim.x) * blockDim.x) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  constexpr int kInFlight = 4;  // packs loaded before any is reduced
+  for (; i + (kInFlight - 1) * stride < packs; i += kInFlight * stride) {
+    float v[kInFlight][V];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) load<T, V>(x + (i + u * stride) * V, v[u]);
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u)
+#pragma unroll
+      for (int k = 0; k < V; ++k) m = fmaxf(m, fabsf(v[u][k]));
+  }
+  for (; i < packs; i += stride) {
     float v[V];
     load<T, V>(x + i * V, v);
 #pragma unroll
@@ -87,7 +100,7 @@ __device__ __forceinline__ uint8_t to_fp8(float v, float fp8_max) {
 template <typename T, bool E5M2>
 __global__ void cast_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, bool rowwise,
                             const float* __restrict__ scale, float fp8_max,
-                            uint8_t* __restrict__ out, uint8_t* __restrict__ out_t) {
+                            uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, int64_t ld_t) {
   __shared__ uint8_t tile[kTile][kTile + 4];
   const int64_t r0 = blockIdx.y * int64_t(kTile), c0 = blockIdx.x * int64_t(kTile);
   for (int dy = threadIdx.y; dy < kTile; dy += blockDim.y) {
@@ -103,7 +116,7 @@ __global__ void cast_kernel(const T* __restrict__ x, int64_t rows, int64_t cols,
   __syncthreads();
   for (int dx = threadIdx.y; dx < kTile; dx += blockDim.y) {
     const int64_t c = c0 + dx, r = r0 + threadIdx.x;
-    if (r < rows && c < cols) out_t[c * rows + r] = tile[threadIdx.x][dx];
+    if (r < rows && c < cols) out_t[c * ld_t + r] = tile[threadIdx.x][dx];
   }
 }
 
@@ -118,7 +131,7 @@ template <typename T, bool E5M2, bool TRANS>
 __global__ void __launch_bounds__(kBlock)
     cast_wide_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, bool rowwise,
                      const float* __restrict__ amax, float fp8_max, uint8_t* __restrict__ out,
-                     uint8_t* __restrict__ out_t, float* __restrict__ inv_scale) {
+                     uint8_t* __restrict__ out_t, int64_t ld_t, float* __restrict__ inv_scale) {
   constexpr int kPad = 68;  // bytes per shared row: 4-byte aligned, column reads spread over banks
   __shared__ uint8_t tile[TRANS ? kWide : 1][kPad];
   const int64_t r0 = blockIdx.y * int64_t(kWide), c0 = blockIdx.x * int64_t(kWide);
@@ -173,7 +186,7 @@ __global__ void __launch_bounds__(kBlock)
         lo |= uint32_t(tile[lr + k][lc]) << (8 * k);
         hi |= uint32_t(tile[lr + 4 + k][lc]) << (8 * k);
       }
-      *reinterpret_cast<uint2*>(out_t + c * rows + r) = make_uint2(lo, hi);
+      *reinterpret_cast<uint2*>(out_t + c * ld_t + r) = make_uint2(lo, hi);
     }
   }
 }
@@ -196,7 +209,8 @@ void fp8_cast(const void* x, int64_t rows, int64_t cols, bool rowwise, bool e5m2
     } else {
       check(cudaMemsetAsync(amax, 0, sizeof(float), stream), "fp8 amax reset");
       if (n % V == 0 && aligned(x, 16))
-        amax_vec_kernel<T><<<grid_for(n / V, kBlock), kBlock, 0, stream>>>(xt, n / V, amax);
+        amax_vec_kernel<T>
+            <<<grid_for((n / V + 3) / 4, kBlock), kBlock, 0, stream>>>(xt, n / V, amax);
       else
         amax_kernel<T><<<grid_for(n, kBlock), kBlock, 0, stream>>>(xt, n, amax);
     }
@@ -207,7 +221,7 @@ void fp8_cast(const void* x, int64_t rows, int64_t cols, bool rowwise, bool e5m2
       const dim3 grid(unsigned((cols + kWide - 1) / kWide), unsigned((rows + kWide - 1) / kWide));
       auto go = [&](auto kernel) {
         kernel<<<grid, kBlock, 0, stream>>>(xt, rows, cols, rowwise, amax, fp8_max, out, out_t,
-                                            inv_scale);
+                                            rows, inv_scale);
       };
       if (out_t)
         e5m2 ? go(cast_wide_kernel<T, true, true>) : go(cast_wide_kernel<T, false, true>);
@@ -225,11 +239,71 @@ void fp8_cast(const void* x, int64_t rows, int64_t cols, bool rowwise, bool e5m2
     const dim3 block(kTile, 8);
     if (e5m2)
       cast_kernel<T, true>
-          <<<grid, block, 0, stream>>>(xt, rows, cols, rowwise, scale, fp8_max, out, out_t);
+          <<<grid, block, 0, stream>>>(xt, rows, cols, rowwise, scale, fp8_max, out, out_t, rows);
     else
       cast_kernel<T, false>
-          <<<grid, block, 0, stream>>>(xt, rows, cols, rowwise, scale, fp8_max, out, out_t);
+          <<<grid, block, 0, stream>>>(xt, rows, cols, rowwise, scale, fp8_max, out, out_t, rows);
     check_launch("fp8 cast");
+  });
+}
+
+void fp8_cast_rows_concat(const std::vector<const void*>& xs, const std::vector<int64_t>& rows,
+                          int64_t cols, bool e5m2, float fp8_max, float* amax, float* scale,
+                          float* inv_scale, uint8_t* out, uint8_t* out_t, DType dt, Stream stream) {
+  int64_t total = 0;
+  for (int64_t r : rows) total += r;
+  if (total == 0 || cols == 0) return;
+  dispatch(dt, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int V = vec_of<T>();
+    // One amax over every part (the atomicMax accumulates), then one scale for all.
+    check(cudaMemsetAsync(amax, 0, sizeof(float), stream), "fp8 amax reset");
+    for (size_t i = 0; i < xs.size(); ++i) {
+      const T* xt = static_cast<const T*>(xs[i]);
+      const int64_t n = rows[i] * cols;
+      if (n == 0) continue;
+      if (n % V == 0 && aligned(xt, 16))
+        amax_vec_kernel<T><<<grid_for(n / V, kBlock), kBlock, 0, stream>>>(xt, n / V, amax);
+      else
+        amax_kernel<T><<<grid_for(n, kBlock), kBlock, 0, stream>>>(xt, n, amax);
+    }
+    check_launch("fp8 amax");
+    scales_kernel<<<1, kBlock, 0, stream>>>(amax, 1, fp8_max, scale, inv_scale);
+    check_launch("fp8 scales");
+    // Each part into its rows of `out` and its columns of `out_t` (row stride: the total).
+    int64_t off = 0;
+    for (size_t i = 0; i < xs.size(); ++i) {
+      const T* xt = static_cast<const T*>(xs[i]);
+      const int64_t r = rows[i];
+      uint8_t* o = out + off * cols;
+      uint8_t* ot = out_t ? out_t + off : nullptr;
+      off += r;
+      if (r == 0) continue;
+      const bool wide = cols % 8 == 0 &&
+                        (ot == nullptr || (r % 8 == 0 && (off - r) % 8 == 0 && total % 8 == 0)) &&
+                        aligned(xt, 16) && aligned(o, 8) && (ot == nullptr || aligned(ot, 8));
+      if (wide) {
+        const dim3 grid(unsigned((cols + kWide - 1) / kWide), unsigned((r + kWide - 1) / kWide));
+        auto go = [&](auto kernel) {
+          kernel<<<grid, kBlock, 0, stream>>>(xt, r, cols, false, amax, fp8_max, o, ot, total,
+                                              inv_scale);
+        };
+        if (ot)
+          e5m2 ? go(cast_wide_kernel<T, true, true>) : go(cast_wide_kernel<T, false, true>);
+        else
+          e5m2 ? go(cast_wide_kernel<T, true, false>) : go(cast_wide_kernel<T, false, false>);
+      } else {
+        const dim3 grid(unsigned((cols + kTile - 1) / kTile), unsigned((r + kTile - 1) / kTile));
+        const dim3 block(kTile, 8);
+        if (e5m2)
+          cast_kernel<T, true>
+              <<<grid, block, 0, stream>>>(xt, r, cols, false, scale, fp8_max, o, ot, total);
+        else
+          cast_kernel<T, false>
+              <<<grid, block, 0, stream>>>(xt, r, cols, false, scale, fp8_max, o, ot, total);
+      }
+      check_launch("fp8 cast");
+    }
   });
 }
 

@@ -141,7 +141,120 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
   }
 };
 
+// The fused group's GEMMs (fp8_fused_projections): y = x W^T for the concatenated W, whose
+// casts `wc` ({data, data_t, inv_scale}) are made outside; the gradients of each weight are the
+// rows of the concatenated dW, the biases' the columns of dy's sum.
+struct Fp8ConcatFn : torch::autograd::Function<Fp8ConcatFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            at::TensorList ws, at::TensorList biases,
+                            const std::vector<at::Tensor>& wc, bool need_dw) {
+    const int64_t k = x.size(-1);
+    const at::Tensor x2 = x.reshape({-1, k});
+    kernels::Fp8Tensor xq = cast_activation(x2, at::kFloat8_e4m3fn, false, need_dw);
+    at::Tensor y = scaled_mm(xq.data, xq.inv_scale, wc[0], wc[2], x.scalar_type(), true);
+    std::vector<int64_t> rows;
+    for (const auto& w : ws) rows.push_back(w.size(0));
+    ctx->saved_data["rows"] = rows;
+    ctx->saved_data["x_shape"] = x.sizes().vec();
+    ctx->saved_data["biases"] = static_cast<int64_t>(biases.size());
+    ctx->saved_data["w_dtype"] = static_cast<int64_t>(ws[0].scalar_type());
+    ctx->save_for_backward({need_dw ? xq.data_t : at::Tensor(), xq.inv_scale, wc[1], wc[2]});
+    if (!biases.empty()) y = y + at::cat(biases, 0);
+    std::vector<int64_t> out_shape = x.sizes().vec();
+    out_shape.back() = y.size(-1);
+    return y.view(out_shape);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad) {
+    const auto rows = ctx->saved_data["rows"].toIntVector();
+    const auto x_shape = ctx->saved_data["x_shape"].toIntVector();
+    const int64_t nb = ctx->saved_data["biases"].toInt();
+    const auto w_dtype = static_cast<at::ScalarType>(ctx->saved_data["w_dtype"].toInt());
+    const size_t n = rows.size();
+    torch::autograd::variable_list out(1 + n + size_t(nb) + 2);  // x, ws, biases, wc, need_dw
+    if (!grad[0].defined()) return out;
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor dy = grad[0].reshape({-1, grad[0].size(-1)}).contiguous();
+    const bool need_dw = saved[0].defined();
+    kernels::Fp8Tensor dq = kernels::cast_to_fp8(dy, at::kFloat8_e5m2, false, need_dw);
+    out[0] =
+        scaled_mm(dq.data, dq.inv_scale, saved[2], saved[3], dy.scalar_type(), false).view(x_shape);
+    at::Tensor dw;
+    if (need_dw) dw = scaled_mm(dq.data_t, dq.inv_scale, saved[0], saved[1], w_dtype, false);
+    at::Tensor db = nb > 0 ? dy.sum(0) : at::Tensor();
+    int64_t r0 = 0;
+    for (size_t i = 0; i < n; ++i) {
+      if (dw.defined()) out[1 + i] = dw.narrow(0, r0, rows[i]);
+      if (db.defined()) out[1 + n + i] = db.narrow(0, r0, rows[i]);
+      r0 += rows[i];
+    }
+    return out;
+  }
+};
+
 }  // namespace
+
+const kernels::Fp8Tensor& Fp8Linear::group_weight_cast(const std::vector<Fp8Linear*>& group) {
+  std::vector<std::tuple<const void*, const void*, int64_t>> key;
+  for (Fp8Linear* f : group) {
+    const at::Tensor& w = f->weight();
+    key.emplace_back(w.unsafeGetTensorImpl(), w.const_data_ptr(),
+                     static_cast<int64_t>(w._version()));
+  }
+  const auto epoch = static_cast<int64_t>(weights_epoch());
+  if (cfg_.keep_weight_casts && group_cache_.data.defined() && key == group_key_ &&
+      epoch == group_epoch_)
+    return group_cache_;
+  at::NoGradGuard ng;
+  std::vector<at::Tensor> ws;
+  for (Fp8Linear* f : group) {
+    ws.push_back(f->weight().detach());
+    ++f->weight_casts_;
+  }
+  group_cache_ = kernels::cast_to_fp8_concat(ws, at::kFloat8_e4m3fn, true);
+  group_key_ = cfg_.keep_weight_casts ? std::move(key) : decltype(key){};
+  group_epoch_ = epoch;
+  return group_cache_;
+}
+
+std::optional<at::Tensor> fp8_fused_projections(const at::Tensor& x,
+                                                const std::vector<Linear*>& projections) {
+  if (projections.size() < 2) return std::nullopt;
+  std::vector<Fp8Linear*> group;
+  for (Linear* p : projections) {
+    auto* f = dynamic_cast<Fp8Linear*>(p);
+    if (!f || f->recipe() != "tensorwise") return std::nullopt;
+    group.push_back(f);
+  }
+  const Fp8Linear& first = *group.front();
+  for (Fp8Linear* f : group)
+    if (f->has_bias() != first.has_bias() || f->in_features() != first.in_features() ||
+        f->weight().scalar_type() != first.weight().scalar_type() ||
+        f->weight().device() != first.weight().device())
+      return std::nullopt;
+  COLOSSAL_CHECK_INPUT(!x.is_cuda() || (x.numel() / x.size(-1)) % 16 == 0, "fp8: ", first.name(),
+                       " gets ", x.numel() / x.size(-1),
+                       " tokens; the FP8 weight-gradient GEMM needs a multiple of 16 (choose "
+                       "micro_batch * seq_len accordingly)");
+  // The projections' hooks fire around the read of their weights (pre in order, post reversed).
+  std::vector<std::unique_ptr<Module::ForwardScope>> scopes;
+  for (Fp8Linear* f : group) scopes.push_back(std::make_unique<Module::ForwardScope>(*f));
+  std::vector<at::Tensor> ws, biases;
+  bool any_grad = false;
+  for (Fp8Linear* f : group) {
+    ws.push_back(f->weight());
+    any_grad = any_grad || f->weight().requires_grad();
+    if (f->has_bias()) biases.push_back(f->param("bias"));
+  }
+  // A copy of the cache entry: the autograd function keeps what it saves, the cache may move on.
+  const kernels::Fp8Tensor wc = group.front()->group_weight_cast(group);
+  at::Tensor y = Fp8ConcatFn::apply(x, at::TensorList(ws), at::TensorList(biases),
+                                    std::vector<at::Tensor>{wc.data, wc.data_t, wc.inv_scale},
+                                    at::GradMode::is_enabled() && any_grad);
+  while (!scopes.empty()) scopes.pop_back();
+  return y;
+}
 
 int64_t Fp8Linear::activation_casts() {
   return activation_casts_made;

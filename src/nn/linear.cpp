@@ -12,6 +12,7 @@
 
 #include "colossal/core/error.h"
 #include "colossal/kernels/fused.h"
+#include "colossal/nn/fp8_linear.h"
 #include "colossal/nn/parallel_ops.h"
 #include "colossal/nn/ring_ops.h"
 #include "colossal/pipeline/weight_grad_store.h"
@@ -272,6 +273,8 @@ std::optional<at::Tensor> fused_projections(const at::Tensor& x,
   if (projections.empty()) return std::nullopt;
   if (any_device ? !(kernels::enabled() && kernels::has_fused_kernels(x)) : !use_fused_kernels(x))
     return std::nullopt;
+  // FP8 projections fuse among themselves, never with another kind (nn/fp8_linear.h).
+  if (auto y = fp8_fused_projections(x, projections)) return y;
   const Linear& first = *projections.front();
   // Plain projections, or column shards of one group and mode (their region entered once).
   // Among plain projections, a layer offering a low-rank addition on a plain base (LoRA) joins

@@ -348,6 +348,36 @@ TEST(ModelCuda, Fp8CastKernelsEqualTheReference) {
     }
 }
 
+// The cast of several tensors as their row concatenation (a fused FP8 projection group's
+// weights) against at::cat then the reference, bit for bit: the wide kernel's parts (sizes and
+// offsets multiples of 8, the transpose's row stride the total), the tile kernel's (odd columns).
+TEST(ModelCuda, Fp8ConcatCastEqualsTheCastOfTheConcatenation) {
+  if (!Accelerator::cuda().available()) GTEST_SKIP() << "no CUDA device";
+  const at::Device dev = Accelerator::cuda().device();
+  at::manual_seed(12);
+  const std::vector<std::vector<std::vector<int64_t>>> groups{
+      {{64, 256}, {16, 256}, {16, 256}}, {{24, 40}, {8, 40}}, {{5, 36}, {7, 36}, {1, 36}}};
+  for (const auto& group : groups)
+    for (auto dt : {at::kFloat, at::kBFloat16}) {
+      std::vector<at::Tensor> xs;
+      for (const auto& shape : group) xs.push_back((at::randn(shape) * 2).to(dt).to(dev));
+      for (auto fmt : {at::kFloat8_e4m3fn, at::kFloat8_e5m2})
+        for (bool t : {true, false}) {
+          poison_gpu(dev);
+          kernels::Fp8Tensor k = kernels::cast_to_fp8_concat(xs, fmt, t);
+          kernels::Fp8Tensor r = kernels::cast_to_fp8_concat_reference(xs, fmt, t);
+          const std::string what = std::to_string(group.size()) + " parts of " +
+                                   std::to_string(group[0][1]) + " columns " + c10::toString(dt) +
+                                   " " + c10::toString(fmt) + (t ? " transposed" : "");
+          EXPECT_TRUE(at::equal(k.data.view(at::kByte), r.data.view(at::kByte))) << what;
+          EXPECT_TRUE(at::equal(k.inv_scale.reshape(-1), r.inv_scale.reshape(-1))) << what;
+          if (t) {
+            EXPECT_TRUE(at::equal(k.data_t.view(at::kByte), r.data_t.view(at::kByte))) << what;
+          }
+        }
+    }
+}
+
 // The FP8 layer on CUDA (at::_scaled_mm over our casts) against its CPU emulation on the same
 // bf16 tensors: the casts are bitwise the same (above), so only the GEMMs' accumulation order
 // and the bf16 rounding of their outputs differ: 4e-3 norm-wise (bf16's half ulp is 2^-9 = 2e-3).
@@ -389,7 +419,7 @@ TEST(ModelCuda, Fp8LinearEqualsItsEmulation) {
 
 // A bf16 model with FP8 layers on the GPU: the same with the fused kernels on and off (RMSNorm,
 // rotary, SwiGLU and the loss still fused around the FP8 GEMMs), different from the plain bf16
-// model (no fused path bypasses an FP8 layer), and each FP8 layer cast its weight once.
+// model (no fused path bypasses an FP8 layer), and each weight cast once per form (group or layer).
 TEST(ModelCuda, Fp8LayersAreNeverFusedAway) {
   if (!Accelerator::cuda().available()) GTEST_SKIP() << "no CUDA device";
   models::ModelConfig cfg = models::ModelConfig::preset("tiny");
@@ -398,17 +428,29 @@ TEST(ModelCuda, Fp8LayersAreNeverFusedAway) {
   nn::convert_to_fp8(*model, nn::Fp8Config{}, dev);
   at::manual_seed(4);
   at::Tensor ids = at::randint(0, cfg.vocab_size, {2, 64}, at::kLong).to(dev);
-  kernels::set_enabled(true);
-  at::Tensor fused = model->forward(ids).to(at::kFloat);
-  at::Tensor bf16 = plain->forward(ids).to(at::kFloat);
-  kernels::set_enabled(false);
-  at::Tensor composite = model->forward(ids).to(at::kFloat);
-  kernels::set_enabled(true);
-  const double scale = composite.abs().max().item<double>();
-  EXPECT_LE((fused - composite).abs().max().item<double>(), 3e-2 * scale);
-  EXPECT_GT((fused - bf16).abs().max().item<double>(), 1e-3 * scale);
   auto q = std::dynamic_pointer_cast<nn::Fp8Linear>(
       nn::find_module(*model, "model.layers.0.self_attn.q_proj"));
   ASSERT_TRUE(q);
+  kernels::set_enabled(true);
+  at::Tensor fused = model->forward(ids).to(at::kFloat);
+  // The fused q/k/v group cast q's weight once (as a part of the group's concatenation); a second
+  // forward with unchanged weights (the next micro-batch) reuses it.
   EXPECT_EQ(q->weight_casts(), 1);
+  model->forward(ids);
+  EXPECT_EQ(q->weight_casts(), 1);
+  at::Tensor bf16 = plain->forward(ids).to(at::kFloat);
+  kernels::set_enabled(false);
+  at::Tensor composite = model->forward(ids).to(at::kFloat);
+  // Unfused, the layer casts its own weight with its own scale: one more cast, once.
+  EXPECT_EQ(q->weight_casts(), 2);
+  model->forward(ids);
+  EXPECT_EQ(q->weight_casts(), 2);
+  kernels::set_enabled(true);
+  const double scale = composite.abs().max().item<double>();
+  // Fused, q/k/v and gate/up run as one FP8 GEMM each with one weight scale per group
+  // (nn::fp8_fused_projections), unfused one scale per layer: two FP8 roundings of one model,
+  // each within FP8's error of the bf16 one, so their gap is bounded by the sum of those errors.
+  const double fp8_err = (composite - bf16).abs().max().item<double>();
+  EXPECT_LE((fused - composite).abs().max().item<double>(), 3e-2 * scale + 2 * fp8_err);
+  EXPECT_GT((fused - bf16).abs().max().item<double>(), 1e-3 * scale);
 }

@@ -245,6 +245,77 @@ TEST(Fp8Linear, LayersReadingOneInputShareItsCast) {
   EXPECT_TRUE(at::equal(yw, layers[0]->forward(w.clone())));
 }
 
+// q, k and v as FP8 layers fuse among themselves (fused_projections, CPU loops: any_device): one
+// cast of the concatenated weights, one GEMM into the packed output, one cast of the packed
+// output gradient and one GEMM each for dx and the concatenated dW. Equal bit for bit to those
+// casts and GEMMs written out; mixed or rowwise groups are not fused.
+TEST(Fp8Linear, ProjectionsOfOneInputFuseAmongThemselves) {
+  at::manual_seed(5);
+  std::vector<std::shared_ptr<Fp8Linear>> layers;
+  for (int64_t out : {32, 16, 16}) {
+    Linear base(LinearOptions(32, out).bias(true));
+    base.weight().set_data(at::randn({out, 32}) * 0.2);
+    base.param("bias").set_data(at::randn({out}));
+    layers.push_back(std::make_shared<Fp8Linear>(base, Fp8Config{}));
+  }
+  std::vector<Linear*> group{layers[0].get(), layers[1].get(), layers[2].get()};
+  at::Tensor x = at::randn({2, 8, 32}).requires_grad_();
+  auto fused = fused_projections(x, group, /*any_device=*/true);
+  ASSERT_TRUE(fused.has_value());
+  for (auto& l : layers) EXPECT_EQ(l->weight_casts(), 1);
+  // Written out: the casts of x, of cat(W) and of the packed gradient, dequantized products.
+  const auto e4 = at::kFloat8_e4m3fn, e5 = at::kFloat8_e5m2;
+  auto deq = [](const at::Tensor& d, const at::Tensor& inv) { return d.to(at::kFloat) * inv; };
+  at::Tensor x2 = x.detach().reshape({-1, 32});
+  at::Tensor w =
+      at::cat({layers[0]->weight(), layers[1]->weight(), layers[2]->weight()}, 0).detach();
+  at::Tensor b =
+      at::cat({layers[0]->param("bias"), layers[1]->param("bias"), layers[2]->param("bias")})
+          .detach();
+  kernels::Fp8Tensor xq = kernels::cast_to_fp8_reference(x2, e4, false, true),
+                     wq = kernels::cast_to_fp8_reference(w, e4, false, true);
+  at::Tensor y = at::mm(deq(xq.data, xq.inv_scale), deq(wq.data, wq.inv_scale).t()) + b;
+  EXPECT_TRUE(at::equal(fused->reshape({-1, 64}), y));
+  at::Tensor g = at::randn_like(*fused);
+  std::vector<at::Tensor> wrt{x};
+  for (auto& l : layers) wrt.push_back(l->weight());
+  for (auto& l : layers) wrt.push_back(l->param("bias"));
+  auto grads = torch::autograd::grad({*fused}, wrt, {g});
+  kernels::Fp8Tensor gq = kernels::cast_to_fp8_reference(g.reshape({-1, 64}), e5, false, true);
+  at::Tensor dx = at::mm(deq(gq.data, gq.inv_scale), deq(wq.data_t, wq.inv_scale).t());
+  at::Tensor dw = at::mm(deq(gq.data_t, gq.inv_scale), deq(xq.data_t, xq.inv_scale).t());
+  at::Tensor db = g.reshape({-1, 64}).sum(0);
+  EXPECT_TRUE(at::equal(grads[0], dx.view(x.sizes())));
+  int64_t r0 = 0;
+  for (size_t i = 0; i < 3; ++i) {
+    const int64_t rows = layers[i]->weight().size(0);
+    EXPECT_TRUE(at::equal(grads[1 + i], dw.narrow(0, r0, rows))) << "dW " << i;
+    EXPECT_TRUE(at::equal(grads[4 + i], db.narrow(0, r0, rows))) << "db " << i;
+    r0 += rows;
+  }
+  // Within the quantization bound of the unquantized product (the group's one weight scale).
+  at::Tensor exact = at::matmul(x.detach(), w.t()) + b;
+  EXPECT_LT((*fused - exact).abs().max().item<double>(), 0.1 * exact.abs().max().item<double>());
+  // The group's cast of its weights is the cast of their concatenation; parts that do not
+  // concatenate are named.
+  EXPECT_TRUE(at::equal(
+      kernels::cast_to_fp8_concat({layers[0]->weight(), layers[1]->weight()}, e4, true).data_t,
+      kernels::cast_to_fp8_reference(at::cat({layers[0]->weight(), layers[1]->weight()}), e4, false,
+                                     true)
+          .data_t));
+  EXPECT_NE(error_of([&] {
+              kernels::cast_to_fp8_concat({at::zeros({2, 4}), at::zeros({2, 8})}, e4, false);
+            }).find("every tensor needs 4 columns"),
+            std::string::npos);
+  // Not fused: an FP8 layer with a plain one, or the rowwise recipe.
+  Linear plain(LinearOptions(32, 16).bias(true));
+  EXPECT_FALSE(fused_projections(x, {layers[0].get(), &plain}, true).has_value());
+  Fp8Config rowwise;
+  rowwise.recipe = "rowwise";
+  Fp8Linear r1(*layers[1], rowwise), r2(*layers[2], rowwise);
+  EXPECT_FALSE(fused_projections(x, {&r1, &r2}, true).has_value());
+}
+
 TEST(Fp8Linear, ConvertsAModelAndKeepsExcludedLayersPlain) {
   models::ModelConfig c = tests::tiny_llama();
   c.tie_word_embeddings = false;

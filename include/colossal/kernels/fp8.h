@@ -10,6 +10,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <vector>
+
 #include "colossal/kernels/enabled.h"
 
 namespace colossal::kernels {
@@ -28,5 +30,13 @@ struct Fp8Tensor {
 Fp8Tensor cast_to_fp8(const at::Tensor& x, at::ScalarType fp8, bool rowwise, bool transpose);
 Fp8Tensor cast_to_fp8_reference(const at::Tensor& x, at::ScalarType fp8, bool rowwise,
                                 bool transpose);
+
+// The tensorwise cast of xs (2-D, one dtype and device, the same number of columns) concatenated
+// along their rows, without building the concatenation: one amax over all of them, data
+// [sum rows, cols] and, when asked, data_t [cols, sum rows]. Equal bit for bit to cast_to_fp8 of
+// at::cat(xs) (which the reference does). The weights of a fused FP8 projection group.
+Fp8Tensor cast_to_fp8_concat(const std::vector<at::Tensor>& xs, at::ScalarType fp8, bool transpose);
+Fp8Tensor cast_to_fp8_concat_reference(const std::vector<at::Tensor>& xs, at::ScalarType fp8,
+                                       bool transpose);
 
 }  // namespace colossal::kernels

@@ -21,7 +21,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "colossal/kernels/fp8.h"
@@ -62,6 +64,10 @@ class Fp8Linear : public Linear {
     kernels::Fp8Tensor w;    // [out, in] (tensorwise: with its transpose)
     kernels::Fp8Tensor w_t;  // rowwise: [in, out] cast along the other dimension
   };
+  // The tensorwise cast of the weights of `group` (this layer first) concatenated along the
+  // output dimension, [sum out, in] with its transpose and one scale (fp8_fused_projections),
+  // cached in this layer as weight_casts_for caches one weight; counts a cast in each member.
+  const kernels::Fp8Tensor& group_weight_cast(const std::vector<Fp8Linear*>& group);
 
  private:
   // The cache's casts, made again when the weight changed (keep_weight_casts).
@@ -75,7 +81,21 @@ class Fp8Linear : public Linear {
   int64_t cache_epoch_ = -1;
   at::ScalarType cache_dtype_ = at::kFloat;
   int64_t weight_casts_ = 0;
+  // group_weight_cast's cache: each member weight's identity, data pointer and version, the epoch.
+  std::vector<std::tuple<const void*, const void*, int64_t>> group_key_;
+  int64_t group_epoch_ = -1;
+  kernels::Fp8Tensor group_cache_;
 };
+
+// FP8 projections that read one input (q/k/v, gate/up), fused among themselves and never with
+// another kind: one cast of their concatenated weights (one scale for the group, as a fused qkv
+// weight has), one FP8 GEMM into the packed [.., sum out] output that fused_projections returns,
+// and in backward one cast of the packed output gradient, one GEMM for dx (no sum of the
+// projections' input gradients) and one for the concatenated dW. The projections' hooks fire as
+// if each forward had run. nullopt (they run one by one) unless there are two or more, all
+// Fp8Linear with the tensorwise recipe, the same bias presence, input size, dtype and device.
+std::optional<at::Tensor> fp8_fused_projections(const at::Tensor& x,
+                                                const std::vector<Linear*>& projections);
 
 // Replaces every plain nn::Linear under `root` whose path contains none of cfg.exclude with an
 // Fp8Linear; returns the paths. InputError for an invalid config, a sharded layer, a layer whose

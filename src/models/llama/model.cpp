@@ -98,8 +98,12 @@ at::Tensor MLP::forward(const at::Tensor& x) {
     // gradient packed, which the concatenated GEMM's backward consumes directly.
     return down_proj->forward(kernels::swiglu_packed(*packed));
   }
+  // Separate projections (another layer kind in gate or up: LoRA, FP8, QLoRA, tensor-parallel):
+  // their outputs still meet in our SwiGLU kernel on the GPU (one pass each way instead of
+  // silu, mul and their backward's three).
   at::Tensor gate = gate_proj->forward(x), up = up_proj->forward(x);
-  return down_proj->forward(at::silu(gate) * up);
+  return down_proj->forward(use_fused_kernels(gate) ? kernels::swiglu(gate, up)
+                                                    : at::silu(gate) * up);
 }
 
 DecoderLayer::DecoderLayer(const ModelConfig& cfg, int64_t layer_idx, const at::TensorOptions& opts)
