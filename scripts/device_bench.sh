@@ -135,11 +135,15 @@ for phase in "$@"; do
     done ;;
   fp8prof)
     # Issue 20: where the W2 step goes with FP8 linears, next to bf16 (kernel tables).
-    step "W2 bf16 and FP8 under the profiler"
-    for mode in bf16 fp8; do
-      extra=""; [ $mode = fp8 ] && extra="--use_fp8 true --fp8_recipe ${FP8_RECIPE:-tensorwise}"
-      ours w2_prof_$mode -c 7b -p ddp -b 1 -l 4096 -s 5 -i 3 --profile --profile_dir "$LOGS/prof_w2_$mode" $extra
-      sed -n '/^profile of one step/,/Chrome trace/p' "$LOGS/w2_prof_$mode.log" | tee -a "$SUMMARY"
+    # FP8PROF_WORKLOADS="w2 w1" profiles W1 (1b, seq 2048, batch 8) too.
+    for w in ${FP8PROF_WORKLOADS:-w2}; do
+      step "$w bf16 and FP8 under the profiler"
+      shape="-c 7b -b 1 -l 4096"; [ $w = w1 ] && shape="-c 1b -b 8 -l 2048"
+      for mode in bf16 fp8; do
+        extra=""; [ $mode = fp8 ] && extra="--use_fp8 true --fp8_recipe ${FP8_RECIPE:-tensorwise}"
+        ours ${w}_prof_$mode $shape -p ddp -s 5 -i 3 --profile --profile_dir "$LOGS/prof_${w}_$mode" $extra
+        sed -n '/^profile of one step/,/Chrome trace/p' "$LOGS/${w}_prof_$mode.log" | tee -a "$SUMMARY"
+      done
     done ;;
   graphs)
     step "CUDA graphs: forward + backward replayed (launch-bound small models vs W1)"
