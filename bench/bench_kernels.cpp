@@ -32,9 +32,11 @@
 #include <vector>
 
 #include "colossal/core/accelerator.h"
+#include "colossal/kernels/attention.h"
 #include "colossal/kernels/fp8.h"
 #include "colossal/kernels/fused.h"
 #include "colossal/kernels/quant.h"
+#include "documents.h"
 
 #ifdef COLOSSAL_WITH_CUDNN_FRONTEND
 #include "cudnn_sdpa.h"
@@ -627,6 +629,84 @@ void sdpa_frontend_cases() {
 }
 #endif
 
+// ---- Our attention (issue 25) next to LibTorch's cuDNN and flash SDPA on the same inputs ----
+// Forward TFLOPS (causal FLOPs counted as half); dense = b equal sequences through the
+// variable-length interface; docs = packed documents (bench/documents.h), FLOPs of the
+// documents' own causal squares.
+void attention_case(const std::string& name, int64_t b, int64_t h, int64_t kv, int64_t s,
+                    int64_t d) {
+  const std::string why =
+      K::own_attention_unsupported(at::empty({1, 1, d}, opts()), at::empty({1, 1, d}, opts()));
+  const int64_t T = b * s;
+  at::Tensor q = at::randn({T, h, d}, opts()), k = at::randn({T, kv, d}, opts()),
+             v = at::randn({T, kv, d}, opts());
+  auto run_own = [&](const std::string& tag, const std::vector<int64_t>& lens) {
+    std::vector<int64_t> cu{0};
+    double flops = 0;
+    for (int64_t l : lens) {
+      cu.push_back(cu.back() + l);
+      flops += 4.0 * h * double(l) * l * d * 0.5;
+    }
+    const std::string shape = "B" + std::to_string(b) + " h" + std::to_string(h) + "/" +
+                              std::to_string(kv) + " S" + std::to_string(s) + " D" +
+                              std::to_string(d) +
+                              (tag == "docs" ? " " + std::to_string(lens.size()) + " docs" : "");
+    Row r{"attention", name + " own " + tag, shape, "fwd"};
+    r.flops = flops;
+    if (!why.empty()) {
+      r.note = "not available: " + why.substr(0, 90);
+      r.fused_ms = -1;
+    } else {
+      at::Tensor cu_t = at::tensor(cu, at::kLong).to(at::kCUDA);
+      at::Tensor o = at::empty_like(q);
+      r.fused_ms = median_ms([&] { K::attention_forward(q, k, v, cu_t, s, true, 0, o); });
+    }
+    sync();
+    g_rows.push_back(r);
+  };
+  run_own("dense", std::vector<int64_t>(static_cast<size_t>(b), s));
+  run_own("docs", colossal::bench::packed_documents(b, s, 7));
+  // LibTorch's best backends on the same tokens as [b, h, s, d] (kv heads expanded for them).
+  at::Tensor qb = q.view({b, s, h, d}).transpose(1, 2), kb = k.view({b, s, kv, d}).transpose(1, 2),
+             vb = v.view({b, s, kv, d}).transpose(1, 2);
+  if (kv != h) {
+    kb = kb.repeat_interleave(h / kv, 1);
+    vb = vb.repeat_interleave(h / kv, 1);
+  }
+  qb = qb.contiguous();
+  kb = kb.contiguous();
+  vb = vb.contiguous();
+  const double fwd_flops = 4.0 * b * h * double(s) * s * d * 0.5;
+  const std::string shape = "B" + std::to_string(b) + " h" + std::to_string(h) + "/" +
+                            std::to_string(kv) + " S" + std::to_string(s) + " D" +
+                            std::to_string(d);
+  for (const std::string bn : {"cudnn", "flash"}) {
+    Row r{"attention", name + " sdpa " + bn, shape, "fwd"};
+    r.flops = fwd_flops;
+    try {
+      at::NoGradGuard ng;
+      r.fused_ms = median_ms([&] {
+        if (bn == "cudnn")
+          at::_scaled_dot_product_cudnn_attention(qb, kb, vb, std::nullopt, false, 0.0, true);
+        else
+          at::_scaled_dot_product_flash_attention(qb, kb, vb, 0.0, true);
+      });
+    } catch (const std::exception& e) {
+      std::string what = e.what();
+      r.note = "not available: " + what.substr(0, std::min<size_t>(what.find('\n'), 90));
+      r.fused_ms = -1;
+    }
+    sync();
+    g_rows.push_back(r);
+  }
+}
+
+void attention_cases() {
+  attention_case("W1", 8, 32, 4, 2048, 64);
+  attention_case("W2", 1, 32, 32, 4096, 128);
+  attention_case("W2", 4, 32, 32, 4096, 128);
+}
+
 void sdpa_cases() {
   sdpa("W1", 8, 32, 4, 2048, 64);
   for (int64_t b : {1, 2, 4}) sdpa("W2", b, 32, 32, 4096, 128);
@@ -671,6 +751,8 @@ const std::vector<Op>& ops() {
        bench_nf4_dequantize},
       {"sdpa", "SDPA backends (flash, cuDNN, memory-efficient) at the W1/W2 shapes", true,
        sdpa_cases},
+      {"attention", "our sm_90a attention (dense, packed documents) vs SDPA cuDNN / flash", true,
+       attention_cases},
 #ifdef COLOSSAL_WITH_CUDNN_FRONTEND
       {"sdpa_fe", "cuDNN frontend SDPA graphs (dense, packed documents, deterministic)", true,
        sdpa_frontend_cases},

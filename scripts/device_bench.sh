@@ -68,7 +68,7 @@ for phase in "$@"; do
     ;&
   build)
     step build
-    if ! TARGETS="colossal_cli test_kernels test_kernels_cuda test_model_cuda test_vocab_ce_cuda test_gemini_1rank test_zero_1rank test_pipeline_stages test_pipeline_executor bench_kernels" BUILD=$BUILD \
+    if ! TARGETS="colossal_cli test_kernels test_kernels_cuda test_attention_cuda test_model_cuda test_vocab_ce_cuda test_gemini_1rank test_zero_1rank test_pipeline_stages test_pipeline_executor bench_kernels" BUILD=$BUILD \
          scripts/device_build.sh -DCOLOSSAL_WERROR=OFF > "$LOGS/build.log" 2>&1; then
       tail -40 "$LOGS/build.log"; exit 1
     fi
@@ -76,8 +76,9 @@ for phase in "$@"; do
     $C check 2>&1 | tail -5 ;;
   kernels|ktests)
     step kernel tests
-    for t in test_kernels test_kernels_cuda test_model_cuda test_vocab_ce_cuda; do
-      if timeout 300 "$BUILD/tests/kernels/$t" > "$LOGS/$t.log" 2>&1; then note "PASS $t: $(grep -E 'PASSED|SKIPPED' "$LOGS/$t.log" | tr '\n' ' ')"
+    for t in test_kernels test_kernels_cuda test_attention_cuda test_model_cuda test_vocab_ce_cuda; do
+      to=300; [ $t = test_attention_cuda ] && to=120  # a new kernel's hang costs little
+      if timeout $to "$BUILD/tests/kernels/$t" > "$LOGS/$t.log" 2>&1; then note "PASS $t: $(grep -E 'PASSED|SKIPPED' "$LOGS/$t.log" | tr '\n' ' ')"
       else note "FAIL $t"; grep -E -A6 "Failure" "$LOGS/$t.log" | head -60; fi
     done
     # Gemini on the GPU (one rank under the launcher): half the chunks offloaded trains as ddp.
@@ -128,9 +129,9 @@ for phase in "$@"; do
     # Issue 25, first step: cuDNN's SDPA graphs through the cuDNN frontend (bench_kernels built
     # with scripts/fetch_cudnn_frontend.sh's headers) next to LibTorch's SDPA backends, same call.
     step "attention: LibTorch SDPA backends and cuDNN frontend graphs"
-    for op in sdpa sdpa_fe; do
+    for op in ${ATTN_OPS:-attention sdpa sdpa_fe}; do
       timeout 300 "$BUILD/bench/bench_kernels" --op $op --reps 10 > "$LOGS/bk_$op.log" 2>&1
-      grep -E "^sdpa" "$LOGS/bk_$op.log" | tee -a "$SUMMARY"
+      grep -E "^(sdpa|attention)" "$LOGS/bk_$op.log" | tee -a "$SUMMARY"
       tail -2 "$LOGS/bk_$op.log"
     done ;;
   fp8prof)

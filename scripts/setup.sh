@@ -39,3 +39,11 @@ if ! cmp -s "$REQ" "$STAMP" 2>/dev/null; then
   cp "$REQ" "$STAMP"
 fi
 echo "[setup] ok: $("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)')"
+
+# The CUTLASS / CuTe headers (pinned wheel, 6.4 MB) when CUDA code is compiled: the sm_90a
+# attention kernels (src/kernels_sm90/) build with them. Without network they are skipped and
+# the build says so (those kernels are then absent; SDPA serves attention).
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+  COLOSSAL_PYTHON="$VENV/bin/python" bash "$ROOT/scripts/fetch_cutlass.sh" ||
+    echo "[setup] warning: could not fetch the CUTLASS headers; the sm_90a kernels will not be built"
+fi

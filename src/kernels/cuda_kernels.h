@@ -116,4 +116,27 @@ void fp8_cast_rows_concat(const std::vector<const void*>& xs, const std::vector<
                           int64_t cols, bool e5m2, float fp8_max, float* amax, float* scale,
                           float* inv_scale, uint8_t* out, uint8_t* out_t, DType dt, Stream stream);
 
+// ---- Attention on sm_90a (issue 25; src/kernels_sm90/, built when the CUTLASS headers are
+// present: attention_sm90_built()). bf16 q [total, heads, head_dim] with row stride
+// q_row_stride (elements), k and v [total, kv_heads, head_dim] with row stride kv_row_stride,
+// the head dimension contiguous, 16-byte aligned; sequence i holds tokens [cu_seqlens[i],
+// cu_seqlens[i+1]) (int32 [sequences + 1], on the device), max_seqlen the longest. out [total,
+// heads, head_dim] contiguous bf16; lse fp32 [heads, total] (natural log). ----
+struct AttentionFwdArgs {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* out = nullptr;
+  float* lse = nullptr;
+  const int* cu_seqlens = nullptr;
+  int64_t total = 0, sequences = 0, max_seqlen = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  int64_t q_row_stride = 0, kv_row_stride = 0;
+  bool causal = true;
+  double scale = 0;
+};
+// Whether this build holds the sm_90a kernels (the CUTLASS headers were found at configure time).
+bool attention_sm90_built();
+bool attention_sm90_supported(int64_t head_dim);
+void attention_sm90_fwd(const AttentionFwdArgs& args, Stream stream);
+
 }  // namespace colossal::kernels::cuda

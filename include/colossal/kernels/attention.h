@@ -1,0 +1,39 @@
+// Our attention kernels (issue 25): flash attention on sm_90a (H100 / H200) written on CuTe,
+// bf16 with fp32 accumulation and softmax statistics, head dims 64 and 128, causal or full,
+// GQA/MQA without copies, packed variable-length sequences (nothing attended across
+// sequences), returning the log-sum-exp per query (what a ring-attention merge needs).
+// kernels::attention_reference (attention_reference.h) is its fp64 oracle.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string>
+
+namespace colossal::kernels {
+
+struct AttentionResult {
+  at::Tensor out;  // [T, H, D], q's dtype
+  at::Tensor lse;  // [H, T] float32, natural log
+};
+
+// Why our kernels do not cover these inputs ("" when they do): this build lacks the sm_90a
+// kernels (configured without the CUTLASS headers: scripts/fetch_cutlass.sh), the tensors are
+// not on a CUDA device of compute capability 9.0, not bf16, or the head dimension is not 64 or
+// 128. The dispatcher (the model's core-attention slot) falls back to SDPA on a non-empty reason.
+std::string own_attention_unsupported(const at::Tensor& q, const at::Tensor& k);
+
+// softmax(q k^T * scale) v over packed sequences: q [T, H, D], k and v [T, Hkv, D] (H a
+// multiple of Hkv; query head h reads kv head h / (H / Hkv)), the head dimension contiguous;
+// sequence i holds tokens [cu_seqlens[i], cu_seqlens[i+1]) (int32 or int64 [n+1] on any
+// device: 0 first, T last, non-decreasing); max_seqlen the longest (computed when <= 0).
+// causal: a query attends to the keys of its sequence up to its own position. scale: 1/sqrt(D)
+// when 0. `out` (optional, [T, H, D] contiguous, q's dtype) receives the output (tests poison it).
+// InputError naming the bad argument, or the reason above when the kernels do not cover it.
+// Forward only (no autograd yet).
+AttentionResult attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& cu_seqlens, int64_t max_seqlen, bool causal,
+                                  double scale = 0,
+                                  const std::optional<at::Tensor>& out = std::nullopt);
+
+}  // namespace colossal::kernels

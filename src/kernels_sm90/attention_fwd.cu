@@ -1,0 +1,350 @@
+// Issue 25: our own attention forward for sm_90a (H100 / H200), bf16 in, fp32 accumulation and
+// softmax statistics, head dims 64 and 128, causal or full, GQA/MQA (a query head reads kv head
+// h / (H / Hkv) in place), packed variable-length sequences (cu_seqlens: nothing attended
+// across sequences, causal within each), writing the output and the log-sum-exp per query.
+//
+// Built on CuTe (CUTLASS's headers, scripts/fetch_cutlass.sh), not on FlashAttention's code; the
+// structure follows the FlashAttention-3 paper (Shah et al., 2024):
+//  - one CTA per (128-query tile, head, sequence), three warpgroups: the first only issues TMA
+//    loads (Q once, then K and V tiles into a two-stage ring guarded by mbarriers), the other
+//    two each own 64 query rows and run the two GEMMs as wgmma (S = Q K^T from shared memory,
+//    O += P V with P from registers, never written to shared memory);
+//  - online softmax in base 2 on the fp32 S fragment (a row's four threads reduce by shuffles);
+//  - the key tiles run from the last to the first, so only the first tiles need the causal and
+//    sequence-end masks;
+//  - tiles of rows past a sequence's end read the next sequence's tokens (or TMA's zero fill
+//    past the end of the batch) and are masked; rows past the end are never written.
+// Compiled only for sm_90a (wgmma, TMA, setmaxnreg); cuda_kernels.h declares the launcher.
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_types.h>
+#include <cute/tensor.hpp>
+#include <cutlass/cluster_launch.hpp>
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/cuda_kernels.h"
+
+namespace colossal::kernels::cuda {
+
+namespace {
+
+using namespace cute;
+using Bf16 = cutlass::bfloat16_t;
+using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
+using EmptyBarrier = cutlass::arch::ClusterBarrier;
+
+template <int kD, int kBlockN, int kStages>
+struct FwdTraits {
+  static constexpr int kBlockM = 128;
+  static constexpr int kThreads = 384;          // producer warpgroup + two consumer warpgroups
+  static constexpr int kConsumerThreads = 256;  // 64 query rows each
+  using D = Int<kD>;
+  using BM = Int<kBlockM>;
+  using BN = Int<kBlockN>;
+  using S = Int<kStages>;
+  // Q [BM, D] and K [BN, D] K-major (the head dimension contiguous), V as [D, BN] MN-major (the
+  // head dimension contiguous too: it is the GEMM's N), 128-byte swizzled as wgmma reads them.
+  using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Bf16>{}, Shape<BM, D>{}));
+  using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Bf16>{}, Shape<BN, D, S>{}));
+  using SmemLayoutV =
+      decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Bf16>{}, Shape<D, BN, S>{}));
+  using MmaQK = decltype(GMMA::ss_op_selector<Bf16, Bf16, float, Shape<_64, BN, D>, GMMA::Major::K,
+                                              GMMA::Major::K>());
+  using MmaPV = decltype(GMMA::rs_op_selector<Bf16, Bf16, float, Shape<_64, D, BN>, GMMA::Major::K,
+                                              GMMA::Major::MN>());
+  using TiledMmaQK = decltype(make_tiled_mma(MmaQK{}, Layout<Shape<_2, _1, _1>>{}));
+  using TiledMmaPV = decltype(make_tiled_mma(MmaPV{}, Layout<Shape<_2, _1, _1>>{}));
+  // The S accumulator of one thread, ((2 cols, 2 rows, BN/8 col blocks), 1, 1), reread as the
+  // A operand of the P V wgmma, ((2, 2, 2), 1, BN/16): the same registers in the same order
+  // (checked at compile time against the MMA's own fragment below).
+  using LayoutP =
+      Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockN / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
+
+  struct alignas(1024) Smem {
+    alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutK>> k;
+    alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutV>> v;
+    alignas(8) uint64_t bar_q;
+    uint64_t full_k[kStages], empty_k[kStages], full_v[kStages], empty_v[kStages];
+  };
+  static constexpr int kBytesQ = kBlockM * kD * 2;
+  static constexpr int kBytesKV = kBlockN * kD * 2;
+};
+
+struct FwdParams {
+  Bf16* o;
+  float* lse;
+  const int* cu_seqlens;
+  int heads, kv_heads, total, m_blocks;
+  float scale_log2;  // softmax scale * log2(e)
+  float scale;
+};
+
+template <class Traits, bool kCausal, class TmaQ, class TmaK, class TmaV>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    attention_fwd_kernel(CUTE_GRID_CONSTANT FwdParams const p, CUTE_GRID_CONSTANT TmaQ const tma_q,
+                         CUTE_GRID_CONSTANT TmaK const tma_k, CUTE_GRID_CONSTANT TmaV const tma_v) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = Traits;
+  constexpr int kBlockM = T::kBlockM, kBlockN = T::BN::value, kStages = T::S::value;
+  extern __shared__ char smem_raw[];
+  auto& s = *reinterpret_cast<typename T::Smem*>(smem_raw);
+
+  // The heaviest causal tiles (the last rows) first.
+  const int m_block = p.m_blocks - 1 - int(blockIdx.x);
+  const int head = blockIdx.y, seq = blockIdx.z;
+  const int start = p.cu_seqlens[seq];
+  const int len = p.cu_seqlens[seq + 1] - start;
+  if (m_block * kBlockM >= len) return;  // the whole CTA, before any barrier
+  const int kv_head = head / (p.heads / p.kv_heads);
+  int n_blocks = (len + kBlockN - 1) / kBlockN;
+  if constexpr (kCausal)
+    n_blocks = min(n_blocks, ((m_block + 1) * kBlockM + kBlockN - 1) / kBlockN);
+
+  const int warp = threadIdx.x / 32;
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    FullBarrier::init(&s.bar_q, 1);
+    for (int i = 0; i < kStages; ++i) {
+      FullBarrier::init(&s.full_k[i], 1);
+      FullBarrier::init(&s.full_v[i], 1);
+      EmptyBarrier::init(&s.empty_k[i], T::kConsumerThreads);
+      EmptyBarrier::init(&s.empty_v[i], T::kConsumerThreads);
+    }
+  }
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  Tensor sQ = make_tensor(make_smem_ptr(s.q.data()), typename T::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(s.k.data()), typename T::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(s.v.data()), typename T::SmemLayoutV{});
+
+  if (warpgroup == 0) {
+    // Producer: one thread issues every load; the warpgroup gives its registers to the others.
+    cutlass::arch::warpgroup_reg_dealloc<24>();
+    if (warp == 0 && cute::elect_one_sync()) {
+      Tensor mQ = tma_q.get_tma_tensor(make_shape(p.total, typename T::D{}, p.heads));
+      Tensor mK = tma_k.get_tma_tensor(make_shape(p.total, typename T::D{}, p.kv_heads));
+      Tensor mV = tma_v.get_tma_tensor(make_shape(typename T::D{}, p.total, p.kv_heads));
+      Tensor gQ = local_tile(domain_offset(make_coord(start, _0{}), mQ(_, _, head)),
+                             Shape<typename T::BM, typename T::D>{}, make_coord(m_block, _0{}));
+      Tensor gK = local_tile(domain_offset(make_coord(start, _0{}), mK(_, _, kv_head)),
+                             Shape<typename T::BN, typename T::D>{}, make_coord(_, _0{}));
+      Tensor gV = local_tile(domain_offset(make_coord(_0{}, start), mV(_, _, kv_head)),
+                             Shape<typename T::D, typename T::BN>{}, make_coord(_0{}, _));
+      auto [tQg, tQs] = tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                      group_modes<0, 2>(gQ));
+      auto [tKg, tKs] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                      group_modes<0, 2>(gK));
+      auto [tVg, tVs] = tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                      group_modes<0, 2>(gV));
+      FullBarrier::arrive_and_expect_tx(&s.bar_q, T::kBytesQ);
+      copy(tma_q.with(s.bar_q), tQg, tQs);
+      for (int i = 0; i < n_blocks; ++i) {
+        const int n = n_blocks - 1 - i, stage = i % kStages;
+        const uint32_t phase = (i / kStages) & 1;
+        EmptyBarrier::wait(&s.empty_k[stage], phase ^ 1);
+        FullBarrier::arrive_and_expect_tx(&s.full_k[stage], T::kBytesKV);
+        copy(tma_k.with(s.full_k[stage]), tKg(_, n), tKs(_, stage));
+        EmptyBarrier::wait(&s.empty_v[stage], phase ^ 1);
+        FullBarrier::arrive_and_expect_tx(&s.full_v[stage], T::kBytesKV);
+        copy(tma_v.with(s.full_v[stage]), tVg(_, n), tVs(_, stage));
+      }
+    }
+    return;
+  }
+
+  // Consumers: 256 threads, two warpgroups of 64 query rows.
+  cutlass::arch::warpgroup_reg_alloc<240>();
+  const int ct = threadIdx.x - 128;
+  typename T::TiledMmaQK mma_qk;
+  typename T::TiledMmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(ct);
+  auto thr_pv = mma_pv.get_thread_slice(ct);
+  Tensor tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ));  // (MMA, 1, D/16)
+  Tensor tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK));  // (MMA, 1, D/16, stages)
+  Tensor tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV));  // (MMA, 1, BN/16, stages)
+  Tensor accO = partition_fragment_C(mma_pv, Shape<typename T::BM, typename T::D>{});
+  Tensor cS = make_identity_tensor(Shape<typename T::BM, typename T::BN>{});
+  Tensor tScS = thr_qk.partition_C(cS);  // (row, col) in the tile of each S register
+  Tensor cO = make_identity_tensor(Shape<typename T::BM, typename T::D>{});
+  Tensor tOcO = thr_pv.partition_C(cO);
+  using FragA = decltype(thr_pv.partition_fragment_A(
+      make_tensor(make_smem_ptr((Bf16*)nullptr),
+                  make_layout(Shape<typename T::BM, typename T::BN>{}, LayoutRight{}))));
+  static_assert(std::is_same_v<typename FragA::layout_type, typename T::LayoutP>,
+                "the S accumulator does not read as the P V wgmma's A fragment");
+  clear(accO);
+
+  // Row statistics of this thread's two rows (r = 0, 1: rows i and i + 8 of its warp's 16).
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};
+  const int q_row0 = m_block * kBlockM;  // the tile's first query, within the sequence
+
+  FullBarrier::wait(&s.bar_q, 0);
+  for (int i = 0; i < n_blocks; ++i) {
+    const int n = n_blocks - 1 - i, stage = i % kStages;
+    const uint32_t phase = (i / kStages) & 1;
+    Tensor accS = partition_fragment_C(mma_qk, Shape<typename T::BM, typename T::BN>{});
+    FullBarrier::wait(&s.full_k[stage], phase);
+    warpgroup_fence_operand(accS);
+    warpgroup_arrive();
+    mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+      cute::gemm(mma_qk, tSrQ(_, _, kb), tSrK(_, _, kb, stage), accS);
+      mma_qk.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accS);
+    EmptyBarrier::arrive(&s.empty_k[stage]);
+
+    // Masks: keys past the sequence's end, and (causal) keys after the query.
+    const int k_col0 = n * kBlockN;
+    const bool need_mask = k_col0 + kBlockN > len || (kCausal && k_col0 + kBlockN - 1 > q_row0);
+    if (need_mask) {
+      CUTE_UNROLL
+      for (int j = 0; j < size(accS); ++j) {
+        const int row = q_row0 + get<0>(tScS(j)), col = k_col0 + get<1>(tScS(j));
+        if (col >= len || (kCausal && col > row)) accS(j) = -INFINITY;
+      }
+    }
+    // Online softmax in base 2. Register j of accS is column pair element j % 2, row (j / 2) % 2,
+    // column block j / 4 (the wgmma accumulator's order).
+    float new_max[2] = {row_max[0], row_max[1]};
+    CUTE_UNROLL
+    for (int j = 0; j < size(accS); ++j)
+      new_max[(j >> 1) & 1] = fmaxf(new_max[(j >> 1) & 1], accS(j));
+    float scaled_max[2], corr[2];
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      new_max[r] = fmaxf(new_max[r], __shfl_xor_sync(0xffffffff, new_max[r], 1));
+      new_max[r] = fmaxf(new_max[r], __shfl_xor_sync(0xffffffff, new_max[r], 2));
+      // A row with every key masked so far keeps max -inf: its exponentials are exp2(-inf) = 0.
+      scaled_max[r] = new_max[r] == -INFINITY ? 0.f : new_max[r] * p.scale_log2;
+      corr[r] = exp2f(row_max[r] * p.scale_log2 - scaled_max[r]);
+      row_max[r] = new_max[r];
+      row_sum[r] *= corr[r];
+    }
+    Tensor rP = make_tensor<Bf16>(accS.layout());
+    CUTE_UNROLL
+    for (int j = 0; j < size(accS); ++j) {
+      const int r = (j >> 1) & 1;
+      const float e = exp2f(accS(j) * p.scale_log2 - scaled_max[r]);
+      row_sum[r] += e;
+      rP(j) = Bf16(e);
+    }
+    CUTE_UNROLL
+    for (int j = 0; j < size(accO); ++j) accO(j) *= corr[(j >> 1) & 1];
+    Tensor tOrP = make_tensor(rP.data(), typename T::LayoutP{});
+
+    FullBarrier::wait(&s.full_v[stage], phase);
+    warpgroup_fence_operand(accO);
+    warpgroup_fence_operand(tOrP);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tOrP); ++kb)
+      cute::gemm(mma_pv, tOrP(_, _, kb), tOrV(_, _, kb, stage), accO);
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accO);
+    EmptyBarrier::arrive(&s.empty_v[stage]);
+  }
+
+  // Epilogue: the row sums over the row's four threads, O / sum in bf16, the log-sum-exp.
+  float inv[2], lse[2];
+  CUTE_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    float sum = row_sum[r];
+    sum += __shfl_xor_sync(0xffffffff, sum, 1);
+    sum += __shfl_xor_sync(0xffffffff, sum, 2);
+    inv[r] = sum > 0.f ? 1.f / sum : 0.f;
+    lse[r] = sum > 0.f ? row_max[r] * p.scale + logf(sum) : -INFINITY;
+  }
+  const int64_t ld = int64_t(p.heads) * T::D::value;
+  CUTE_UNROLL
+  for (int j = 0; j < size(accO); j += 2) {
+    const int r = (j >> 1) & 1;
+    const int row = q_row0 + get<0>(tOcO(j)), col = get<1>(tOcO(j));
+    if (row < len) {
+      __nv_bfloat162 v = __floats2bfloat162_rn(accO(j) * inv[r], accO(j + 1) * inv[r]);
+      *reinterpret_cast<__nv_bfloat162*>(p.o + (start + row) * ld + head * T::D::value + col) = v;
+    }
+  }
+  if ((threadIdx.x & 3) == 0) {
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const int row = q_row0 + get<0>(tOcO(2 * r));
+      if (row < len) p.lse[int64_t(head) * p.total + start + row] = lse[r];
+    }
+  }
+#endif
+}
+
+template <int kD, int kBlockN, int kStages, bool kCausal>
+void launch_fwd(const AttentionFwdArgs& a, Stream stream) {
+  using T = FwdTraits<kD, kBlockN, kStages>;
+  using D = typename T::D;
+  const auto* q = reinterpret_cast<const Bf16*>(a.q);
+  const auto* k = reinterpret_cast<const Bf16*>(a.k);
+  const auto* v = reinterpret_cast<const Bf16*>(a.v);
+  const int64_t total = a.total;
+  Tensor mQ = make_tensor(make_gmem_ptr(q), make_shape(int(total), D{}, int(a.heads)),
+                          make_stride(a.q_row_stride, _1{}, int64_t(kD)));
+  Tensor mK = make_tensor(make_gmem_ptr(k), make_shape(int(total), D{}, int(a.kv_heads)),
+                          make_stride(a.kv_row_stride, _1{}, int64_t(kD)));
+  Tensor mV = make_tensor(make_gmem_ptr(v), make_shape(D{}, int(total), int(a.kv_heads)),
+                          make_stride(_1{}, a.kv_row_stride, int64_t(kD)));
+  auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, mQ, typename T::SmemLayoutQ{});
+  auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(typename T::SmemLayoutK{}));
+  auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, mV, take<0, 2>(typename T::SmemLayoutV{}));
+  FwdParams p;
+  p.o = reinterpret_cast<Bf16*>(a.out);
+  p.lse = a.lse;
+  p.cu_seqlens = a.cu_seqlens;
+  p.heads = int(a.heads);
+  p.kv_heads = int(a.kv_heads);
+  p.total = int(total);
+  p.m_blocks = int((a.max_seqlen + T::kBlockM - 1) / T::kBlockM);
+  p.scale = float(a.scale);
+  p.scale_log2 = float(a.scale * M_LOG2E);
+  auto* kernel =
+      &attention_fwd_kernel<T, kCausal, decltype(tma_q), decltype(tma_k), decltype(tma_v)>;
+  const int smem = int(sizeof(typename T::Smem));
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("attention_sm90_fwd: ") + cudaGetErrorString(err));
+  dim3 grid(p.m_blocks, int(a.heads), int(a.sequences));
+  kernel<<<grid, T::kThreads, smem, reinterpret_cast<cudaStream_t>(stream)>>>(p, tma_q, tma_k,
+                                                                              tma_v);
+  err = cudaGetLastError();
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("attention_sm90_fwd: ") + cudaGetErrorString(err));
+}
+
+}  // namespace
+
+bool attention_sm90_built() {
+  return true;
+}
+
+bool attention_sm90_supported(int64_t head_dim) {
+  return head_dim == 64 || head_dim == 128;
+}
+
+void attention_sm90_fwd(const AttentionFwdArgs& a, Stream stream) {
+  if (a.head_dim == 64) {
+    a.causal ? launch_fwd<64, 128, 2, true>(a, stream) : launch_fwd<64, 128, 2, false>(a, stream);
+  } else if (a.head_dim == 128) {
+    a.causal ? launch_fwd<128, 128, 2, true>(a, stream) : launch_fwd<128, 128, 2, false>(a, stream);
+  } else {
+    throw std::runtime_error("attention_sm90_fwd: head_dim " + std::to_string(a.head_dim) +
+                             " is not 64 or 128");
+  }
+}
+
+}  // namespace colossal::kernels::cuda
