@@ -652,17 +652,32 @@ void attention_case(const std::string& name, int64_t b, int64_t h, int64_t kv, i
                               std::to_string(d) +
                               (tag == "docs" ? " " + std::to_string(lens.size()) + " docs" : "");
     Row r{"attention", name + " own " + tag, shape, "fwd"};
+    Row rb{"attention", name + " own " + tag, shape, "fwd+bwd"};
+    Row rd{"attention", name + " own " + tag + " determ.", shape, "fwd+bwd"};
     r.flops = flops;
+    rb.flops = rd.flops = 2.5 * flops;
     if (!why.empty()) {
-      r.note = "not available: " + why.substr(0, 90);
-      r.fused_ms = -1;
+      r.note = rb.note = rd.note = "not available: " + why.substr(0, 90);
+      r.fused_ms = rb.fused_ms = rd.fused_ms = -1;
     } else {
       at::Tensor cu_t = at::tensor(cu, at::kLong).to(at::kCUDA);
       at::Tensor o = at::empty_like(q);
       r.fused_ms = median_ms([&] { K::attention_forward(q, k, v, cu_t, s, true, 0, o); });
+      at::Tensor ql = q.detach().requires_grad_(true), kl = k.detach().requires_grad_(true),
+                 vl = v.detach().requires_grad_(true);
+      at::Tensor dy = at::randn_like(q);
+      for (Row* row : {&rb, &rd}) {
+        const bool det = row == &rd;
+        row->fused_ms = median_ms([&] {
+          at::Tensor y = K::attention(ql, kl, vl, cu_t, s, true, 0, det);
+          torch::autograd::grad({y}, {ql, kl, vl}, {dy});
+        });
+      }
     }
     sync();
     g_rows.push_back(r);
+    g_rows.push_back(rb);
+    g_rows.push_back(rd);
   };
   run_own("dense", std::vector<int64_t>(static_cast<size_t>(b), s));
   run_own("docs", colossal::bench::packed_documents(b, s, 7));
@@ -682,22 +697,35 @@ void attention_case(const std::string& name, int64_t b, int64_t h, int64_t kv, i
                             std::to_string(d);
   for (const std::string bn : {"cudnn", "flash"}) {
     Row r{"attention", name + " sdpa " + bn, shape, "fwd"};
+    Row rb{"attention", name + " sdpa " + bn, shape, "fwd+bwd"};
     r.flops = fwd_flops;
+    rb.flops = 2.5 * fwd_flops;
+    auto fn = [&](const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_) {
+      return bn == "cudnn"
+                 ? std::get<0>(at::_scaled_dot_product_cudnn_attention(q_, k_, v_, std::nullopt,
+                                                                       true, 0.0, true))
+                 : std::get<0>(at::_scaled_dot_product_flash_attention(q_, k_, v_, 0.0, true));
+    };
     try {
-      at::NoGradGuard ng;
-      r.fused_ms = median_ms([&] {
-        if (bn == "cudnn")
-          at::_scaled_dot_product_cudnn_attention(qb, kb, vb, std::nullopt, false, 0.0, true);
-        else
-          at::_scaled_dot_product_flash_attention(qb, kb, vb, 0.0, true);
+      {
+        at::NoGradGuard ng;
+        r.fused_ms = median_ms([&] { fn(qb, kb, vb); });
+      }
+      at::Tensor ql = qb.detach().requires_grad_(true), kl = kb.detach().requires_grad_(true),
+                 vl = vb.detach().requires_grad_(true);
+      at::Tensor dy = at::randn_like(qb);
+      rb.fused_ms = median_ms([&] {
+        at::Tensor y = fn(ql, kl, vl);
+        torch::autograd::grad({y}, {ql, kl, vl}, {dy});
       });
     } catch (const std::exception& e) {
       std::string what = e.what();
-      r.note = "not available: " + what.substr(0, std::min<size_t>(what.find('\n'), 90));
-      r.fused_ms = -1;
+      r.note = rb.note = "not available: " + what.substr(0, std::min<size_t>(what.find('\n'), 90));
+      r.fused_ms = rb.fused_ms = -1;
     }
     sync();
     g_rows.push_back(r);
+    g_rows.push_back(rb);
   }
 }
 

@@ -153,6 +153,22 @@ for phase in "$@"; do
       ours ${m}_graph -c $m -p none -b 8 -l 512 -s 30 -i 5 --cuda_graph
     done
     ours w1_graph -c 1b -p none -b 8 -l 2048 -s 15 -i 3 --cuda_graph ;;
+  ownattn)
+    # Issue 25: the model with our attention kernels (--attn_backend own) against SDPA's choice,
+    # side by side: W1 (1b, seq 2048, batch 8) and W2 (7b, seq 4096, batch 1; OWNATTN_W2=0
+    # skips it on a card without its memory). The report's "attention kernels" line says which
+    # kernel served the calls.
+    step "our attention in the model: W1 / W2, auto vs own"
+    for mode in auto own own auto; do
+      n=$(ls "$LOGS" | grep -c "^own_w1_${mode}" || true)
+      ours own_w1_${mode}$n -c 1b -p ddp -b 8 -l 2048 -s 12 -i 3 --attn_backend $mode
+      grep "attention kernels" "$LOGS/own_w1_${mode}$n.log" | tee -a "$SUMMARY"
+    done
+    if [ "${OWNATTN_W2:-1}" != 0 ]; then
+      for mode in auto own; do
+        ours own_w2_${mode} -c 7b -p ddp -b 1 -l 4096 -s 10 -i 3 --attn_backend $mode
+      done
+    fi ;;
   w1base)
     step "W1 baseline: eager amp and torch.compile"
     base w1_eager --model 1b --bs 8 --seq 2048 --mode amp ;;

@@ -26,6 +26,7 @@
 #include "colossal/kernels/fused.h"
 #include "colossal/models/llama/config.h"
 #include "colossal/models/llama/model.h"
+#include "colossal/nn/attention.h"
 #include "colossal/nn/checkpointing.h"
 #include "colossal/nn/fp8_linear.h"
 #include "colossal/nn/init.h"
@@ -76,7 +77,10 @@ void BenchConfig::register_options(OptionSet& s) {
       .add("bench", "fused_kernels", &fused_kernels,
            "fused RMSNorm, rotary, SwiGLU and AdamW kernels")
       .add("bench", "attn_backend", &attn_backend,
-           "SDPA backend: auto | flash | cudnn | efficient | math")
+           "SDPA backend: auto | flash | cudnn | efficient | math; or own (our sm_90a kernels, "
+           "SDPA where they do not apply)")
+      .add("bench", "deterministic", &deterministic,
+           "--attn_backend own: a bitwise repeatable attention backward (dQ summed in order)")
       .add("bench", "cuda_graph", &cuda_graph,
            "capture forward + backward once, replay it every timed step (cuda)")
       .add("bench", "profile", &profile,
@@ -171,10 +175,15 @@ void BenchConfig::validate() const {
   }
   COLOSSAL_CHECK_INPUT(ckpt_layers >= -1,
                        "--ckpt_layers must be >= 0 (or -1 for every layer), got ", ckpt_layers);
-  COLOSSAL_CHECK_INPUT(
-      attn_backend == "auto" || attn_backend == "flash" || attn_backend == "cudnn" ||
-          attn_backend == "efficient" || attn_backend == "math",
-      "--attn_backend must be auto, flash, cudnn, efficient or math, got '", attn_backend, "'");
+  COLOSSAL_CHECK_INPUT(attn_backend == "auto" || attn_backend == "flash" ||
+                           attn_backend == "cudnn" || attn_backend == "efficient" ||
+                           attn_backend == "math" || attn_backend == "own",
+                       "--attn_backend must be auto, flash, cudnn, efficient, math or own, got '",
+                       attn_backend, "'");
+  COLOSSAL_CHECK_INPUT(!deterministic || attn_backend == "own",
+                       "--deterministic applies to our attention kernels: it needs --attn_backend "
+                       "own, not '",
+                       attn_backend, "'");
   COLOSSAL_CHECK_INPUT(ce_chunk_tokens >= 1, "--ce_chunk_tokens must be >= 1, got ",
                        ce_chunk_tokens);
   COLOSSAL_CHECK_INPUT(
@@ -220,6 +229,7 @@ json::Value BenchReport::to_json() const {
   c.set("fp8", config.use_fp8 ? config.fp8_recipe : std::string("off"));
   c.set("fp8_communication", config.plugin.ddp.fp8_communication);
   c.set("attn_backend", config.attn_backend);
+  c.set("deterministic", config.deterministic);
   c.set("fused_kernels", config.fused_kernels);
   c.set("cuda_graph", config.cuda_graph);
   if (config.plugin.name == "gemini" || config.plugin.name == "gemini_auto") {
@@ -277,6 +287,7 @@ json::Value BenchReport::to_json() const {
   r.set("peak_memory_mib", peak_memory_mib);
   r.set("peak_memory_kind", peak_memory_kind);
   r.set("final_loss", final_loss);
+  if (!attention_kernels.empty()) r.set("attention_kernels", attention_kernels);
   if (config.profile) r.set("profile", profile);
   if (!pipeline.is_null()) r.set("pipeline", pipeline);
   if (!checkpoint.is_null()) r.set("checkpoint", checkpoint);
@@ -339,6 +350,7 @@ std::string BenchReport::to_text() const {
       pipe += line;
     }
   }
+  if (!attention_kernels.empty()) pipe = "attention kernels: " + attention_kernels + "\n" + pipe;
   return std::string(buf) + pipe + profile_text;
 }
 
@@ -392,7 +404,15 @@ std::shared_ptr<models::CausalLM> build_model(const BenchConfig& c, const at::De
     if (rank0) log_info("bench: FP8 (", fc.recipe, ") on ", paths.size(), " linear layers");
   }
   kernels::set_enabled(c.fused_kernels);
-  set_sdpa_backend(c.attn_backend);
+  if (c.attn_backend == "own") {
+    const auto [own, slots] = nn::use_own_attention(*model, c.deterministic);
+    if (rank0)
+      log_info("bench: our attention kernels in ", slots, " core-attention slots",
+               c.deterministic ? " (deterministic backward)" : "");
+    set_sdpa_backend("auto");  // for the calls they hand to SDPA
+  } else {
+    set_sdpa_backend(c.attn_backend);
+  }
   return model;
 }
 
@@ -729,6 +749,12 @@ BenchReport run_bench(const BenchConfig& c) {
                                 (1024.0 * 1024.0)
                           : peak_rss_mib();
   r.final_loss = loop.last_loss();
+  for (const auto& m : model->modules(false))
+    if (auto own = std::dynamic_pointer_cast<nn::OwnAttention>(m)) {
+      r.attention_kernels = str("own ", own->own_calls(), " calls, SDPA ", own->fallback_calls());
+      if (own->fallback_calls() > 0) r.attention_kernels += str(" (", own->fallback_reason(), ")");
+      break;
+    }
   if (distributed) reduce_over_ranks(r.step_seconds, r.peak_memory_mib, r.final_loss);
   r.peak_memory_kind = device.is_cuda() ? "cuda max_memory_allocated" : "cpu peak RSS (process)";
   fill_figures(r);

@@ -1,10 +1,12 @@
-// Dispatch and argument checks of our attention kernels (kernels/attention.h); the sm_90a
-// kernels are in src/kernels_sm90/ (compiled when the CUTLASS headers are present).
+// Dispatch, argument checks and autograd of our attention kernels (kernels/attention.h); the
+// sm_90a kernels are in src/kernels_sm90/ (compiled when the CUTLASS headers are present).
 #include "colossal/kernels/attention.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
+#include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "colossal/core/accelerator.h"
@@ -14,9 +16,12 @@ namespace colossal::kernels {
 
 #ifdef COLOSSAL_WITH_SM90_KERNELS
 COLOSSAL_REGISTER_CUDA_KERNEL("attention_sm90_fwd");
+COLOSSAL_REGISTER_CUDA_KERNEL("attention_sm90_bwd");
 #endif
 
 using namespace detail;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
 
 std::string own_attention_unsupported(const at::Tensor& q, const at::Tensor& k) {
 #ifndef COLOSSAL_WITH_SM90_KERNELS
@@ -41,10 +46,42 @@ std::string own_attention_unsupported(const at::Tensor& q, const at::Tensor& k) 
 #endif
 }
 
-AttentionResult attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  const at::Tensor& cu_seqlens, int64_t max_seqlen, bool causal,
-                                  double scale, const std::optional<at::Tensor>& out) {
-  const char* op = "attention_forward";
+namespace {
+
+// The checked inputs of one call: layouts the kernels take (views of a packed projection output
+// as they are; k and v sharing one row stride), offsets as int32 on the device, the longest
+// sequence, the scale.
+struct Prepared {
+  at::Tensor q, k, v, cu;
+  int64_t T = 0, H = 0, D = 0, Hkv = 0, sequences = 0, longest = 0;
+  double scale = 0;
+};
+
+// The int32 device copy of the offsets: cu_seqlens itself when it is one; for a host tensor the
+// upload of the last one seen on this thread while it is unchanged (the layers of one forward
+// pass the same tensor).
+at::Tensor device_offsets(const at::Tensor& cu_seqlens, const at::Tensor& cu_host,
+                          const at::Device& device) {
+  if (cu_seqlens.device() == device && cu_seqlens.scalar_type() == at::kInt &&
+      cu_seqlens.is_contiguous())
+    return cu_seqlens;
+  if (!cu_seqlens.is_cpu()) return cu_host.to(at::kInt).to(device);
+  struct Last {
+    at::Tensor host, dev;
+    int64_t version = -1;
+  };
+  thread_local Last last;
+  if (last.host.defined() && last.host.is_same(cu_seqlens) &&
+      last.version == static_cast<int64_t>(cu_seqlens._version()) && last.dev.device() == device)
+    return last.dev;
+  last.host = cu_seqlens;
+  last.version = static_cast<int64_t>(cu_seqlens._version());
+  last.dev = cu_host.to(at::kInt).to(device);
+  return last.dev;
+}
+
+Prepared prepare(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                 const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale) {
   COLOSSAL_CHECK_INPUT(q.defined() && k.defined() && v.defined(), op,
                        ": q, k and v must be defined");
   COLOSSAL_CHECK_INPUT(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, op,
@@ -52,91 +89,199 @@ AttentionResult attention_forward(const at::Tensor& q, const at::Tensor& k, cons
                        v.sizes());
   check_same(op, "k", k, "q", q);
   check_same(op, "v", v, "q", q);
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1);
-  COLOSSAL_CHECK_INPUT(k.size(0) == T && v.size(0) == T && k.sizes() == v.sizes() && k.size(2) == D,
-                       op, ": k and v must be [", T, ", kv_heads, ", D, "] alike; got ", k.sizes(),
-                       " and ", v.sizes());
-  COLOSSAL_CHECK_INPUT(Hkv > 0 && H % Hkv == 0, op, ": heads ", H,
-                       " is not a multiple of kv_heads ", Hkv);
+  Prepared p;
+  p.T = q.size(0);
+  p.H = q.size(1);
+  p.D = q.size(2);
+  p.Hkv = k.size(1);
+  COLOSSAL_CHECK_INPUT(
+      k.size(0) == p.T && v.size(0) == p.T && k.sizes() == v.sizes() && k.size(2) == p.D, op,
+      ": k and v must be [", p.T, ", kv_heads, ", p.D, "] alike; got ", k.sizes(), " and ",
+      v.sizes());
+  COLOSSAL_CHECK_INPUT(p.Hkv > 0 && p.H % p.Hkv == 0, op, ": heads ", p.H,
+                       " is not a multiple of kv_heads ", p.Hkv);
   COLOSSAL_CHECK_INPUT(
       cu_seqlens.defined() && cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 2 &&
           (cu_seqlens.scalar_type() == at::kInt || cu_seqlens.scalar_type() == at::kLong),
       op, ": cu_seqlens must be int32 or int64 [sequences + 1]");
   const std::string why = own_attention_unsupported(q, k);
   COLOSSAL_CHECK_INPUT(why.empty(), op, ": ", why);
-#ifdef COLOSSAL_WITH_SM90_KERNELS
-  // Offsets checked on the host (one small copy): 0 first, T last, non-decreasing.
-  const at::Tensor cu_host = cu_seqlens.to(at::kCPU, at::kLong);
+  COLOSSAL_CHECK_INPUT(p.T < (int64_t(1) << 31), op, ": ", p.T,
+                       " tokens are too many for one call");
+  // Offsets checked on the host: 0 first, T last, non-decreasing (offsets on the device cost a
+  // copy and a synchronisation; offsets on the host are uploaded once and reused while the same
+  // host tensor comes again: every layer of one forward).
+  const at::Tensor cu_host = cu_seqlens.to(at::kCPU, at::kLong).contiguous();
   const int64_t* c = cu_host.const_data_ptr<int64_t>();
-  const int64_t n = cu_host.numel() - 1;
-  COLOSSAL_CHECK_INPUT(c[0] == 0 && c[n] == T, op,
-                       ": cu_seqlens must start at 0 and end at T = ", T, "; got ", c[0], " and ",
-                       c[n]);
-  int64_t longest = 0;
-  for (int64_t i = 0; i < n; ++i) {
+  p.sequences = cu_host.numel() - 1;
+  COLOSSAL_CHECK_INPUT(c[0] == 0 && c[p.sequences] == p.T, op,
+                       ": cu_seqlens must start at 0 and end at T = ", p.T, "; got ", c[0], " and ",
+                       c[p.sequences]);
+  for (int64_t i = 0; i < p.sequences; ++i) {
     COLOSSAL_CHECK_INPUT(c[i + 1] >= c[i], op, ": cu_seqlens decreases at ", i + 1, " (", c[i],
                          " then ", c[i + 1], ")");
-    longest = std::max(longest, c[i + 1] - c[i]);
+    p.longest = std::max(p.longest, c[i + 1] - c[i]);
   }
-  COLOSSAL_CHECK_INPUT(max_seqlen <= 0 || max_seqlen >= longest, op, ": max_seqlen ", max_seqlen,
-                       " is shorter than sequence length ", longest);
-  COLOSSAL_CHECK_INPUT(T < (int64_t(1) << 31), op, ": ", T, " tokens are too many for one call");
-  auto check_layout = [&](const char* name, const at::Tensor& t) {
-    COLOSSAL_CHECK_INPUT(t.stride(2) == 1 && t.stride(1) == D && t.stride(0) % 8 == 0 &&
-                             reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0,
-                         op, ": ", name,
-                         " must have the head dimension contiguous, heads packed and 16-byte "
-                         "aligned rows; got strides ",
-                         t.strides());
+  COLOSSAL_CHECK_INPUT(max_seqlen <= 0 || max_seqlen >= p.longest, op, ": max_seqlen ", max_seqlen,
+                       " is shorter than sequence length ", p.longest);
+  const int64_t D = p.D;
+  auto packed = [&](const at::Tensor& t) {
+    return t.stride(2) == 1 && t.stride(1) == D && t.stride(0) % 8 == 0 &&
+           reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
   };
-  // Views of a packed projection output are taken as they are; k and v share one row stride.
-  auto packed = [&](const at::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == D; };
-  const at::Tensor qc = packed(q) ? q : q.contiguous();
+  p.q = packed(q) ? q : q.contiguous();
   const bool kv_ok = packed(k) && packed(v) && k.stride(0) == v.stride(0);
-  const at::Tensor kc = kv_ok ? k : k.contiguous();
-  const at::Tensor vc = kv_ok ? v : v.contiguous();
-  check_layout("q", qc);
-  check_layout("k", kc);
-  check_layout("v", vc);
+  p.k = kv_ok ? k : k.contiguous();
+  p.v = kv_ok ? v : v.contiguous();
+  p.cu = device_offsets(cu_seqlens, cu_host, q.device());
+  p.scale = scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(D));
+  return p;
+}
+
+#ifdef COLOSSAL_WITH_SM90_KERNELS
+void fill_args(const Prepared& p, bool causal, cuda::AttentionFwdArgs& a) {
+  a.q = p.q.const_data_ptr();
+  a.k = p.k.const_data_ptr();
+  a.v = p.v.const_data_ptr();
+  a.cu_seqlens = p.cu.const_data_ptr<int>();
+  a.total = p.T;
+  a.sequences = p.sequences;
+  a.max_seqlen = p.longest;
+  a.heads = p.H;
+  a.kv_heads = p.Hkv;
+  a.head_dim = p.D;
+  a.q_row_stride = p.q.stride(0);
+  a.kv_row_stride = p.k.stride(0);
+  a.causal = causal;
+  a.scale = p.scale;
+}
+#endif
+
+AttentionResult forward_prepared(const Prepared& p, bool causal,
+                                 const std::optional<at::Tensor>& out) {
   at::Tensor o;
   if (out) {
     o = *out;
-    COLOSSAL_CHECK_INPUT(o.sizes() == q.sizes() && o.is_contiguous() &&
-                             o.scalar_type() == q.scalar_type() && o.device() == q.device(),
-                         op, ": out must be contiguous ", q.sizes(), " ", q.scalar_type(), " on ",
-                         q.device());
+    COLOSSAL_CHECK_INPUT(o.sizes() == p.q.sizes() && o.is_contiguous() &&
+                             o.scalar_type() == p.q.scalar_type() && o.device() == p.q.device(),
+                         "attention_forward: out must be contiguous ", p.q.sizes(), " ",
+                         p.q.scalar_type(), " on ", p.q.device());
   } else {
-    o = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+    o = at::empty(p.q.sizes(), p.q.options().memory_format(at::MemoryFormat::Contiguous));
   }
-  at::Tensor lse = at::empty({H, T}, q.options().dtype(at::kFloat));
-  const at::Tensor cu = cu_seqlens.to(q.device(), at::kInt).contiguous();
-  const c10::DeviceGuard guard(q.device());
+  at::Tensor lse = at::empty({p.H, p.T}, p.q.options().dtype(at::kFloat));
+#ifdef COLOSSAL_WITH_SM90_KERNELS
+  const c10::DeviceGuard guard(p.q.device());
   cuda::AttentionFwdArgs a;
-  a.q = qc.const_data_ptr();
-  a.k = kc.const_data_ptr();
-  a.v = vc.const_data_ptr();
+  fill_args(p, causal, a);
   a.out = o.data_ptr();
   a.lse = lse.data_ptr<float>();
-  a.cu_seqlens = cu.const_data_ptr<int>();
-  a.total = T;
-  a.sequences = n;
-  a.max_seqlen = longest;
-  a.heads = H;
-  a.kv_heads = Hkv;
-  a.head_dim = D;
-  a.q_row_stride = qc.stride(0);
-  a.kv_row_stride = kc.stride(0);
-  a.causal = causal;
-  a.scale = scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(D));
-  if (T > 0) cuda::attention_sm90_fwd(a, stream_of(q));
-  return {o, lse};
+  if (p.T > 0) cuda::attention_sm90_fwd(a, stream_of(p.q));
 #else
-  (void)max_seqlen;
   (void)causal;
-  (void)scale;
-  (void)out;
-  return {};
 #endif
+  return {o, lse};
+}
+
+AttentionGrads backward_prepared(const Prepared& p, const at::Tensor& out, const at::Tensor& dout,
+                                 const at::Tensor& lse, bool causal, bool deterministic) {
+  const char* op = "attention_backward";
+  COLOSSAL_CHECK_INPUT(
+      out.defined() && out.sizes() == p.q.sizes() && out.scalar_type() == p.q.scalar_type(), op,
+      ": out must be the forward's output ", p.q.sizes());
+  COLOSSAL_CHECK_INPUT(
+      dout.defined() && dout.sizes() == p.q.sizes() && dout.scalar_type() == p.q.scalar_type(), op,
+      ": dout must be ", p.q.sizes(), " ", p.q.scalar_type());
+  COLOSSAL_CHECK_INPUT(lse.defined() && lse.scalar_type() == at::kFloat &&
+                           lse.sizes() == at::IntArrayRef({p.H, p.T}),
+                       op, ": lse must be float32 [", p.H, ", ", p.T, "] from the forward");
+  const at::Tensor o = out.contiguous(), l = lse.contiguous();
+  const at::Tensor g = (dout.stride(2) == 1 && dout.stride(1) == p.D && dout.stride(0) % 8 == 0 &&
+                        reinterpret_cast<uintptr_t>(dout.const_data_ptr()) % 16 == 0)
+                           ? dout
+                           : dout.contiguous();
+  AttentionGrads r;
+  r.dq = at::empty(p.q.sizes(), p.q.options().memory_format(at::MemoryFormat::Contiguous));
+  r.dk = at::empty(p.k.sizes(), p.k.options().memory_format(at::MemoryFormat::Contiguous));
+  r.dv = at::empty(p.v.sizes(), p.v.options().memory_format(at::MemoryFormat::Contiguous));
+#ifdef COLOSSAL_WITH_SM90_KERNELS
+  const c10::DeviceGuard guard(p.q.device());
+  at::Tensor delta = at::empty({p.H, p.T}, p.q.options().dtype(at::kFloat));
+  at::Tensor dq_accum = at::empty({p.T, p.H, p.D}, p.q.options().dtype(at::kFloat));
+  const int64_t sems =
+      deterministic ? cuda::attention_sm90_bwd_semaphores(p.sequences, p.longest, p.H) : 0;
+  at::Tensor sem = at::empty({std::max<int64_t>(sems, 1)}, p.q.options().dtype(at::kInt));
+  cuda::AttentionBwdArgs a;
+  fill_args(p, causal, a);
+  a.out = const_cast<void*>(o.const_data_ptr());
+  a.lse = const_cast<float*>(l.const_data_ptr<float>());
+  a.dout = g.const_data_ptr();
+  a.dout_row_stride = g.stride(0);
+  a.delta = delta.data_ptr<float>();
+  a.dq_accum = dq_accum.data_ptr<float>();
+  a.dq_semaphore = sem.data_ptr<int>();
+  a.semaphore_count = sems;
+  a.dq = r.dq.data_ptr();
+  a.dk = r.dk.data_ptr();
+  a.dv = r.dv.data_ptr();
+  a.deterministic = deterministic;
+  if (p.T > 0) cuda::attention_sm90_bwd(a, stream_of(p.q));
+#else
+  (void)causal;
+  (void)deterministic;
+#endif
+  return r;
+}
+
+struct AttentionFn : torch::autograd::Function<AttentionFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, const at::Tensor& cu_seqlens, int64_t max_seqlen,
+                            bool causal, double scale, bool deterministic) {
+    Prepared p = prepare("attention", q, k, v, cu_seqlens, max_seqlen, scale);
+    AttentionResult r = forward_prepared(p, causal, std::nullopt);
+    ctx->save_for_backward({p.q, p.k, p.v, r.out, r.lse, p.cu});
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["scale"] = p.scale;
+    ctx->saved_data["deterministic"] = deterministic;
+    ctx->saved_data["longest"] = p.longest;
+    return r.out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    auto saved = ctx->get_saved_variables();
+    if (!grad[0].defined())
+      return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+              at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    Prepared p = prepare("attention", saved[0], saved[1], saved[2], saved[5],
+                         ctx->saved_data["longest"].toInt(), ctx->saved_data["scale"].toDouble());
+    AttentionGrads g =
+        backward_prepared(p, saved[3], grad[0], saved[4], ctx->saved_data["causal"].toBool(),
+                          ctx->saved_data["deterministic"].toBool());
+    return {g.dq, g.dk, g.dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+AttentionResult attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& cu_seqlens, int64_t max_seqlen, bool causal,
+                                  double scale, const std::optional<at::Tensor>& out) {
+  return forward_prepared(prepare("attention_forward", q, k, v, cu_seqlens, max_seqlen, scale),
+                          causal, out);
+}
+
+AttentionGrads attention_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& out, const at::Tensor& dout,
+                                  const at::Tensor& lse, const at::Tensor& cu_seqlens,
+                                  int64_t max_seqlen, bool causal, double scale,
+                                  bool deterministic) {
+  return backward_prepared(prepare("attention_backward", q, k, v, cu_seqlens, max_seqlen, scale),
+                           out, dout, lse, causal, deterministic);
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& cu_seqlens, int64_t max_seqlen, bool causal, double scale,
+                     bool deterministic) {
+  return AttentionFn::apply(q, k, v, cu_seqlens, max_seqlen, causal, scale, deterministic);
 }
 
 }  // namespace colossal::kernels

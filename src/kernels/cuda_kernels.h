@@ -138,5 +138,24 @@ struct AttentionFwdArgs {
 bool attention_sm90_built();
 bool attention_sm90_supported(int64_t head_dim);
 void attention_sm90_fwd(const AttentionFwdArgs& args, Stream stream);
+// Backward: out (the forward's output, contiguous [total, heads, head_dim]) and dout (head
+// dimension contiguous, row stride dout_row_stride), lse from the forward. Workspaces: delta
+// fp32 [heads, total], dq_accum fp32 [total, heads, head_dim], and in deterministic mode
+// dq_semaphore int32 [semaphore_count = attention_sm90_bwd_semaphores(..)]. Outputs contiguous
+// bf16: dq [total, heads, head_dim], dk and dv [total, kv_heads, head_dim].
+struct AttentionBwdArgs : AttentionFwdArgs {
+  const void* dout = nullptr;
+  int64_t dout_row_stride = 0;
+  float* delta = nullptr;
+  float* dq_accum = nullptr;
+  int* dq_semaphore = nullptr;
+  int64_t semaphore_count = 0;
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  bool deterministic = false;
+};
+int64_t attention_sm90_bwd_semaphores(int64_t sequences, int64_t max_seqlen, int64_t heads);
+void attention_sm90_bwd(const AttentionBwdArgs& args, Stream stream);
 
 }  // namespace colossal::kernels::cuda

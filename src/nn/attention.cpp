@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include "colossal/core/error.h"
+#include "colossal/kernels/attention.h"
 
 namespace colossal::nn {
 
@@ -60,7 +61,8 @@ DocumentMask make_documents(const at::Tensor& ids_cpu, const at::Device& device)
   }
   DocumentMask d;
   d.ids = ids.to(device);
-  d.cu_seqlens = at::tensor(cu, at::kInt).to(device);
+  d.cu_seqlens_cpu = at::tensor(cu, at::kInt);
+  d.cu_seqlens = d.cu_seqlens_cpu.to(device);
   d.max_len = max_len;
   return d;
 }
@@ -117,6 +119,63 @@ at::Tensor SdpaAttention::forward(const at::Tensor& q, const at::Tensor& k, cons
   // (the model passes an explicit mask otherwise) and for more than one query.
   return at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, mask.causal && q.size(2) > 1,
                                           std::nullopt, gqa);
+}
+
+// ---- Our kernels ----------------------------------------------------------------------------
+std::string own_attention_fallback(const at::Tensor& q, const at::Tensor& k,
+                                   const AttentionMask& mask, const SequenceInfo& seq) {
+  if (seq.past > 0 || seq.sharded())
+    return "a KV cache or a sequence shard (decoding, ring attention) goes to SDPA";
+  if (q.dim() != 4 || k.dim() != 4 || k.size(2) != q.size(2))
+    return "keys of another length than the queries go to SDPA";
+  if (mask.mask.defined()) return "an explicit attention mask goes to SDPA";
+  return kernels::own_attention_unsupported(q.dim() == 4 ? q.select(0, 0) : q,
+                                            k.dim() == 4 ? k.select(0, 0) : k);
+}
+
+at::Tensor OwnAttention::forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const AttentionMask& mask, const SequenceInfo& seq) {
+  ForwardScope scope(*this);
+  const std::string why = own_attention_fallback(q, k, mask, seq);
+  if (!why.empty()) {
+    if (fallback_calls_++ == 0) fallback_reason_ = why;
+    return sdpa_.forward(q, k, v, mask, seq);
+  }
+  ++own_calls_;
+  const int64_t B = q.size(0), S = q.size(2), D = q.size(3);
+  // [B, H, S, D] -> the tokens as rows [B*S, H, D] (free when the heads were transposed out of
+  // a [B, S, H, D] projection output, as the model's are).
+  auto rows = [&](const at::Tensor& x) { return x.transpose(1, 2).reshape({B * S, x.size(1), D}); };
+  at::Tensor cu;
+  int64_t max_len = S;
+  if (mask.documents.defined()) {
+    COLOSSAL_CHECK(mask.documents.ids.size(0) == B && mask.documents.ids.size(1) == S,
+                   "document ids ", mask.documents.ids.sizes(), " do not match q ", q.sizes());
+    cu = mask.documents.cu_seqlens_cpu.defined() ? mask.documents.cu_seqlens_cpu
+                                                 : mask.documents.cu_seqlens;
+    max_len = mask.documents.max_len;
+  } else {
+    if (!uniform_cu_.defined() || uniform_cu_.numel() != B + 1 ||
+        (B > 0 && uniform_cu_[1].item<int64_t>() != S))
+      uniform_cu_ = at::arange(0, B * S + 1, std::max<int64_t>(S, 1), at::kInt);
+    cu = uniform_cu_;
+  }
+  at::Tensor out =
+      kernels::attention(rows(q), rows(k), rows(v), cu, max_len,
+                         (mask.causal || mask.documents.defined()) && S > 1, 0, deterministic_);
+  return out.view({B, S, q.size(1), D}).transpose(1, 2);
+}
+
+std::pair<std::shared_ptr<OwnAttention>, int64_t> use_own_attention(torch::nn::Module& root,
+                                                                    bool deterministic) {
+  auto own = std::make_shared<OwnAttention>(deterministic);
+  std::vector<std::string> paths;
+  for (const auto& item : root.named_modules("", false)) {
+    const auto& m = item.value();
+    if (m && typeid(*m) == typeid(SdpaAttention)) paths.push_back(item.key());
+  }
+  for (const std::string& path : paths) replace_module(root, path, own);
+  return {own, static_cast<int64_t>(paths.size())};
 }
 
 }  // namespace colossal::nn

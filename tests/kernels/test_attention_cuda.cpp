@@ -8,6 +8,9 @@
 // element) and writes bf16 (2^-9); q, k, v are the same bf16 values on both sides. The
 // norm-wise relative error of the output is then a few 2^-9 = 2e-3 at most: bound 1e-2. The
 // log-sum-exp is fp32 from fp32 scores: absolute error within 1e-3 (scores of order 10).
+// Backward: P^T and dS^T are rounded to bf16 before their GEMMs (2^-9 each) and dQ, dK, dV are
+// written in bf16 (2^-9); dQ sums fp32 partials of up to 17 key tiles. Norm-wise relative
+// error bound 2e-2 (a few times the 2^-9 = 2e-3 per-element rounding).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -79,6 +82,61 @@ TEST(AttentionCuda, ForwardEqualsTheFp64Reference) {
       check_case({{127, 1, 300}, 8, 2, dim, causal});        // documents of length 1 and odd, GQA 4
       check_case({{1}, 8, 1, dim, causal});                  // one token, MQA 8
       check_case({{256, 128, 513, 7}, 16, 2, dim, causal});  // GQA 8, tile-aligned and not
+    }
+}
+
+void check_backward(const Case& c, bool deterministic) {
+  SCOPED_TRACE(name(c) + (deterministic ? " deterministic" : ""));
+  std::vector<int64_t> cu{0};
+  for (int64_t l : c.lens) cu.push_back(cu.back() + l);
+  const int64_t T = cu.back();
+  auto bf = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA);
+  at::Tensor q = at::randn({T, c.heads, c.dim}, bf).requires_grad_();
+  at::Tensor k = at::randn({T, c.kv_heads, c.dim}, bf).requires_grad_();
+  at::Tensor v = at::randn({T, c.kv_heads, c.dim}, bf).requires_grad_();
+  at::Tensor dy = at::randn({T, c.heads, c.dim}, bf);
+  at::Tensor cu_t = at::tensor(cu, at::kLong);
+  at::Tensor y = attention(q, k, v, cu_t.to(at::kCUDA), 0, c.causal, 0, deterministic);
+  y.backward(dy);
+  at::Tensor qr = q.detach().cpu().to(at::kDouble).requires_grad_();
+  at::Tensor kr = k.detach().cpu().to(at::kDouble).requires_grad_();
+  at::Tensor vr = v.detach().cpu().to(at::kDouble).requires_grad_();
+  AttentionReference ref = attention_reference(qr, kr, vr, cu_t, c.causal);
+  ref.out.backward(dy.cpu().to(at::kDouble));
+  auto nrel = [](const at::Tensor& a, const at::Tensor& b) {
+    return ((a.cpu().to(at::kDouble) - b).norm() / b.norm()).item<double>();
+  };
+  for (const at::Tensor* g : {&q.grad(), &k.grad(), &v.grad()})
+    ASSERT_FALSE(g->isnan().any().item<bool>()) << "NaN in a gradient";
+  const double eq = nrel(q.grad(), qr.grad()), ek = nrel(k.grad(), kr.grad()),
+               ev = nrel(v.grad(), vr.grad());
+  EXPECT_LE(eq, 2e-2);
+  EXPECT_LE(ek, 2e-2);
+  EXPECT_LE(ev, 2e-2);
+  std::printf("%-48s dq %.2e  dk %.2e  dv %.2e%s\n", name(c).c_str(), eq, ek, ev,
+              deterministic ? " (deterministic)" : "");
+  if (deterministic) {  // bitwise repeatable
+    at::Tensor dq1 = q.grad().clone(), dk1 = k.grad().clone(), dv1 = v.grad().clone();
+    q.grad().zero_();
+    k.grad().zero_();
+    v.grad().zero_();
+    attention(q, k, v, cu_t.to(at::kCUDA), 0, c.causal, 0, true).backward(dy);
+    EXPECT_TRUE(at::equal(dq1, q.grad()));
+    EXPECT_TRUE(at::equal(dk1, k.grad()));
+    EXPECT_TRUE(at::equal(dv1, v.grad()));
+  }
+}
+
+TEST(AttentionCuda, BackwardEqualsTheFp64Reference) {
+  std::string why;
+  if (!usable(&why)) GTEST_SKIP() << why;
+  at::manual_seed(26);
+  for (int64_t dim : {64, 128})
+    for (bool causal : {true, false}) {
+      check_backward({{2049}, 4, 4, dim, causal}, false);
+      check_backward({{127, 1, 300}, 8, 2, dim, causal}, false);
+      check_backward({{1}, 8, 1, dim, causal}, false);
+      check_backward({{256, 128, 513, 7}, 16, 2, dim, causal}, true);
     }
 }
 

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "colossal/core/accelerator.h"
+#include "colossal/kernels/attention.h"
 #include "colossal/kernels/fp8.h"
 #include "colossal/kernels/fused.h"
 #include "colossal/kernels/quant.h"
@@ -453,4 +454,50 @@ TEST(ModelCuda, Fp8LayersAreNeverFusedAway) {
   const double fp8_err = (composite - bf16).abs().max().item<double>();
   EXPECT_LE((fused - composite).abs().max().item<double>(), 3e-2 * scale + 2 * fp8_err);
   EXPECT_GT((fused - bf16).abs().max().item<double>(), 1e-3 * scale);
+}
+
+// --attn_backend own on the GPU: OwnAttention in every core-attention slot serves every layer of
+// a bf16 model with our kernels (no call handed to SDPA on sm_90), dense and with packed
+// documents, and gives SDPA's logits and gradients within bf16's error: two bf16 attention
+// kernels with different summation orders, 3e-2 of the largest logit (as the variable-length
+// test above) and 5e-2 norm-wise for the gradients. Skipped where the kernels do not run.
+TEST(ModelCuda, OwnAttentionServesEveryLayer) {
+  if (!Accelerator::cuda().available()) GTEST_SKIP() << "no CUDA device";
+  const at::Device dev = Accelerator::cuda().device();
+  at::Tensor probe = at::empty({1, 1, 64}, at::TensorOptions().dtype(at::kBFloat16).device(dev));
+  const std::string why = kernels::own_attention_unsupported(probe, probe);
+  if (!why.empty()) GTEST_SKIP() << why;
+  models::ModelConfig cfg = models::ModelConfig::preset("tiny");
+  cfg.num_attention_heads = 4;
+  cfg.head_dim = 64;            // our kernels' head dims are 64 and 128
+  cfg.num_key_value_heads = 1;  // MQA: every query head reads the one kv head in place
+  auto sdpa = tiny_on_gpu(at::kBFloat16, cfg), own = tiny_on_gpu(at::kBFloat16, cfg);
+  const auto [attn, slots] = nn::use_own_attention(*own, false);
+  EXPECT_EQ(slots, cfg.num_hidden_layers);
+  const int64_t B = 2, S = 200;
+  at::manual_seed(12);
+  at::Tensor ids = at::randint(0, cfg.vocab_size, {B, S}, at::kLong).to(dev);
+  at::Tensor targets = at::randint(0, cfg.vocab_size, {B, S}, at::kLong).to(dev);
+  at::Tensor doc = at::zeros({B, S}, at::kLong);
+  doc[0].narrow(0, 77, S - 77).fill_(1);
+  doc[1].narrow(0, 1, S - 1).fill_(1);  // a document of one token
+  for (bool documents : {false, true}) {
+    SCOPED_TRACE(documents ? "packed documents" : "dense");
+    models::ForwardOptions fo;
+    if (documents) fo.document_ids = doc;
+    at::Tensor a = sdpa->forward(ids, fo).to(at::kFloat), b = own->forward(ids, fo).to(at::kFloat);
+    EXPECT_LE((a - b).abs().max().item<double>(), 3e-2 * a.abs().max().item<double>());
+    sdpa->zero_grad();
+    own->zero_grad();
+    sdpa->forward_loss(ids, targets, 64, fo).backward();
+    own->forward_loss(ids, targets, 64, fo).backward();
+    auto pa = sdpa->named_parameters(), pb = own->named_parameters();
+    for (const auto& item : pa) {
+      const at::Tensor ga = item.value().grad().to(at::kFloat);
+      const at::Tensor gb = pb[item.key()].grad().to(at::kFloat);
+      EXPECT_LE(((ga - gb).norm() / ga.norm().clamp_min(1e-12)).item<double>(), 5e-2) << item.key();
+    }
+  }
+  EXPECT_EQ(attn->fallback_calls(), 0) << attn->fallback_reason();
+  EXPECT_EQ(attn->own_calls(), 4 * cfg.num_hidden_layers);
 }

@@ -232,3 +232,52 @@ TEST(DocumentModel, MaskLayoutAndArguments) {
   fo.attention_mask = at::ones({2, 4}, at::kLong);
   EXPECT_THROW(model->forward(at::zeros({2, 4}, at::kLong), fo), InputError);
 }
+
+// --attn_backend own: the dispatcher's rules (each reason named, structural ones first so they
+// show on the CPU too), and a model whose core-attention slots hold OwnAttention gives on the
+// CPU exactly the SDPA model's logits (every call handed to SDPA, each counted). The kernels
+// themselves: tests/kernels/test_attention_cuda.cpp and the model test in test_model_cuda.cpp.
+TEST(OwnAttention, FallbackRulesNameTheirReason) {
+  at::Tensor q = at::randn({1, 4, 8, 64}), k = at::randn({1, 2, 8, 64});
+  nn::AttentionMask mask;
+  nn::SequenceInfo seq;
+  seq.local_len = seq.global_len = 8;
+  const std::string kernel_reason = nn::own_attention_fallback(q, k, mask, seq);
+  EXPECT_FALSE(kernel_reason.empty());  // the CPU (or a build without the kernels)
+  nn::SequenceInfo cached = seq;
+  cached.past = 3;
+  EXPECT_NE(nn::own_attention_fallback(q, k, mask, cached).find("KV cache"), std::string::npos);
+  nn::SequenceInfo shard = seq;
+  shard.global_len = 16;
+  EXPECT_NE(nn::own_attention_fallback(q, k, mask, shard).find("sequence shard"),
+            std::string::npos);
+  EXPECT_NE(
+      nn::own_attention_fallback(q, at::randn({1, 2, 5, 64}), mask, seq).find("another length"),
+      std::string::npos);
+  nn::AttentionMask explicit_mask;
+  explicit_mask.mask = at::ones({1, 1, 8, 8}, at::kBool);
+  EXPECT_NE(nn::own_attention_fallback(q, k, explicit_mask, seq).find("explicit attention mask"),
+            std::string::npos);
+}
+
+TEST(OwnAttention, OnTheCpuEveryCallGoesToSdpaUnchanged) {
+  const ModelConfig c = small_config(false);
+  auto model = make_model(c);
+  at::manual_seed(4);
+  at::Tensor ids = at::randint(0, c.vocab_size, {2, 12}, at::kLong);
+  at::Tensor sdpa = model->forward(ids);
+  const auto [own, slots] = nn::use_own_attention(*model, false);
+  EXPECT_EQ(slots, c.num_hidden_layers);
+  at::Tensor mine = model->forward(ids);
+  EXPECT_TRUE(at::equal(mine, sdpa));
+  EXPECT_EQ(own->own_calls(), 0);
+  EXPECT_EQ(own->fallback_calls(), c.num_hidden_layers);
+  EXPECT_FALSE(own->fallback_reason().empty());
+  // Packed documents too (the dense document-causal mask on the CPU).
+  ForwardOptions fo;
+  fo.document_ids = at::tensor(std::vector<int64_t>{0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2}, at::kLong)
+                        .view({1, 12})
+                        .expand({2, 12})
+                        .contiguous();
+  EXPECT_NO_THROW(model->forward(ids, fo));
+}

@@ -34,9 +34,12 @@ struct BenchConfig {
   std::string ckpt_mode;               // full | attention (implies -g)
   std::string checkpointing = "none";  // resolved: none | full | attention
   int64_t ckpt_layers = -1;            // recompute only the first N decoder layers (-1: all)
-  std::string attn_backend = "auto";   // SDPA backend: auto | flash | cudnn | efficient | math
-  bool fused_kernels = true;           // kernels/fused.h (RMSNorm, rotary, SwiGLU, AdamW)
-  bool cuda_graph = false;             // replay forward + backward as one CUDA graph
+  // SDPA backend (auto | flash | cudnn | efficient | math), or `own`: our kernels
+  // (nn::OwnAttention; SDPA where they do not apply, counted in the report).
+  std::string attn_backend = "auto";
+  bool deterministic = false;  // own attention: a bitwise repeatable backward
+  bool fused_kernels = true;   // kernels/fused.h (RMSNorm, rotary, SwiGLU, AdamW)
+  bool cuda_graph = false;     // replay forward + backward as one CUDA graph
   // --profile: one extra, untimed step recorded by the Kineto profiler; kernel table in the
   // report, Chrome trace in profile_dir/rank<r>.json.
   bool profile = false;
@@ -91,6 +94,8 @@ struct BenchReport {
   double peak_memory_mib = 0;    // max over ranks
   std::string peak_memory_kind;  // "cuda max_memory_allocated" | "cpu peak RSS (process)"
   double final_loss = 0;
+  // --attn_backend own: which kernel served the attention calls ("own N, SDPA M (why)").
+  std::string attention_kernels;
   std::string profile_text;  // --profile: where the profiled step's device time went
   json::Value profile;       // the same, as {"step_ms", "busy_ms", "categories": {...}, ...}
   // pp > 1: the last timed step's pipeline, measured and simulated from its own per-instruction

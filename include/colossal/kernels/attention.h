@@ -25,15 +25,36 @@ std::string own_attention_unsupported(const at::Tensor& q, const at::Tensor& k);
 
 // softmax(q k^T * scale) v over packed sequences: q [T, H, D], k and v [T, Hkv, D] (H a
 // multiple of Hkv; query head h reads kv head h / (H / Hkv)), the head dimension contiguous;
-// sequence i holds tokens [cu_seqlens[i], cu_seqlens[i+1]) (int32 or int64 [n+1] on any
-// device: 0 first, T last, non-decreasing); max_seqlen the longest (computed when <= 0).
+// sequence i holds tokens [cu_seqlens[i], cu_seqlens[i+1]) (int32 or int64 [n+1]: 0 first, T
+// last, non-decreasing), checked on the host: on the CPU they are uploaded once and reused while
+// the same tensor comes again (the layers of a forward); on the device each call copies them
+// back and synchronises. max_seqlen: at least the longest (computed when <= 0).
 // causal: a query attends to the keys of its sequence up to its own position. scale: 1/sqrt(D)
 // when 0. `out` (optional, [T, H, D] contiguous, q's dtype) receives the output (tests poison it).
 // InputError naming the bad argument, or the reason above when the kernels do not cover it.
-// Forward only (no autograd yet).
+// No autograd (attention() below records it).
 AttentionResult attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& cu_seqlens, int64_t max_seqlen, bool causal,
                                   double scale = 0,
                                   const std::optional<at::Tensor>& out = std::nullopt);
+
+struct AttentionGrads {
+  at::Tensor dq, dk, dv;  // contiguous, shaped as q, k, v
+};
+
+// The gradients for dout (the output's gradient, [T, H, D]) given the forward's inputs, its
+// output and log-sum-exp. deterministic: the partial dQ sums are added in a fixed order, so the
+// result is bitwise repeatable (at the cost of waits between the CTAs of a query tile);
+// otherwise they are added by fp32 atomics in whatever order the CTAs finish.
+AttentionGrads attention_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& out, const at::Tensor& dout,
+                                  const at::Tensor& lse, const at::Tensor& cu_seqlens,
+                                  int64_t max_seqlen, bool causal, double scale = 0,
+                                  bool deterministic = false);
+
+// attention_forward's output with autograd (q, k, v differentiable; the backward above).
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& cu_seqlens, int64_t max_seqlen, bool causal,
+                     double scale = 0, bool deterministic = false);
 
 }  // namespace colossal::kernels

@@ -7,6 +7,8 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -23,6 +25,7 @@ namespace colossal::nn {
 struct DocumentMask {
   at::Tensor ids;
   at::Tensor cu_seqlens;
+  at::Tensor cu_seqlens_cpu;  // the same offsets on the host (our kernels check them there)
   int64_t max_len = 0;
   bool defined() const { return ids.defined(); }
 };
@@ -85,5 +88,39 @@ class SdpaAttention : public CoreAttention {
   at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const AttentionMask& mask, const SequenceInfo& seq) override;
 };
+
+// Why OwnAttention hands these inputs to SDPA ("" when our kernels take them). Checked in this
+// order: a KV cache (past tokens) or a sequence shard, keys of another length than the queries,
+// an explicit mask (sliding windows, padding), then the kernels' own reason
+// (kernels::own_attention_unsupported: device, dtype, head dimension, a build without them).
+std::string own_attention_fallback(const at::Tensor& q, const at::Tensor& k,
+                                   const AttentionMask& mask, const SequenceInfo& seq);
+
+// Our attention kernels (kernels/attention.h: FlashAttention-3-class on sm_90a; causal or full,
+// GQA without copies, packed documents through their offsets) where they apply, SDPA otherwise
+// (--attn_backend own). Each call that falls back is counted with its reason, so a run can say
+// which kernel served it. deterministic: the backward adds dQ's partial sums in a fixed order.
+class OwnAttention : public CoreAttention {
+ public:
+  explicit OwnAttention(bool deterministic = false) : deterministic_(deterministic) {}
+  at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const AttentionMask& mask, const SequenceInfo& seq) override;
+  int64_t own_calls() const { return own_calls_; }
+  int64_t fallback_calls() const { return fallback_calls_; }
+  const std::string& fallback_reason() const { return fallback_reason_; }  // the first one
+
+ private:
+  bool deterministic_;
+  SdpaAttention sdpa_;
+  int64_t own_calls_ = 0, fallback_calls_ = 0;
+  std::string fallback_reason_;
+  at::Tensor uniform_cu_;  // offsets of B equal sequences of S tokens, on the host
+};
+
+// Puts one OwnAttention in every core-attention slot under `root` that holds the plain
+// SdpaAttention (a slot already given another kind, a sequence-parallel wrapper, stays as it
+// is); returns it (its counters cover every layer) and the number of slots replaced.
+std::pair<std::shared_ptr<OwnAttention>, int64_t> use_own_attention(torch::nn::Module& root,
+                                                                    bool deterministic);
 
 }  // namespace colossal::nn

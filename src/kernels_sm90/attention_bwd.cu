@@ -1,0 +1,526 @@
+// Issue 25: our attention backward for sm_90a, the companion of attention_fwd.cu (same inputs:
+// bf16 q [T, H, D], k / v [T, Hkv, D], packed sequences, causal or full, GQA in place), with
+// the forward's log-sum-exp. Written on CuTe after the FlashAttention-2/3 papers' key-stationary
+// scheme, not on their code:
+//  - preprocess: delta_i = rowsum(dO_i * O_i) per query and head (fp32 [H, T]); dQ's fp32
+//    accumulator zeroed;
+//  - main kernel: one CTA per (128-key tile, kv head, sequence) holds K and V in shared memory
+//    and walks every query head of its group and every 64-query tile that sees its keys; a
+//    producer warpgroup streams Q and dO (TMA) and the tile's log-sum-exp and delta (plain
+//    loads) through a two-stage ring; two consumer warpgroups (64 keys each) compute
+//      S^T = K Q^T and dP^T = V dO^T (wgmma from shared memory),
+//      P^T = exp2(S^T * scale * log2 e - lse * log2 e), dS^T = P^T (dP^T - delta),
+//      dV += P^T dO and dK += dS^T Q (wgmma with P^T / dS^T from registers),
+//    then write dS^T to shared memory for dQ = dS K (each warpgroup half of the head dim),
+//    added to the fp32 accumulator with atomics. dK and dV stay in registers for the whole
+//    walk (no atomics: the CTA owns its keys for every head of the group) and are written once;
+//  - deterministic mode: the CTAs of one query tile add their dQ in key-tile order (a counter
+//    per (query tile, head) in global memory), so the sums are bitwise repeatable;
+//  - convert: dQ = bf16(accumulator).
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_types.h>
+#include <cute/atom/copy_traits_sm90.hpp>
+#include <cute/tensor.hpp>
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/cuda_kernels.h"
+
+namespace colossal::kernels::cuda {
+
+namespace {
+
+using namespace cute;
+using Bf16 = cutlass::bfloat16_t;
+using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
+using EmptyBarrier = cutlass::arch::ClusterBarrier;
+using NamedBarrier = cutlass::arch::NamedBarrier;
+
+template <int kD>
+struct BwdTraits {
+  static constexpr int kBlockM = 64;   // queries per step
+  static constexpr int kBlockN = 128;  // keys per CTA (64 per consumer warpgroup)
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 384;
+  static constexpr int kConsumers = 256;
+  static constexpr int kStatThreads = 64;  // producer threads loading lse / delta per step
+  using D = Int<kD>;
+  using BM = Int<kBlockM>;
+  using BN = Int<kBlockN>;
+  using S = Int<kStages>;
+  using Atom = GMMA::Layout_K_SW128_Atom<Bf16>;
+  // Row-major tiles (the last dimension contiguous), 128-byte swizzled.
+  using SmemLayoutQ = decltype(tile_to_shape(Atom{}, Shape<BM, D, S>{}));  // also dO
+  using SmemLayoutK = decltype(tile_to_shape(Atom{}, Shape<BN, D>{}));     // also V
+  using SmemLayoutDS = decltype(tile_to_shape(Atom{}, Shape<BN, BM>{}));   // dS^T [key, query]
+  // The same bytes read as the transposed (MN-major) operands.
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_layout(Shape<D, BM, S>{}, Stride<BM, _1, Int<kBlockM * kD>>{})));
+  using SmemLayoutKt =
+      decltype(composition(SmemLayoutK{}, make_layout(Shape<D, BN>{}, Stride<BN, _1>{})));
+  using SmemLayoutDSt =
+      decltype(composition(SmemLayoutDS{}, make_layout(Shape<BM, BN>{}, Stride<BN, _1>{})));
+  // S^T = K Q^T, dP^T = V dO^T: [BN keys, BM queries], both operands K-major.
+  using MmaSdP = decltype(GMMA::ss_op_selector<Bf16, Bf16, float, Shape<_64, BM, D>, GMMA::Major::K,
+                                               GMMA::Major::K>());
+  // dV += P^T dO, dK += dS^T Q: [BN, D], A from registers, B = dO^T / Q^T MN-major.
+  using MmaKV = decltype(GMMA::rs_op_selector<Bf16, Bf16, float, Shape<_64, D, BM>, GMMA::Major::K,
+                                              GMMA::Major::MN>());
+  // dQ = dS K: [BM, D] split over the warpgroups along D; A = dS (MN-major view of dS^T),
+  // B = K^T (MN-major view of K).
+  using MmaQ = decltype(GMMA::ss_op_selector<Bf16, Bf16, float, Shape<_64, Int<kD / 2>, BN>,
+                                             GMMA::Major::MN, GMMA::Major::MN>());
+  using TiledMmaSdP = decltype(make_tiled_mma(MmaSdP{}, Layout<Shape<_2, _1, _1>>{}));
+  using TiledMmaKV = decltype(make_tiled_mma(MmaKV{}, Layout<Shape<_2, _1, _1>>{}));
+  using TiledMmaQ = decltype(make_tiled_mma(MmaQ{}, Layout<Shape<_1, _2, _1>>{}));
+  // The S^T accumulator ((2, 2, BM/8), 1, 1) read as the A fragment ((2, 2, 2), 1, BM/16).
+  using LayoutP =
+      Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockM / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
+
+  struct alignas(1024) Smem {
+    alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutK>> k;
+    alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutK>> v;
+    alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutQ>> dout;
+    alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutDS>> ds;
+    float lse2[kStages][kBlockM];   // lse * log2(e); +inf past the sequence's end
+    float delta[kStages][kBlockM];  // rowsum(dO * O)
+    alignas(8) uint64_t bar_kv;
+    uint64_t full_q[kStages], full_do[kStages], full_stat[kStages], empty[kStages];
+  };
+  static constexpr int kBytesQ = kBlockM * kD * 2;
+  static constexpr int kBytesK = kBlockN * kD * 2;
+};
+
+struct BwdParams {
+  const float* lse;    // [H, T]
+  const float* delta;  // [H, T]
+  float* dq_accum;     // [T, H, D]
+  Bf16* dk;            // [T, Hkv, D]
+  Bf16* dv;
+  int* dq_semaphore;  // [sequences, m_blocks, H] (deterministic), else null
+  const int* cu_seqlens;
+  int heads, kv_heads, total, m_blocks_max;
+  float scale, scale_log2;
+};
+
+template <class Traits, bool kCausal, bool kDeterministic, class TmaQ, class TmaDO, class TmaK,
+          class TmaV>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    attention_bwd_kernel(CUTE_GRID_CONSTANT BwdParams const p, CUTE_GRID_CONSTANT TmaQ const tma_q,
+                         CUTE_GRID_CONSTANT TmaDO const tma_do, CUTE_GRID_CONSTANT TmaK const tma_k,
+                         CUTE_GRID_CONSTANT TmaV const tma_v) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = Traits;
+  constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kStages = T::kStages;
+  constexpr int kD = T::D::value;
+  extern __shared__ char smem_raw[];
+  auto& s = *reinterpret_cast<typename T::Smem*>(smem_raw);
+
+  const int n_block = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
+  const int start = p.cu_seqlens[seq];
+  const int len = p.cu_seqlens[seq + 1] - start;
+  if (n_block * kBlockN >= len) return;
+  const int group = p.heads / p.kv_heads;
+  const int m_begin = kCausal ? (n_block * kBlockN) / kBlockM : 0;
+  const int m_end = (len + kBlockM - 1) / kBlockM;
+  const int m_count = m_end - m_begin;  // >= 1: the tile's own queries
+  const int steps = group * m_count;    // head-major: step i is head i / m_count
+
+  const int warp = threadIdx.x / 32;
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    FullBarrier::init(&s.bar_kv, 1);
+    for (int i = 0; i < kStages; ++i) {
+      FullBarrier::init(&s.full_q[i], 1);
+      FullBarrier::init(&s.full_do[i], 1);
+      FullBarrier::init(&s.full_stat[i], T::kStatThreads);
+      EmptyBarrier::init(&s.empty[i], T::kConsumers);
+    }
+  }
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  Tensor sK = make_tensor(make_smem_ptr(s.k.data()), typename T::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(s.v.data()), typename T::SmemLayoutK{});
+  Tensor sQ = make_tensor(make_smem_ptr(s.q.data()), typename T::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(s.dout.data()), typename T::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(s.q.data()), typename T::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(s.dout.data()), typename T::SmemLayoutQt{});
+  Tensor sKt = make_tensor(make_smem_ptr(s.k.data()), typename T::SmemLayoutKt{});
+  Tensor sdS = make_tensor(make_smem_ptr(s.ds.data()), typename T::SmemLayoutDS{});
+  Tensor sdSt = make_tensor(make_smem_ptr(s.ds.data()), typename T::SmemLayoutDSt{});
+
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<24>();
+    if (warp == 0) {
+      if (cute::elect_one_sync()) {
+        Tensor mQ = tma_q.get_tma_tensor(make_shape(p.total, typename T::D{}, p.heads));
+        Tensor mdO = tma_do.get_tma_tensor(make_shape(p.total, typename T::D{}, p.heads));
+        Tensor mK = tma_k.get_tma_tensor(make_shape(p.total, typename T::D{}, p.kv_heads));
+        Tensor mV = tma_v.get_tma_tensor(make_shape(p.total, typename T::D{}, p.kv_heads));
+        Tensor gK = local_tile(domain_offset(make_coord(start, _0{}), mK(_, _, kv_head)),
+                               Shape<typename T::BN, typename T::D>{}, make_coord(n_block, _0{}));
+        Tensor gV = local_tile(domain_offset(make_coord(start, _0{}), mV(_, _, kv_head)),
+                               Shape<typename T::BN, typename T::D>{}, make_coord(n_block, _0{}));
+        auto [tKg, tKs] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                        group_modes<0, 2>(gK));
+        auto [tVg, tVs] = tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                        group_modes<0, 2>(gV));
+        FullBarrier::arrive_and_expect_tx(&s.bar_kv, 2 * T::kBytesK);
+        copy(tma_k.with(s.bar_kv), tKg, tKs);
+        copy(tma_v.with(s.bar_kv), tVg, tVs);
+        for (int i = 0; i < steps; ++i) {
+          const int head = kv_head * group + i / m_count, m = m_begin + i % m_count;
+          const int stage = i % kStages;
+          const uint32_t phase = (i / kStages) & 1;
+          Tensor gQ = local_tile(domain_offset(make_coord(start, _0{}), mQ(_, _, head)),
+                                 Shape<typename T::BM, typename T::D>{}, make_coord(m, _0{}));
+          Tensor gdO = local_tile(domain_offset(make_coord(start, _0{}), mdO(_, _, head)),
+                                  Shape<typename T::BM, typename T::D>{}, make_coord(m, _0{}));
+          auto [tQg, tQs] = tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                          group_modes<0, 2>(gQ));
+          auto [tdOg, tdOs] = tma_partition(tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO),
+                                            group_modes<0, 2>(gdO));
+          EmptyBarrier::wait(&s.empty[stage], phase ^ 1);
+          FullBarrier::arrive_and_expect_tx(&s.full_q[stage], T::kBytesQ);
+          copy(tma_q.with(s.full_q[stage]), tQg, tQs(_, stage));
+          FullBarrier::arrive_and_expect_tx(&s.full_do[stage], T::kBytesQ);
+          copy(tma_do.with(s.full_do[stage]), tdOg, tdOs(_, stage));
+        }
+      }
+    } else if (warp == 1 || warp == 2) {
+      // The step's log-sum-exp (times log2 e) and delta, one query per thread.
+      const int t = threadIdx.x - 32;
+      for (int i = 0; i < steps; ++i) {
+        const int head = kv_head * group + i / m_count, m = m_begin + i % m_count;
+        const int stage = i % kStages;
+        const uint32_t phase = (i / kStages) & 1;
+        const int row = m * kBlockM + t;
+        float l = INFINITY, d = 0.f;
+        if (row < len) {
+          l = p.lse[int64_t(head) * p.total + start + row] * float(M_LOG2E);
+          d = p.delta[int64_t(head) * p.total + start + row];
+        }
+        EmptyBarrier::wait(&s.empty[stage], phase ^ 1);
+        s.lse2[stage][t] = l;
+        s.delta[stage][t] = d;
+        FullBarrier::arrive(&s.full_stat[stage]);
+      }
+    }
+    return;
+  }
+
+  cutlass::arch::warpgroup_reg_alloc<240>();
+  const int ct = threadIdx.x - 128;
+  typename T::TiledMmaSdP mma_sdp;
+  typename T::TiledMmaKV mma_kv;
+  typename T::TiledMmaQ mma_q;
+  auto thr_sdp = mma_sdp.get_thread_slice(ct);
+  auto thr_kv = mma_kv.get_thread_slice(ct);
+  auto thr_q = mma_q.get_thread_slice(ct);
+  Tensor tSrK = thr_sdp.make_fragment_A(thr_sdp.partition_A(sK));    // (MMA, 1, D/16)
+  Tensor tSrV = thr_sdp.make_fragment_A(thr_sdp.partition_A(sV));    // (MMA, 1, D/16)
+  Tensor tSrQ = thr_sdp.make_fragment_B(thr_sdp.partition_B(sQ));    // (MMA, 1, D/16, S)
+  Tensor tSrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO));  // (MMA, 1, D/16, S)
+  Tensor tKVrdO = thr_kv.make_fragment_B(thr_kv.partition_B(sdOt));  // (MMA, 1, BM/16, S)
+  Tensor tKVrQ = thr_kv.make_fragment_B(thr_kv.partition_B(sQt));    // (MMA, 1, BM/16, S)
+  Tensor tQrdS = thr_q.make_fragment_A(thr_q.partition_A(sdSt));     // (MMA, 1, BN/16)
+  Tensor tQrK = thr_q.make_fragment_B(thr_q.partition_B(sKt));       // (MMA, 1, BN/16)
+  Tensor accdV = partition_fragment_C(mma_kv, Shape<typename T::BN, typename T::D>{});
+  Tensor accdK = partition_fragment_C(mma_kv, Shape<typename T::BN, typename T::D>{});
+  Tensor cS = make_identity_tensor(Shape<typename T::BN, typename T::BM>{});
+  Tensor tScS = thr_sdp.partition_C(cS);  // (key, query) of each S^T register
+  Tensor cKV = make_identity_tensor(Shape<typename T::BN, typename T::D>{});
+  Tensor tKVc = thr_kv.partition_C(cKV);
+  Tensor cQ = make_identity_tensor(Shape<typename T::BM, typename T::D>{});
+  Tensor tQc = thr_q.partition_C(cQ);
+  using FragA = decltype(thr_kv.partition_fragment_A(
+      make_tensor(make_smem_ptr((Bf16*)nullptr),
+                  make_layout(Shape<typename T::BN, typename T::BM>{}, LayoutRight{}))));
+  static_assert(std::is_same_v<typename FragA::layout_type, typename T::LayoutP>,
+                "the S^T accumulator does not read as the dV / dK wgmma's A fragment");
+  clear(accdV);
+  clear(accdK);
+  const int k_row0 = n_block * kBlockN;
+
+  FullBarrier::wait(&s.bar_kv, 0);
+  for (int i = 0; i < steps; ++i) {
+    const int head = kv_head * group + i / m_count, m = m_begin + i % m_count;
+    const int stage = i % kStages;
+    const uint32_t phase = (i / kStages) & 1;
+    const int q_row0 = m * kBlockM;
+    Tensor accS = partition_fragment_C(mma_sdp, Shape<typename T::BN, typename T::BM>{});
+    Tensor accdP = partition_fragment_C(mma_sdp, Shape<typename T::BN, typename T::BM>{});
+    FullBarrier::wait(&s.full_q[stage], phase);
+    warpgroup_fence_operand(accS);
+    warpgroup_arrive();
+    mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tSrK); ++kb) {
+      cute::gemm(mma_sdp, tSrK(_, _, kb), tSrQ(_, _, kb, stage), accS);
+      mma_sdp.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    FullBarrier::wait(&s.full_do[stage], phase);
+    warpgroup_fence_operand(accdP);
+    warpgroup_arrive();
+    mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tSrV); ++kb) {
+      cute::gemm(mma_sdp, tSrV(_, _, kb), tSrdO(_, _, kb, stage), accdP);
+      mma_sdp.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    FullBarrier::wait(&s.full_stat[stage], phase);
+    warpgroup_wait<1>();  // S^T done (dP^T may still run)
+    warpgroup_fence_operand(accS);
+
+    // P^T, masked: keys or queries past the sequence's end, (causal) keys after the query.
+    const bool need_mask = k_row0 + kBlockN > len || q_row0 + kBlockM > len ||
+                           (kCausal && k_row0 + kBlockN - 1 > q_row0);
+    CUTE_UNROLL
+    for (int j = 0; j < size(accS); ++j) {
+      const int kr = get<0>(tScS(j)), qc = get<1>(tScS(j));
+      float e = exp2f(accS(j) * p.scale_log2 - s.lse2[stage][qc]);
+      if (need_mask) {
+        const int key = k_row0 + kr, query = q_row0 + qc;
+        if (key >= len || query >= len || (kCausal && key > query)) e = 0.f;
+      }
+      accS(j) = e;
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accdP);
+    // dS^T = P^T (dP^T - delta), kept in accdP.
+    CUTE_UNROLL
+    for (int j = 0; j < size(accdP); ++j)
+      accdP(j) = accS(j) * (accdP(j) - s.delta[stage][get<1>(tScS(j))]);
+
+    Tensor rP = make_tensor<Bf16>(accS.layout());
+    Tensor rdS = make_tensor<Bf16>(accdP.layout());
+    CUTE_UNROLL
+    for (int j = 0; j < size(accS); ++j) {
+      rP(j) = Bf16(accS(j));
+      rdS(j) = Bf16(accdP(j));
+    }
+    // The other warpgroup may still read the previous step's dS^T (its dQ GEMM).
+    NamedBarrier::sync(T::kConsumers, 1);
+    {
+      // stmatrix through the accumulator's own partition (element-wise swizzled stores
+      // would cost a register per address and spill).
+      auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Bf16>{}, mma_sdp);
+      auto thr_r2s = r2s.get_thread_slice(ct);
+      cute::copy(r2s, thr_r2s.retile_S(rdS), thr_r2s.partition_D(sdS));
+    }
+    cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read by wgmma
+
+    Tensor tP = make_tensor(rP.data(), typename T::LayoutP{});
+    Tensor tdS = make_tensor(rdS.data(), typename T::LayoutP{});
+    warpgroup_fence_operand(accdV);
+    warpgroup_fence_operand(accdK);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tP); ++kb)
+      cute::gemm(mma_kv, tP(_, _, kb), tKVrdO(_, _, kb, stage), accdV);
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tdS); ++kb)
+      cute::gemm(mma_kv, tdS(_, _, kb), tKVrQ(_, _, kb, stage), accdK);
+    warpgroup_commit_batch();
+
+    NamedBarrier::sync(T::kConsumers, 2);  // all of dS^T written
+    Tensor accdQ = partition_fragment_C(mma_q, Shape<typename T::BM, typename T::D>{});
+    warpgroup_fence_operand(accdQ);
+    warpgroup_arrive();
+    mma_q.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tQrdS); ++kb) {
+      cute::gemm(mma_q, tQrdS(_, _, kb), tQrK(_, _, kb), accdQ);
+      mma_q.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accdV);
+    warpgroup_fence_operand(accdK);
+    warpgroup_fence_operand(accdQ);
+    EmptyBarrier::arrive(&s.empty[stage]);  // Q, dO and the statistics of this stage are read
+
+    float* dq = p.dq_accum + (int64_t(start) + q_row0) * p.heads * kD + int64_t(head) * kD;
+    int* sem = nullptr;
+    if constexpr (kDeterministic) {
+      // Key tiles add in order: tile n waits for the n tiles before it (0 .. n-1 all see
+      // this query tile: causal starts at key tile 0).
+      sem = p.dq_semaphore + (int64_t(seq) * p.m_blocks_max + m) * p.heads + head;
+      if (ct == 0) {
+        while (atomicAdd(sem, 0) != n_block) __nanosleep(64);
+        __threadfence();
+      }
+      NamedBarrier::sync(T::kConsumers, 3);
+    }
+    CUTE_UNROLL
+    for (int j = 0; j < size(accdQ); ++j) {
+      const int r = get<0>(tQc(j)), c = get<1>(tQc(j));
+      if (q_row0 + r < len) atomicAdd(dq + int64_t(r) * p.heads * kD + c, accdQ(j) * p.scale);
+    }
+    if constexpr (kDeterministic) {
+      __threadfence();
+      NamedBarrier::sync(T::kConsumers, 3);
+      if (ct == 0) atomicExch(sem, n_block + 1);
+    }
+  }
+
+  // dV and scale * dK, written once (the CTA owns these keys for every head of the group).
+  const int64_t ld = int64_t(p.kv_heads) * kD;
+  CUTE_UNROLL
+  for (int j = 0; j < size(accdV); j += 2) {
+    const int r = get<0>(tKVc(j)), c = get<1>(tKVc(j));
+    if (k_row0 + r < len) {
+      const int64_t off = (int64_t(start) + k_row0 + r) * ld + int64_t(kv_head) * kD + c;
+      *reinterpret_cast<__nv_bfloat162*>(p.dv + off) =
+          __floats2bfloat162_rn(accdV(j), accdV(j + 1));
+      *reinterpret_cast<__nv_bfloat162*>(p.dk + off) =
+          __floats2bfloat162_rn(accdK(j) * p.scale, accdK(j + 1) * p.scale);
+    }
+  }
+#endif
+}
+
+// delta[h, t] = sum_d dO[t, h, d] * O[t, h, d] (fp32), one warp per (t, h).
+template <int kD>
+__global__ void attention_bwd_delta_kernel(const __nv_bfloat16* __restrict__ out,
+                                           const __nv_bfloat16* __restrict__ dout,
+                                           float* __restrict__ delta, int64_t total, int heads,
+                                           int64_t out_row_stride, int64_t dout_row_stride) {
+  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (w >= total * heads) return;
+  const int64_t t = w / heads;
+  const int h = int(w % heads);
+  const __nv_bfloat16* o = out + t * out_row_stride + int64_t(h) * kD;
+  const __nv_bfloat16* g = dout + t * dout_row_stride + int64_t(h) * kD;
+  float acc = 0.f;
+  for (int d = lane * 2; d < kD; d += 64) {
+    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(o + d));
+    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(g + d));
+    acc += a.x * b.x + a.y * b.y;
+  }
+  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffff, acc, off);
+  if (lane == 0) delta[int64_t(h) * total + t] = acc;
+}
+
+__global__ void attention_bwd_convert_kernel(const float* __restrict__ acc,
+                                             __nv_bfloat16* __restrict__ dq, int64_t n) {
+  const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
+  if (i + 3 < n) {
+    const float4 v = *reinterpret_cast<const float4*>(acc + i);
+    *reinterpret_cast<__nv_bfloat162*>(dq + i) = __floats2bfloat162_rn(v.x, v.y);
+    *reinterpret_cast<__nv_bfloat162*>(dq + i + 2) = __floats2bfloat162_rn(v.z, v.w);
+  } else {
+    for (int64_t j = i; j < n; ++j) dq[j] = __float2bfloat16_rn(acc[j]);
+  }
+}
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("attention_sm90_bwd: ") + what + ": " +
+                             cudaGetErrorString(err));
+}
+
+template <int kD, bool kCausal, bool kDeterministic>
+void launch_bwd(const AttentionBwdArgs& a, Stream stream) {
+  using T = BwdTraits<kD>;
+  using D = typename T::D;
+  auto st = reinterpret_cast<cudaStream_t>(stream);
+  const int total = int(a.total);
+  // 1. delta = rowsum(dO * O); the dQ accumulator (and the order counters) zeroed.
+  {
+    const int64_t warps = a.total * a.heads;
+    const int threads = 256;
+    const int64_t blocks = (warps * 32 + threads - 1) / threads;
+    if (blocks > 0)
+      attention_bwd_delta_kernel<kD><<<unsigned(blocks), threads, 0, st>>>(
+          reinterpret_cast<const __nv_bfloat16*>(a.out),
+          reinterpret_cast<const __nv_bfloat16*>(a.dout), a.delta, a.total, int(a.heads),
+          a.heads * kD, a.dout_row_stride);
+    check(cudaGetLastError(), "delta");
+    check(cudaMemsetAsync(a.dq_accum, 0, sizeof(float) * a.total * a.heads * kD, st), "memset");
+    if (kDeterministic)
+      check(cudaMemsetAsync(a.dq_semaphore, 0, sizeof(int) * a.semaphore_count, st), "memset");
+  }
+  // 2. dK, dV and the dQ accumulator.
+  const auto* q = reinterpret_cast<const Bf16*>(a.q);
+  const auto* k = reinterpret_cast<const Bf16*>(a.k);
+  const auto* v = reinterpret_cast<const Bf16*>(a.v);
+  const auto* dout = reinterpret_cast<const Bf16*>(a.dout);
+  Tensor mQ = make_tensor(make_gmem_ptr(q), make_shape(total, D{}, int(a.heads)),
+                          make_stride(a.q_row_stride, _1{}, int64_t(kD)));
+  Tensor mdO = make_tensor(make_gmem_ptr(dout), make_shape(total, D{}, int(a.heads)),
+                           make_stride(a.dout_row_stride, _1{}, int64_t(kD)));
+  Tensor mK = make_tensor(make_gmem_ptr(k), make_shape(total, D{}, int(a.kv_heads)),
+                          make_stride(a.kv_row_stride, _1{}, int64_t(kD)));
+  Tensor mV = make_tensor(make_gmem_ptr(v), make_shape(total, D{}, int(a.kv_heads)),
+                          make_stride(a.kv_row_stride, _1{}, int64_t(kD)));
+  auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, mQ, take<0, 2>(typename T::SmemLayoutQ{}));
+  auto tma_do = make_tma_copy(SM90_TMA_LOAD{}, mdO, take<0, 2>(typename T::SmemLayoutQ{}));
+  auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, mK, typename T::SmemLayoutK{});
+  auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, mV, typename T::SmemLayoutK{});
+  BwdParams p;
+  p.lse = a.lse;
+  p.delta = a.delta;
+  p.dq_accum = a.dq_accum;
+  p.dk = reinterpret_cast<Bf16*>(a.dk);
+  p.dv = reinterpret_cast<Bf16*>(a.dv);
+  p.dq_semaphore = kDeterministic ? a.dq_semaphore : nullptr;
+  p.cu_seqlens = a.cu_seqlens;
+  p.heads = int(a.heads);
+  p.kv_heads = int(a.kv_heads);
+  p.total = total;
+  p.m_blocks_max = int((a.max_seqlen + T::kBlockM - 1) / T::kBlockM);
+  p.scale = float(a.scale);
+  p.scale_log2 = float(a.scale * M_LOG2E);
+  auto* kernel = &attention_bwd_kernel<T, kCausal, kDeterministic, decltype(tma_q),
+                                       decltype(tma_do), decltype(tma_k), decltype(tma_v)>;
+  const int smem = int(sizeof(typename T::Smem));
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+        "shared memory");
+  dim3 grid(unsigned((a.max_seqlen + T::kBlockN - 1) / T::kBlockN), unsigned(a.kv_heads),
+            unsigned(a.sequences));
+  kernel<<<grid, T::kThreads, smem, st>>>(p, tma_q, tma_do, tma_k, tma_v);
+  check(cudaGetLastError(), "main kernel");
+  // 3. dQ in bf16.
+  const int64_t n = a.total * a.heads * kD;
+  if (n > 0)
+    attention_bwd_convert_kernel<<<unsigned((n / 4 + 255) / 256 + 1), 256, 0, st>>>(
+        a.dq_accum, reinterpret_cast<__nv_bfloat16*>(a.dq), n);
+  check(cudaGetLastError(), "convert");
+}
+
+template <int kD>
+void dispatch_bwd(const AttentionBwdArgs& a, Stream stream) {
+  if (a.causal)
+    a.deterministic ? launch_bwd<kD, true, true>(a, stream)
+                    : launch_bwd<kD, true, false>(a, stream);
+  else
+    a.deterministic ? launch_bwd<kD, false, true>(a, stream)
+                    : launch_bwd<kD, false, false>(a, stream);
+}
+
+}  // namespace
+
+int64_t attention_sm90_bwd_semaphores(int64_t sequences, int64_t max_seqlen, int64_t heads) {
+  return sequences * ((max_seqlen + BwdTraits<64>::kBlockM - 1) / BwdTraits<64>::kBlockM) * heads;
+}
+
+void attention_sm90_bwd(const AttentionBwdArgs& a, Stream stream) {
+  if (a.head_dim == 64)
+    dispatch_bwd<64>(a, stream);
+  else if (a.head_dim == 128)
+    dispatch_bwd<128>(a, stream);
+  else
+    throw std::runtime_error("attention_sm90_bwd: head_dim " + std::to_string(a.head_dim) +
+                             " is not 64 or 128");
+}
+
+}  // namespace colossal::kernels::cuda
