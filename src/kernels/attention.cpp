@@ -239,7 +239,8 @@ struct AttentionFn : torch::autograd::Function<AttentionFn> {
                             bool causal, double scale, bool deterministic) {
     Prepared p = prepare("attention", q, k, v, cu_seqlens, max_seqlen, scale);
     AttentionResult r = forward_prepared(p, causal, std::nullopt);
-    ctx->save_for_backward({p.q, p.k, p.v, r.out, r.lse, p.cu});
+    // The offsets as given (on the host they are checked again there without a device sync).
+    ctx->save_for_backward({p.q, p.k, p.v, r.out, r.lse, cu_seqlens});
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["scale"] = p.scale;
     ctx->saved_data["deterministic"] = deterministic;
