@@ -43,16 +43,20 @@ struct RotaryShape {
 void rotary(const void* x, const void* cos, const void* sin, void* y, const RotaryShape& shape,
             bool backward, DType dt, Stream stream);
 
-// ---- SwiGLU: n contiguous elements ----
-void swiglu_fwd(const void* gate, const void* up, void* y, int64_t n, DType dt, Stream stream);
+// ---- SwiGLU: n contiguous elements. amax pointers (fp32 [1], zeroed by the caller; null: not
+// computed) receive the max |value| of what the kernel stored (FP8 casts of the outputs skip
+// their amax pass: kernels::record_fp8_amax): amax_y of y; amax_dgate / amax_dup of the
+// gradients (the same pointer twice for one amax of the packed dgu). ----
+void swiglu_fwd(const void* gate, const void* up, void* y, int64_t n, DType dt, Stream stream,
+                float* amax_y = nullptr);
 void swiglu_bwd(const void* dy, const void* gate, const void* up, void* dgate, void* dup, int64_t n,
-                DType dt, Stream stream);
+                DType dt, Stream stream, float* amax_dgate = nullptr, float* amax_dup = nullptr);
 // Packed: gu [rows, 2*cols] contiguous (gate = first cols of a row, up = the rest), y [rows, cols];
 // the gradient dgu is packed the same way.
-void swiglu_packed_fwd(const void* gu, void* y, int64_t rows, int64_t cols, DType dt,
-                       Stream stream);
+void swiglu_packed_fwd(const void* gu, void* y, int64_t rows, int64_t cols, DType dt, Stream stream,
+                       float* amax_y = nullptr);
 void swiglu_packed_bwd(const void* dy, const void* gu, void* dgu, int64_t rows, int64_t cols,
-                       DType dt, Stream stream);
+                       DType dt, Stream stream, float* amax_dgu = nullptr);
 
 // ---- Sum of squares of a tensor list (contiguous tensors of one dtype): one fp32 partial per
 // block of 65536 elements written to `partials` (sum_squares_blocks(numels) of them), summed
@@ -107,9 +111,11 @@ void fp8_rows_dequantize(const uint8_t* codes, const float* scale, void* out, in
 // e5m2 false: float8_e4m3fn, true: float8_e5m2. amax: fp32 [1] (tensorwise) or [rows]
 // (rowwise), written; scale / inv_scale likewise; out [rows, cols] and out_t [cols, rows]
 // (nullptr: not written) raw fp8 bytes. ----
+// amax_given (tensorwise): amax already holds the tensor's amax (a kernel that wrote x recorded
+// it: kernels::known_fp8_amax); the amax pass is skipped.
 void fp8_cast(const void* x, int64_t rows, int64_t cols, bool rowwise, bool e5m2, float fp8_max,
               float* amax, float* scale, float* inv_scale, uint8_t* out, uint8_t* out_t, DType dt,
-              Stream stream);
+              Stream stream, bool amax_given = false);
 // Tensorwise casts of xs[i] ([rows[i], cols], contiguous, of `dt`) as their concatenation along
 // rows: one amax (fp32 [1]) over all, out [sum rows, cols], out_t [cols, sum rows] or nullptr.
 void fp8_cast_rows_concat(const std::vector<const void*>& xs, const std::vector<int64_t>& rows,

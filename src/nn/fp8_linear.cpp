@@ -343,6 +343,9 @@ void Fp8Linear::shard(const ShardSpec& spec) {
 std::vector<std::string> convert_to_fp8(torch::nn::Module& root, const Fp8Config& cfg,
                                         const at::Device& device) {
   cfg.validate();
+  // The SwiGLU kernels record the amax of what they write (the down projection's input, the
+  // gate / up projections' output gradients): those casts skip their amax pass.
+  if (cfg.recipe == "tensorwise") kernels::set_fp8_amax_capture(true);
   if (device.is_cuda()) {
     const auto devices = cuda_devices();
     const int idx = device.has_index() ? device.index() : 0;

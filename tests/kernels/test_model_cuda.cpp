@@ -501,3 +501,48 @@ TEST(ModelCuda, OwnAttentionServesEveryLayer) {
   EXPECT_EQ(attn->fallback_calls(), 0) << attn->fallback_reason();
   EXPECT_EQ(attn->own_calls(), 4 * cfg.num_hidden_layers);
 }
+
+// FP8 known amaxes on the GPU: the SwiGLU kernels' recorded amax is exactly max |stored value| of
+// their output and input gradients (separate and packed), and an FP8 model gives bit for bit the
+// same logits and gradients with recording on (its casts take the recorded amaxes) and off.
+TEST(ModelCuda, SwigluKernelsRecordTheAmaxOfWhatTheyStore) {
+  if (!Accelerator::cuda().available()) GTEST_SKIP() << "no CUDA device";
+  const at::Device dev = Accelerator::cuda().device();
+  auto bf = at::TensorOptions().dtype(at::kBFloat16).device(dev);
+  kernels::set_fp8_amax_capture(true);
+  at::manual_seed(21);
+  auto amax_of = [](const at::Tensor& t) { return t.abs().max().to(at::kFloat).item<float>(); };
+  for (int64_t cols : {4096, 1000}) {  // vectorised and not
+    at::Tensor g = at::randn({37, cols}, bf).requires_grad_(),
+               u = at::randn({37, cols}, bf).requires_grad_();
+    at::Tensor y = kernels::swiglu(g, u);
+    ASSERT_TRUE(kernels::known_fp8_amax(y).defined());
+    EXPECT_EQ(kernels::known_fp8_amax(y).item<float>(), amax_of(y));
+    y.backward(at::randn_like(y) * 3);
+    EXPECT_EQ(kernels::known_fp8_amax(g.grad()).item<float>(), amax_of(g.grad()));
+    EXPECT_EQ(kernels::known_fp8_amax(u.grad()).item<float>(), amax_of(u.grad()));
+    at::Tensor gu = at::randn({37, 2 * cols}, bf).requires_grad_();
+    at::Tensor yp = kernels::swiglu_packed(gu);
+    EXPECT_EQ(kernels::known_fp8_amax(yp).item<float>(), amax_of(yp));
+    yp.backward(at::randn_like(yp));
+    EXPECT_EQ(kernels::known_fp8_amax(gu.grad()).item<float>(), amax_of(gu.grad()));
+  }
+  auto model = tiny_on_gpu(at::kBFloat16);
+  nn::convert_to_fp8(*model, nn::Fp8Config{}, dev);
+  models::ModelConfig cfg = models::ModelConfig::preset("tiny");
+  at::Tensor ids = at::randint(0, cfg.vocab_size, {2, 64}, at::kLong).to(dev);
+  at::Tensor targets = at::randint(0, cfg.vocab_size, {2, 64}, at::kLong).to(dev);
+  auto run = [&](bool capture) {
+    kernels::set_fp8_amax_capture(capture);
+    model->zero_grad();
+    std::vector<at::Tensor> out{model->forward(ids).detach().clone()};
+    model->forward_loss(ids, targets, 64).backward();
+    for (const auto& p : model->parameters()) out.push_back(p.grad().clone());
+    return out;
+  };
+  const auto off = run(false);
+  const int64_t uses = kernels::fp8_known_amax_uses();
+  const auto on = run(true);
+  EXPECT_GE(kernels::fp8_known_amax_uses() - uses, 2 * cfg.num_hidden_layers);
+  for (size_t i = 0; i < on.size(); ++i) EXPECT_TRUE(at::equal(on[i], off[i])) << "tensor " << i;
+}

@@ -17,6 +17,7 @@
 #include "colossal/core/error.h"
 #include "colossal/core/weights_epoch.h"
 #include "colossal/kernels/fp8.h"
+#include "colossal/kernels/swiglu.h"
 #include "colossal/models/llama/model.h"
 #include "colossal/nn/fp8_linear.h"
 #include "colossal/nn/init.h"
@@ -355,4 +356,81 @@ TEST(Fp8Linear, ConvertsAModelAndKeepsExcludedLayersPlain) {
               l.shard(ShardSpec(ShardSpec::Kind::Column, 0, 2));
             }).find("tensor-parallel FP8"),
             std::string::npos);
+}
+
+// Known amaxes (kernels/fp8.h): an entry describes bytes (storage, offset, count, version), so a
+// view of the same bytes finds it, an in-place change or other bytes do not; a cast that finds
+// one uses it as its amax (a different value changes the scale, the true value changes nothing).
+TEST(Fp8KnownAmax, EntriesFollowTheBytes) {
+  at::Tensor t = at::randn({8, 16}).to(at::kBFloat16);
+  kernels::record_fp8_amax(t, at::full({1}, 7.0f));
+  EXPECT_TRUE(kernels::known_fp8_amax(t).defined());
+  EXPECT_TRUE(kernels::known_fp8_amax(t.view({16, 8})).defined());
+  EXPECT_EQ(kernels::known_fp8_amax(t.reshape({-1})).item<float>(), 7.0f);
+  EXPECT_FALSE(kernels::known_fp8_amax(t.narrow(0, 0, 4)).defined());
+  EXPECT_FALSE(kernels::known_fp8_amax(t.clone()).defined());
+  t.add_(1);
+  EXPECT_FALSE(kernels::known_fp8_amax(t).defined());
+
+  at::Tensor x = at::randn({32, 64}).to(at::kBFloat16);
+  const kernels::Fp8Tensor plain = kernels::cast_to_fp8(x, at::kFloat8_e4m3fn, false, true);
+  const int64_t uses = kernels::fp8_known_amax_uses();
+  kernels::record_fp8_amax(x, x.abs().amax().to(at::kFloat).reshape({1}));
+  const kernels::Fp8Tensor known = kernels::cast_to_fp8(x, at::kFloat8_e4m3fn, false, true);
+  EXPECT_EQ(kernels::fp8_known_amax_uses(), uses + 1);
+  EXPECT_TRUE(at::equal(known.data.view(at::kByte), plain.data.view(at::kByte)));
+  EXPECT_TRUE(at::equal(known.data_t.view(at::kByte), plain.data_t.view(at::kByte)));
+  EXPECT_TRUE(at::equal(known.inv_scale, plain.inv_scale));
+  kernels::record_fp8_amax(x, at::full({1}, 100.0f));
+  const kernels::Fp8Tensor other = kernels::cast_to_fp8(x, at::kFloat8_e4m3fn, false, false);
+  EXPECT_FLOAT_EQ(other.inv_scale.item<float>(), 100.0f / 448.0f);
+  // Rowwise casts have one amax per row: a recorded tensorwise amax is not theirs.
+  const int64_t before = kernels::fp8_known_amax_uses();
+  kernels::cast_to_fp8(x, at::kFloat8_e4m3fn, true, false);
+  EXPECT_EQ(kernels::fp8_known_amax_uses(), before);
+}
+
+// FP8 projections around our SwiGLU (the MLP's shape; the model takes this path on the GPU):
+// SwiGLU records the amax of its output (the down projection's input) and of its input
+// gradients (the gate / up projections' output gradients, packed for a fused gate/up), and
+// those casts take them; the output and every gradient are bit for bit those with recording off
+// (the recorded amax is the max of the same stored values).
+TEST(Fp8KnownAmax, SwigluRecordsWhatTheFp8CastsReadAgain) {
+  at::manual_seed(2);
+  auto make = [](int64_t in, int64_t out) {
+    auto base = std::make_shared<Linear>(LinearOptions(in, out).bias(false));
+    base->weight().set_data(at::randn({out, in}) * 0.1);
+    return base;
+  };
+  auto g = make(64, 96), u = make(64, 96), d = make(96, 64);
+  Fp8Config cfg;
+  Fp8Linear fg(*g, cfg), fu(*u, cfg), fd(*d, cfg);
+  at::Tensor x0 = at::randn({2, 8, 64}), dy = at::randn({2, 8, 64});
+  for (bool packed : {false, true}) {
+    SCOPED_TRACE(packed ? "fused gate/up" : "separate gate and up");
+    auto run = [&](bool capture) {
+      kernels::set_fp8_amax_capture(capture);
+      for (Fp8Linear* l : {&fg, &fu, &fd}) l->weight().mutable_grad() = at::Tensor();
+      at::Tensor x = x0.clone().requires_grad_();
+      at::Tensor h;
+      if (packed) {
+        auto gu = fp8_fused_projections(x, {&fg, &fu});
+        EXPECT_TRUE(gu.has_value());
+        h = kernels::swiglu_packed(*gu);
+      } else {
+        h = kernels::swiglu(fg.forward(x), fu.forward(x));
+      }
+      at::Tensor y = fd.forward(h);
+      y.backward(dy);
+      return std::vector<at::Tensor>{y.detach(), x.grad(), fg.weight().grad(), fu.weight().grad(),
+                                     fd.weight().grad()};
+    };
+    const std::vector<at::Tensor> off = run(false);
+    const int64_t uses = kernels::fp8_known_amax_uses();
+    const std::vector<at::Tensor> on = run(true);
+    // The down projection's input; the output gradient of gate and of up (one packed for both).
+    EXPECT_EQ(kernels::fp8_known_amax_uses() - uses, packed ? 2 : 3);
+    for (size_t i = 0; i < on.size(); ++i) EXPECT_TRUE(at::equal(on[i], off[i])) << "tensor " << i;
+  }
+  kernels::set_fp8_amax_capture(false);
 }

@@ -39,4 +39,21 @@ Fp8Tensor cast_to_fp8_concat(const std::vector<at::Tensor>& xs, at::ScalarType f
 Fp8Tensor cast_to_fp8_concat_reference(const std::vector<at::Tensor>& xs, at::ScalarType fp8,
                                        bool transpose);
 
+// Known amaxes (tensorwise casts only). A kernel that writes a tensor an FP8 layer will cast
+// (SwiGLU's output, the down projection's input; SwiGLU's input gradients, the gate / up
+// projections' output gradients) can record the amax of what it wrote (fp32 [1] on the tensor's
+// device, the max of |value| over the stored, rounded elements), so cast_to_fp8 skips its own
+// amax pass: one read of the tensor fewer, the same scale bit for bit. An entry is keyed by the
+// bytes it describes: the storage (held weakly: freed memory never matches), the offset, the
+// element count and the version counter (any in-place change invalidates it), so a view or
+// reshape of the same bytes finds it. Recording is on only while capture is on (convert_to_fp8
+// turns it on; the producers then spend one block reduction and an atomic on it).
+void set_fp8_amax_capture(bool on);
+bool fp8_amax_capture();
+void record_fp8_amax(const at::Tensor& t, const at::Tensor& amax);
+// The recorded amax of exactly t's bytes, unchanged since; undefined when none.
+at::Tensor known_fp8_amax(const at::Tensor& t);
+// How many casts took a recorded amax instead of computing one (tests).
+int64_t fp8_known_amax_uses();
+
 }  // namespace colossal::kernels
