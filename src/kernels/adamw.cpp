@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "colossal/core/accelerator.h"
+#include "colossal/kernels/fp8.h"
 #include "kernels/cpu_common.h"
 #include "kernels/op_common.h"
 
@@ -181,10 +182,15 @@ void fused_adamw(const std::vector<at::Tensor>& params, const std::vector<at::Te
   }
   at::NoGradGuard ng;
   const size_t n = params.size();
+  // FP8 known amaxes: the working copies' amax, for the weight casts of the next forward.
+  const bool record = fp8_amax_capture() && !working.empty();
   if (path == Path::Cpu) {
-    for (size_t i = 0; i < n; ++i)
+    for (size_t i = 0; i < n; ++i) {
       cpu::adamw(params[i], grads[i].contiguous(), exp_avgs[i], exp_avg_sqs[i],
                  working.empty() ? at::Tensor() : working[i], hy);
+      if (record && working[i].numel() > 0)
+        record_fp8_amax(working[i], working[i].abs().amax().to(at::kFloat).reshape({1}));
+    }
     return;
   }
 #ifdef COLOSSAL_WITH_CUDA
@@ -197,6 +203,9 @@ void fused_adamw(const std::vector<at::Tensor>& params, const std::vector<at::Te
     if (!run.empty()) cuda::adamw(run.data(), static_cast<int>(run.size()), gdt, wdt, hy, stream);
     run.clear();
   };
+  at::Tensor amax =
+      record ? at::zeros({static_cast<int64_t>(n)}, params[0].options().dtype(at::kFloat))
+             : at::Tensor();
   for (size_t i = 0; i < n; ++i) {
     at::Tensor g = grads[i].is_contiguous() ? grads[i] : keep.emplace_back(grads[i].contiguous());
     const cuda::DType g_dt = cuda_dtype(g.scalar_type());
@@ -208,9 +217,14 @@ void fused_adamw(const std::vector<at::Tensor>& params, const std::vector<at::Te
     if (params[i].numel() == 0) continue;
     run.push_back({params[i].mutable_data_ptr<float>(), exp_avgs[i].mutable_data_ptr<float>(),
                    exp_avg_sqs[i].mutable_data_ptr<float>(), g.const_data_ptr(),
-                   working.empty() ? nullptr : working[i].mutable_data_ptr(), params[i].numel()});
+                   working.empty() ? nullptr : working[i].mutable_data_ptr(), params[i].numel(),
+                   record ? amax.mutable_data_ptr<float>() + i : nullptr});
   }
   flush();
+  if (record)
+    for (size_t i = 0; i < n; ++i)
+      if (params[i].numel() > 0)
+        record_fp8_amax(working[i], amax.narrow(0, static_cast<int64_t>(i), 1));
 #endif
 }
 

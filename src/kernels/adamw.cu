@@ -61,6 +61,7 @@ __global__ void __launch_bounds__(kAdamBlock) adamw_kernel(AdamWBatch batch, Ada
                  0 &&
              reinterpret_cast<uintptr_t>(g) % (4 * sizeof(G)) == 0;
   if constexpr (kWork) vec = vec && reinterpret_cast<uintptr_t>(t.w) % (4 * sizeof(W)) == 0;
+  float mx = 0.f;  // max |w| as stored (t.amax)
   if (vec) {
     for (int64_t i = begin + int64_t(threadIdx.x) * 4; i < end; i += int64_t(kAdamBlock) * 4) {
       if (i + 4 <= end) {
@@ -79,6 +80,8 @@ __global__ void __launch_bounds__(kAdamBlock) adamw_kernel(AdamWBatch batch, Ada
         if constexpr (kWork) {
           const float out[4] = {p.x, p.y, p.z, p.w};
           store<W, 4>(static_cast<W*>(t.w) + i, out);
+#pragma unroll
+          for (int k = 0; k < 4; ++k) mx = fmaxf(mx, fabsf(rnd<W>(out[k])));
         }
       } else {
         for (int64_t k = i; k < end; ++k) {
@@ -87,7 +90,10 @@ __global__ void __launch_bounds__(kAdamBlock) adamw_kernel(AdamWBatch batch, Ada
           t.p[k] = p;
           t.m[k] = m;
           t.v[k] = v;
-          if constexpr (kWork) static_cast<W*>(t.w)[k] = from_f<W>(p);
+          if constexpr (kWork) {
+            static_cast<W*>(t.w)[k] = from_f<W>(p);
+            mx = fmaxf(mx, fabsf(rnd<W>(p)));
+          }
         }
       }
     }
@@ -98,7 +104,17 @@ __global__ void __launch_bounds__(kAdamBlock) adamw_kernel(AdamWBatch batch, Ada
       t.p[k] = p;
       t.m[k] = m;
       t.v[k] = v;
-      if constexpr (kWork) static_cast<W*>(t.w)[k] = from_f<W>(p);
+      if constexpr (kWork) {
+        static_cast<W*>(t.w)[k] = from_f<W>(p);
+        mx = fmaxf(mx, fabsf(rnd<W>(p)));
+      }
+    }
+  }
+  if constexpr (kWork) {
+    if (t.amax) {  // uniform in the block: one tensor per block
+      __shared__ float red[32];
+      mx = block_max<kAdamBlock>(mx, red);
+      if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned int*>(t.amax), __float_as_uint(mx));
     }
   }
 }

@@ -91,6 +91,9 @@ struct AdamWTensor {
   const void* g;
   void* w;  // nullptr: no working copy
   int64_t n;
+  // Max |w| as stored (fp32 [1], zeroed by the caller; nullptr: not computed): the FP8 weight
+  // cast of the next forward skips its amax pass (kernels::record_fp8_amax).
+  float* amax = nullptr;
 };
 void adamw(const AdamWTensor* tensors, int count, DType grad_dt, DType work_dt,
            const AdamWStep& hyper, Stream stream);
@@ -118,9 +121,11 @@ void fp8_cast(const void* x, int64_t rows, int64_t cols, bool rowwise, bool e5m2
               Stream stream, bool amax_given = false);
 // Tensorwise casts of xs[i] ([rows[i], cols], contiguous, of `dt`) as their concatenation along
 // rows: one amax (fp32 [1]) over all, out [sum rows, cols], out_t [cols, sum rows] or nullptr.
+// amax_given: amax already holds the amax over all parts (the pass is skipped).
 void fp8_cast_rows_concat(const std::vector<const void*>& xs, const std::vector<int64_t>& rows,
                           int64_t cols, bool e5m2, float fp8_max, float* amax, float* scale,
-                          float* inv_scale, uint8_t* out, uint8_t* out_t, DType dt, Stream stream);
+                          float* inv_scale, uint8_t* out, uint8_t* out_t, DType dt, Stream stream,
+                          bool amax_given = false);
 
 // ---- Attention on sm_90a (issue 25; src/kernels_sm90/, built when the CUTLASS headers are
 // present: attention_sm90_built()). bf16 q [total, heads, head_dim] with row stride

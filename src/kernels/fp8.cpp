@@ -11,6 +11,7 @@
 #include <mutex>
 
 #include "colossal/core/accelerator.h"
+#include "colossal/core/weights_epoch.h"
 #include "kernels/op_common.h"
 
 namespace colossal::kernels {
@@ -46,25 +47,26 @@ namespace {
 struct KnownAmax {
   c10::weak_intrusive_ptr<c10::StorageImpl> storage;
   int64_t offset = 0, numel = 0, version = -1;
+  uint64_t epoch = 0;  // weights_epoch() at the record: an optimizer step or load voids it
   at::Tensor amax;
 };
 std::mutex& known_mu() {
   static std::mutex m;
   return m;
 }
-// Most recent last; bounded (a step of a deep model records a few entries per layer, each used
-// within the layer's backward or the next layer's forward).
+// Most recent last; bounded (the optimizer records every working weight of a step, the SwiGLU
+// kernels a few tensors per layer, each used within the step).
 std::deque<KnownAmax>& known() {
   static std::deque<KnownAmax> d;
   return d;
 }
 std::atomic<bool> g_capture{false};
 std::atomic<int64_t> g_known_uses{0};
-constexpr size_t kKnownMax = 64;
+constexpr size_t kKnownMax = 4096;
 
 bool same_bytes(const KnownAmax& e, const at::Tensor& t) {
   if (e.offset != t.storage_offset() || e.numel != t.numel() ||
-      e.version != static_cast<int64_t>(t._version()))
+      e.version != static_cast<int64_t>(t._version()) || e.epoch != weights_epoch())
     return false;
   c10::intrusive_ptr<c10::StorageImpl> st = e.storage.lock();
   return st && st.get() == t.storage().unsafeGetStorageImpl();
@@ -89,16 +91,26 @@ void record_fp8_amax(const at::Tensor& t, const at::Tensor& amax) {
                  "record_fp8_amax: the amax must be float32 [1] on ", t.device());
   std::lock_guard<std::mutex> lock(known_mu());
   auto& d = known();
-  // Drop the entries of freed storage and any earlier entry for the same place (superseded).
+  // An earlier entry for the same place is superseded (integers compared first: a storage lock
+  // only for a candidate); entries of freed storage go when the bound is reached.
+  const c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
   for (auto it = d.begin(); it != d.end();) {
-    c10::intrusive_ptr<c10::StorageImpl> st = it->storage.lock();
-    const bool same_place = st && st.get() == t.storage().unsafeGetStorageImpl() &&
-                            it->offset == t.storage_offset() && it->numel == t.numel();
-    it = (!st || same_place) ? d.erase(it) : std::next(it);
+    if (it->offset == t.storage_offset() && it->numel == t.numel()) {
+      c10::intrusive_ptr<c10::StorageImpl> st = it->storage.lock();
+      if (!st || st.get() == impl) {
+        it = d.erase(it);
+        continue;
+      }
+    }
+    ++it;
   }
-  while (d.size() >= kKnownMax) d.pop_front();
+  if (d.size() >= kKnownMax) {
+    for (auto it = d.begin(); it != d.end();)
+      it = it->storage.expired() ? d.erase(it) : std::next(it);
+    while (d.size() >= kKnownMax) d.pop_front();
+  }
   d.push_back(KnownAmax{t.storage().getWeakStorageImpl(), t.storage_offset(), t.numel(),
-                        static_cast<int64_t>(t._version()), amax.reshape({1})});
+                        static_cast<int64_t>(t._version()), weights_epoch(), amax.reshape({1})});
 }
 
 at::Tensor known_fp8_amax(const at::Tensor& t) {
@@ -174,7 +186,16 @@ void check_concat(const std::vector<at::Tensor>& xs) {
 Fp8Tensor cast_to_fp8_concat_reference(const std::vector<at::Tensor>& xs, at::ScalarType fp8,
                                        bool transpose) {
   check_concat(xs);
-  return cast_to_fp8_reference(at::cat(xs, 0), fp8, false, transpose);
+  std::vector<at::Tensor> known_parts;
+  for (const auto& x : xs) {
+    at::Tensor k = known_fp8_amax(x);
+    if (!k.defined()) break;
+    known_parts.push_back(k);
+  }
+  at::Tensor cat = at::cat(xs, 0);
+  if (known_parts.size() == xs.size())  // the parts' recorded amaxes, as the CUDA path takes them
+    record_fp8_amax(cat, at::cat(known_parts).amax().reshape({1}).to(cat.device()));
+  return cast_to_fp8_reference(cat, fp8, false, transpose);
 }
 
 Fp8Tensor cast_to_fp8_concat(const std::vector<at::Tensor>& xs, at::ScalarType fp8,
@@ -194,7 +215,17 @@ Fp8Tensor cast_to_fp8_concat(const std::vector<at::Tensor>& xs, at::ScalarType f
   }
   const int64_t cols = xs[0].size(1);
   auto f32 = parts[0].options().dtype(at::kFloat);
-  at::Tensor amax = at::empty({1}, f32), scale = at::empty({1}, f32);
+  // Every part's amax recorded (the optimizer's, for a fused group's weights): their max.
+  std::vector<at::Tensor> known_parts;
+  for (const auto& x : xs) {
+    at::Tensor k = known_fp8_amax(x);
+    if (!k.defined()) break;
+    known_parts.push_back(k);
+  }
+  const bool given = known_parts.size() == xs.size();
+  if (given) ++g_known_uses;
+  at::Tensor amax = given ? at::cat(known_parts).amax().reshape({1}) : at::empty({1}, f32);
+  at::Tensor scale = at::empty({1}, f32);
   Fp8Tensor out;
   out.inv_scale = at::empty({1}, f32);
   out.data = at::empty({total, cols}, parts[0].options().dtype(fp8));
@@ -206,7 +237,7 @@ Fp8Tensor cast_to_fp8_concat(const std::vector<at::Tensor>& xs, at::ScalarType f
       amax.mutable_data_ptr<float>(), scale.mutable_data_ptr<float>(),
       out.inv_scale.mutable_data_ptr<float>(), static_cast<uint8_t*>(out.data.mutable_data_ptr()),
       transpose ? static_cast<uint8_t*>(out.data_t.mutable_data_ptr()) : nullptr,
-      cuda_dtype(parts[0].scalar_type()), stream_of(parts[0]));
+      cuda_dtype(parts[0].scalar_type()), stream_of(parts[0]), given);
 #endif
   return out;
 }

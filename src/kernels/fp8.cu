@@ -251,7 +251,8 @@ void fp8_cast(const void* x, int64_t rows, int64_t cols, bool rowwise, bool e5m2
 
 void fp8_cast_rows_concat(const std::vector<const void*>& xs, const std::vector<int64_t>& rows,
                           int64_t cols, bool e5m2, float fp8_max, float* amax, float* scale,
-                          float* inv_scale, uint8_t* out, uint8_t* out_t, DType dt, Stream stream) {
+                          float* inv_scale, uint8_t* out, uint8_t* out_t, DType dt, Stream stream,
+                          bool amax_given) {
   int64_t total = 0;
   for (int64_t r : rows) total += r;
   if (total == 0 || cols == 0) return;
@@ -259,8 +260,8 @@ void fp8_cast_rows_concat(const std::vector<const void*>& xs, const std::vector<
     using T = decltype(tag);
     constexpr int V = vec_of<T>();
     // One amax over every part (the atomicMax accumulates), then one scale for all.
-    check(cudaMemsetAsync(amax, 0, sizeof(float), stream), "fp8 amax reset");
-    for (size_t i = 0; i < xs.size(); ++i) {
+    if (!amax_given) check(cudaMemsetAsync(amax, 0, sizeof(float), stream), "fp8 amax reset");
+    for (size_t i = 0; i < xs.size() && !amax_given; ++i) {
       const T* xt = static_cast<const T*>(xs[i]);
       const int64_t n = rows[i] * cols;
       if (n == 0) continue;

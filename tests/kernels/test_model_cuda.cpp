@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "colossal/core/accelerator.h"
+#include "colossal/kernels/adamw.h"
 #include "colossal/kernels/attention.h"
 #include "colossal/kernels/fp8.h"
 #include "colossal/kernels/fused.h"
@@ -503,9 +504,10 @@ TEST(ModelCuda, OwnAttentionServesEveryLayer) {
 }
 
 // FP8 known amaxes on the GPU: the SwiGLU kernels' recorded amax is exactly max |stored value| of
-// their output and input gradients (separate and packed), and an FP8 model gives bit for bit the
+// their output and input gradients (separate and packed), the optimizer kernel's that of the
+// working weights it writes, and an FP8 model gives bit for bit the
 // same logits and gradients with recording on (its casts take the recorded amaxes) and off.
-TEST(ModelCuda, SwigluKernelsRecordTheAmaxOfWhatTheyStore) {
+TEST(ModelCuda, KernelsRecordTheAmaxOfWhatTheyStore) {
   if (!Accelerator::cuda().available()) GTEST_SKIP() << "no CUDA device";
   const at::Device dev = Accelerator::cuda().device();
   auto bf = at::TensorOptions().dtype(at::kBFloat16).device(dev);
@@ -526,6 +528,20 @@ TEST(ModelCuda, SwigluKernelsRecordTheAmaxOfWhatTheyStore) {
     EXPECT_EQ(kernels::known_fp8_amax(yp).item<float>(), amax_of(yp));
     yp.backward(at::randn_like(yp));
     EXPECT_EQ(kernels::known_fp8_amax(gu.grad()).item<float>(), amax_of(gu.grad()));
+  }
+  // The optimizer kernel: the amax of each working weight it writes (vectorised and not).
+  {
+    std::vector<at::Tensor> p, g, m, v, w;
+    for (int64_t n : {4096 * 9, 1001}) {
+      p.push_back(at::randn({n}, bf.dtype(at::kFloat)));
+      g.push_back(at::randn({n}, bf));
+      m.push_back(at::zeros({n}, bf.dtype(at::kFloat)));
+      v.push_back(at::zeros({n}, bf.dtype(at::kFloat)));
+      w.push_back(at::empty({n}, bf));
+    }
+    kernels::AdamWStep hy;
+    kernels::fused_adamw(p, g, m, v, w, hy);
+    for (const at::Tensor& t : w) EXPECT_EQ(kernels::known_fp8_amax(t).item<float>(), amax_of(t));
   }
   auto model = tiny_on_gpu(at::kBFloat16);
   nn::convert_to_fp8(*model, nn::Fp8Config{}, dev);

@@ -16,6 +16,7 @@
 
 #include "colossal/core/error.h"
 #include "colossal/core/weights_epoch.h"
+#include "colossal/kernels/adamw.h"
 #include "colossal/kernels/fp8.h"
 #include "colossal/kernels/swiglu.h"
 #include "colossal/models/llama/model.h"
@@ -432,5 +433,47 @@ TEST(Fp8KnownAmax, SwigluRecordsWhatTheFp8CastsReadAgain) {
     EXPECT_EQ(kernels::fp8_known_amax_uses() - uses, packed ? 2 : 3);
     for (size_t i = 0; i < on.size(); ++i) EXPECT_TRUE(at::equal(on[i], off[i])) << "tensor " << i;
   }
+  kernels::set_fp8_amax_capture(false);
+}
+
+// The optimizer's kernel records the amax of the working weights it writes (the FP8 weight casts
+// of the next forward take it: the same cast bit for bit, one pass fewer; a fused group takes the
+// max of its parts'), and the next optimizer step or load (the weights epoch) voids the entries.
+TEST(Fp8KnownAmax, TheOptimizerRecordsTheWeightsItWrites) {
+  kernels::set_fp8_amax_capture(true);
+  at::manual_seed(5);
+  std::vector<at::Tensor> masters, grads, ms, vs, working;
+  for (int64_t rows : {32, 16}) {
+    masters.push_back(at::randn({rows, 64}));
+    grads.push_back(at::randn({rows, 64}));
+    ms.push_back(at::zeros({rows, 64}));
+    vs.push_back(at::zeros({rows, 64}));
+    working.push_back(masters.back().to(at::kBFloat16));
+  }
+  kernels::AdamWStep hy;
+  hy.lr = 1e-2;
+  kernels::fused_adamw(masters, grads, ms, vs, working, hy);
+  for (const at::Tensor& w : working) {
+    at::Tensor k = kernels::known_fp8_amax(w);
+    ASSERT_TRUE(k.defined());
+    EXPECT_EQ(k.item<float>(), w.abs().max().to(at::kFloat).item<float>());
+  }
+  int64_t uses = kernels::fp8_known_amax_uses();
+  const kernels::Fp8Tensor known =
+      kernels::cast_to_fp8(working[0], at::kFloat8_e4m3fn, false, true);
+  const kernels::Fp8Tensor plain =
+      kernels::cast_to_fp8(working[0].clone(), at::kFloat8_e4m3fn, false, true);
+  EXPECT_EQ(kernels::fp8_known_amax_uses(), uses + 1);
+  EXPECT_TRUE(at::equal(known.data.view(at::kByte), plain.data.view(at::kByte)));
+  EXPECT_TRUE(at::equal(known.inv_scale, plain.inv_scale));
+  uses = kernels::fp8_known_amax_uses();
+  const kernels::Fp8Tensor group = kernels::cast_to_fp8_concat(working, at::kFloat8_e4m3fn, true);
+  EXPECT_EQ(kernels::fp8_known_amax_uses(), uses + 1);
+  const kernels::Fp8Tensor group_plain =
+      kernels::cast_to_fp8(at::cat(working, 0), at::kFloat8_e4m3fn, false, true);
+  EXPECT_TRUE(at::equal(group.data.view(at::kByte), group_plain.data.view(at::kByte)));
+  EXPECT_TRUE(at::equal(group.inv_scale, group_plain.inv_scale));
+  bump_weights_epoch();
+  EXPECT_FALSE(kernels::known_fp8_amax(working[0]).defined());
   kernels::set_fp8_amax_capture(false);
 }
