@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   using T = Traits;
   constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kStages = T::kStages;
   constexpr int kD = T::D::value;
-  extern __shared__ char smem_raw[];
+  extern __shared__ __align__(1024) char smem_raw[];  // 128-byte swizzles need 1024
   auto& s = *reinterpret_cast<typename T::Smem*>(smem_raw);
 
   const int n_block = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;

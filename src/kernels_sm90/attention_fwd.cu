@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T = Traits;
   constexpr int kBlockM = T::kBlockM, kBlockN = T::BN::value, kStages = T::S::value;
-  extern __shared__ char smem_raw[];
+  extern __shared__ __align__(1024) char smem_raw[];  // 128-byte swizzles need 1024
   auto& s = *reinterpret_cast<typename T::Smem*>(smem_raw);
 
   // The heaviest causal tiles (the last rows) first.
