@@ -15,6 +15,7 @@
 // swiglu_packed, linear_concat, cross_entropy_grad, sum_squares) are measured only this way.
 //
 //   bench_kernels [--reps N] [--warmup N] [--json FILE] [--cpu] [--copies | --rows | --op NAME]
+//                 [--doc_index FILE]
 //   bench_kernels --list
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -32,6 +33,7 @@
 #include <vector>
 
 #include "colossal/core/accelerator.h"
+#include "colossal/data/documents.h"
 #include "colossal/kernels/attention.h"
 #include "colossal/kernels/fp8.h"
 #include "colossal/kernels/fused.h"
@@ -54,6 +56,9 @@ struct Opts {
   bool copies_only = false;  // --copies: ceilings and host<->device copies only
   bool rows_only = false;    // --rows: ceilings and the row ops (RMSNorm, rotary, SwiGLU) only
   std::string op;            // --op NAME: ceilings and this op only
+  // --doc_index FILE (a `colossal prepare` document index): --op attention's packed documents
+  // take their lengths from it (a real corpus's), besides the log-normal stand-in.
+  std::string doc_index;
 };
 
 struct Row {
@@ -650,7 +655,7 @@ void attention_case(const std::string& name, int64_t b, int64_t h, int64_t kv, i
     const std::string shape = "B" + std::to_string(b) + " h" + std::to_string(h) + "/" +
                               std::to_string(kv) + " S" + std::to_string(s) + " D" +
                               std::to_string(d) +
-                              (tag == "docs" ? " " + std::to_string(lens.size()) + " docs" : "");
+                              (tag != "dense" ? " " + std::to_string(lens.size()) + " docs" : "");
     Row r{"attention", name + " own " + tag, shape, "fwd"};
     Row rb{"attention", name + " own " + tag, shape, "fwd+bwd"};
     Row rd{"attention", name + " own " + tag + " determ.", shape, "fwd+bwd"};
@@ -681,6 +686,14 @@ void attention_case(const std::string& name, int64_t b, int64_t h, int64_t kv, i
   };
   run_own("dense", std::vector<int64_t>(static_cast<size_t>(b), s));
   run_own("docs", colossal::bench::packed_documents(b, s, 7));
+  if (!g_opts.doc_index.empty()) {
+    // A real corpus's document lengths, in file order, packed into the rows as packing cuts them.
+    const std::vector<uint64_t> off = colossal::data::read_doc_index(g_opts.doc_index);
+    std::vector<int64_t> lens;
+    for (size_t i = 0; i + 1 < off.size(); ++i)
+      if (off[i + 1] > off[i]) lens.push_back(static_cast<int64_t>(off[i + 1] - off[i]));
+    run_own("docs(index)", colossal::bench::pack_lengths(lens, b, s));
+  }
   // LibTorch's best backends on the same tokens as [b, h, s, d] (kv heads expanded for them).
   at::Tensor qb = q.view({b, s, h, d}).transpose(1, 2), kb = k.view({b, s, kv, d}).transpose(1, 2),
              vb = v.view({b, s, kv, d}).transpose(1, 2);
@@ -821,6 +834,8 @@ int main(int argc, char** argv) {
       g_opts.rows_only = true;
     else if (a == "--op")
       g_opts.op = next();
+    else if (a == "--doc_index")
+      g_opts.doc_index = next();
     else if (a == "--list") {
       for (const Op& o : ops())
         std::printf("%-19s %s%s\n", o.name, o.what, o.cuda_only ? " (CUDA only)" : "");
@@ -828,7 +843,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: bench_kernels [--reps N] [--warmup N] [--json FILE] [--cpu] [--copies | "
-                   "--rows | --op NAME] | --list\n");
+                   "--rows | --op NAME] [--doc_index FILE] | --list\n");
       return 2;
     }
   }

@@ -29,4 +29,25 @@ inline std::vector<int64_t> packed_documents(int64_t b, int64_t s, uint64_t seed
   return docs;
 }
 
+// Given document lengths (a corpus's, in order; cycled when they run out) packed into b rows of
+// s tokens, cut at row ends as packing cuts them.
+inline std::vector<int64_t> pack_lengths(const std::vector<int64_t>& lengths, int64_t b,
+                                         int64_t s) {
+  std::vector<int64_t> docs;
+  if (lengths.empty()) return std::vector<int64_t>(static_cast<size_t>(b), s);
+  size_t next = 0;
+  int64_t carry = 0;
+  for (int64_t row = 0; row < b; ++row) {
+    int64_t left = s;
+    while (left > 0) {
+      int64_t l = carry > 0 ? carry : lengths[next++ % lengths.size()];
+      const int64_t take = std::min(l, left);
+      docs.push_back(take);
+      carry = l - take;
+      left -= take;
+    }
+  }
+  return docs;
+}
+
 }  // namespace colossal::bench

@@ -129,8 +129,11 @@ for phase in "$@"; do
     # Issue 25, first step: cuDNN's SDPA graphs through the cuDNN frontend (bench_kernels built
     # with scripts/fetch_cudnn_frontend.sh's headers) next to LibTorch's SDPA backends, same call.
     step "attention: LibTorch SDPA backends and cuDNN frontend graphs"
+    # With .carry/fp8text in `carry`, --op attention also packs the Python standard library's real
+    # document lengths (its document index).
+    DI=""; [ -f .carry/fp8text/stdlib.bin.docs ] && DI="--doc_index .carry/fp8text/stdlib.bin.docs"
     for op in ${ATTN_OPS:-attention sdpa sdpa_fe}; do
-      timeout 300 "$BUILD/bench/bench_kernels" --op $op --reps 10 > "$LOGS/bk_$op.log" 2>&1
+      timeout 300 "$BUILD/bench/bench_kernels" --op $op --reps 10 $DI > "$LOGS/bk_$op.log" 2>&1
       grep -E "^(sdpa|attention)" "$LOGS/bk_$op.log" | tee -a "$SUMMARY"
       tail -2 "$LOGS/bk_$op.log"
     done ;;
