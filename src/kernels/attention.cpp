@@ -49,7 +49,7 @@ std::string own_attention_unsupported(const at::Tensor& q, const at::Tensor& k) 
 namespace {
 
 // The checked inputs of one call: layouts the kernels take (views of a packed projection output
-// as they are; k and v sharing one row stride), offsets as int32 on the device, the longest
+// as they are, each with its own row stride), offsets as int32 on the device, the longest
 // sequence, the scale.
 struct Prepared {
   at::Tensor q, k, v, cu;
@@ -130,9 +130,8 @@ Prepared prepare(const char* op, const at::Tensor& q, const at::Tensor& k, const
            reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
   };
   p.q = packed(q) ? q : q.contiguous();
-  const bool kv_ok = packed(k) && packed(v) && k.stride(0) == v.stride(0);
-  p.k = kv_ok ? k : k.contiguous();
-  p.v = kv_ok ? v : v.contiguous();
+  p.k = packed(k) ? k : k.contiguous();
+  p.v = packed(v) ? v : v.contiguous();
   p.cu = device_offsets(cu_seqlens, cu_host, q.device());
   p.scale = scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(D));
   return p;
@@ -152,6 +151,7 @@ void fill_args(const Prepared& p, bool causal, cuda::AttentionFwdArgs& a) {
   a.head_dim = p.D;
   a.q_row_stride = p.q.stride(0);
   a.kv_row_stride = p.k.stride(0);
+  a.v_row_stride = p.v.stride(0);
   a.causal = causal;
   a.scale = p.scale;
 }

@@ -129,7 +129,8 @@ void fp8_cast_rows_concat(const std::vector<const void*>& xs, const std::vector<
 
 // ---- Attention on sm_90a (issue 25; src/kernels_sm90/, built when the CUTLASS headers are
 // present: attention_sm90_built()). bf16 q [total, heads, head_dim] with row stride
-// q_row_stride (elements), k and v [total, kv_heads, head_dim] with row stride kv_row_stride,
+// q_row_stride (elements), k and v [total, kv_heads, head_dim] with row strides kv_row_stride and
+// v_row_stride,
 // the head dimension contiguous, 16-byte aligned; sequence i holds tokens [cu_seqlens[i],
 // cu_seqlens[i+1]) (int32 [sequences + 1], on the device), max_seqlen the longest. out [total,
 // heads, head_dim] contiguous bf16; lse fp32 [heads, total] (natural log). ----
@@ -141,7 +142,7 @@ struct AttentionFwdArgs {
   float* lse = nullptr;
   const int* cu_seqlens = nullptr;
   int64_t total = 0, sequences = 0, max_seqlen = 0, heads = 0, kv_heads = 0, head_dim = 0;
-  int64_t q_row_stride = 0, kv_row_stride = 0;
+  int64_t q_row_stride = 0, kv_row_stride = 0, v_row_stride = 0;
   bool causal = true;
   double scale = 0;
 };

@@ -461,7 +461,7 @@ void launch_bwd(const AttentionBwdArgs& a, Stream stream) {
   Tensor mK = make_tensor(make_gmem_ptr(k), make_shape(total, D{}, int(a.kv_heads)),
                           make_stride(a.kv_row_stride, _1{}, int64_t(kD)));
   Tensor mV = make_tensor(make_gmem_ptr(v), make_shape(total, D{}, int(a.kv_heads)),
-                          make_stride(a.kv_row_stride, _1{}, int64_t(kD)));
+                          make_stride(a.v_row_stride, _1{}, int64_t(kD)));
   auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, mQ, take<0, 2>(typename T::SmemLayoutQ{}));
   auto tma_do = make_tma_copy(SM90_TMA_LOAD{}, mdO, take<0, 2>(typename T::SmemLayoutQ{}));
   auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, mK, typename T::SmemLayoutK{});

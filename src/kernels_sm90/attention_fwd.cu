@@ -298,7 +298,7 @@ void launch_fwd(const AttentionFwdArgs& a, Stream stream) {
   Tensor mK = make_tensor(make_gmem_ptr(k), make_shape(int(total), D{}, int(a.kv_heads)),
                           make_stride(a.kv_row_stride, _1{}, int64_t(kD)));
   Tensor mV = make_tensor(make_gmem_ptr(v), make_shape(D{}, int(total), int(a.kv_heads)),
-                          make_stride(_1{}, a.kv_row_stride, int64_t(kD)));
+                          make_stride(_1{}, a.v_row_stride, int64_t(kD)));
   auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, mQ, typename T::SmemLayoutQ{});
   auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(typename T::SmemLayoutK{}));
   auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, mV, take<0, 2>(typename T::SmemLayoutV{}));
