@@ -336,6 +336,39 @@ void adamw(const std::string& name, const std::vector<std::vector<int64_t>>& sha
 }
 
 // ---- SDPA backends ----
+using AttnFn = std::function<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>;
+
+// One attention function's rows: forward (no grad) and forward + backward (autograd), q/k/v as
+// given; a backend that cannot serve the inputs gets a "not available" note.
+void attention_rows(const std::string& group, const std::string& name, const std::string& shape,
+                    double fwd_flops, const AttnFn& fn, const at::Tensor& q, const at::Tensor& k,
+                    const at::Tensor& v) {
+  Row r{group, name, shape, "fwd"};
+  Row rb{group, name, shape, "fwd+bwd"};
+  r.flops = fwd_flops;
+  rb.flops = 2.5 * fwd_flops;
+  try {
+    {
+      at::NoGradGuard ng;
+      r.fused_ms = median_ms([&] { fn(q, k, v); });
+    }
+    at::Tensor ql = q.detach().requires_grad_(true), kl = k.detach().requires_grad_(true),
+               vl = v.detach().requires_grad_(true);
+    at::Tensor dy = at::randn_like(q);
+    rb.fused_ms = median_ms([&] {
+      at::Tensor o = fn(ql, kl, vl);
+      torch::autograd::grad({o}, {ql, kl, vl}, {dy});
+    });
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    r.note = rb.note = "not available: " + what.substr(0, std::min<size_t>(what.find('\n'), 90));
+    r.fused_ms = rb.fused_ms = -1;
+  }
+  sync();
+  g_rows.push_back(r);
+  g_rows.push_back(rb);
+}
+
 void sdpa(const std::string& name, int64_t b, int64_t h, int64_t kv, int64_t s, int64_t d) {
   const double fwd_flops = 4.0 * b * h * double(s) * s * d * 0.5;  // causal
   const std::string shape = "B" + std::to_string(b) + " h" + std::to_string(h) + "/" +
@@ -347,8 +380,7 @@ void sdpa(const std::string& name, int64_t b, int64_t h, int64_t kv, int64_t s, 
     k = k.repeat_interleave(h / kv, 1);
     v = v.repeat_interleave(h / kv, 1);
   }
-  using Fn = std::function<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>;
-  std::vector<std::pair<std::string, Fn>> backends = {
+  std::vector<std::pair<std::string, AttnFn>> backends = {
       {"flash",
        [](const auto& q_, const auto& k_, const auto& v_) {
          return std::get<0>(at::_scaled_dot_product_flash_attention(q_, k_, v_, 0.0, true));
@@ -366,32 +398,8 @@ void sdpa(const std::string& name, int64_t b, int64_t h, int64_t kv, int64_t s, 
       {"sdpa(auto)", [](const auto& q_, const auto& k_, const auto& v_) {
          return at::scaled_dot_product_attention(q_, k_, v_, std::nullopt, 0.0, true);
        }}};
-  for (auto& [bn, fn] : backends) {
-    Row r{"sdpa", name + " " + bn, shape, "fwd"};
-    Row rb{"sdpa", name + " " + bn, shape, "fwd+bwd"};
-    r.flops = fwd_flops;
-    rb.flops = 2.5 * fwd_flops;
-    try {
-      {
-        at::NoGradGuard ng;
-        r.fused_ms = median_ms([&] { fn(q, k, v); });
-      }
-      at::Tensor ql = q.detach().requires_grad_(true), kl = k.detach().requires_grad_(true),
-                 vl = v.detach().requires_grad_(true);
-      at::Tensor dy = at::randn_like(q);
-      rb.fused_ms = median_ms([&] {
-        at::Tensor o = fn(ql, kl, vl);
-        torch::autograd::grad({o}, {ql, kl, vl}, {dy});
-      });
-    } catch (const std::exception& e) {
-      std::string what = e.what();
-      r.note = rb.note = "not available: " + what.substr(0, std::min<size_t>(what.find('\n'), 90));
-      r.fused_ms = rb.fused_ms = -1;
-    }
-    sync();
-    g_rows.push_back(r);
-    g_rows.push_back(rb);
-  }
+  for (auto& [bn, fn] : backends)
+    attention_rows("sdpa", name + " " + bn, shape, fwd_flops, fn, q, k, v);
 }
 
 // ---- ops measured only with --op ----
@@ -708,38 +716,19 @@ void attention_case(const std::string& name, int64_t b, int64_t h, int64_t kv, i
   const std::string shape = "B" + std::to_string(b) + " h" + std::to_string(h) + "/" +
                             std::to_string(kv) + " S" + std::to_string(s) + " D" +
                             std::to_string(d);
-  for (const std::string bn : {"cudnn", "flash"}) {
-    Row r{"attention", name + " sdpa " + bn, shape, "fwd"};
-    Row rb{"attention", name + " sdpa " + bn, shape, "fwd+bwd"};
-    r.flops = fwd_flops;
-    rb.flops = 2.5 * fwd_flops;
-    auto fn = [&](const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_) {
-      return bn == "cudnn"
-                 ? std::get<0>(at::_scaled_dot_product_cudnn_attention(q_, k_, v_, std::nullopt,
-                                                                       true, 0.0, true))
-                 : std::get<0>(at::_scaled_dot_product_flash_attention(q_, k_, v_, 0.0, true));
-    };
-    try {
-      {
-        at::NoGradGuard ng;
-        r.fused_ms = median_ms([&] { fn(qb, kb, vb); });
-      }
-      at::Tensor ql = qb.detach().requires_grad_(true), kl = kb.detach().requires_grad_(true),
-                 vl = vb.detach().requires_grad_(true);
-      at::Tensor dy = at::randn_like(qb);
-      rb.fused_ms = median_ms([&] {
-        at::Tensor y = fn(ql, kl, vl);
-        torch::autograd::grad({y}, {ql, kl, vl}, {dy});
-      });
-    } catch (const std::exception& e) {
-      std::string what = e.what();
-      r.note = rb.note = "not available: " + what.substr(0, std::min<size_t>(what.find('\n'), 90));
-      r.fused_ms = rb.fused_ms = -1;
-    }
-    sync();
-    g_rows.push_back(r);
-    g_rows.push_back(rb);
-  }
+  attention_rows(
+      "attention", name + " sdpa cudnn", shape, fwd_flops,
+      [](const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_) {
+        return std::get<0>(
+            at::_scaled_dot_product_cudnn_attention(q_, k_, v_, std::nullopt, true, 0.0, true));
+      },
+      qb, kb, vb);
+  attention_rows(
+      "attention", name + " sdpa flash", shape, fwd_flops,
+      [](const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_) {
+        return std::get<0>(at::_scaled_dot_product_flash_attention(q_, k_, v_, 0.0, true));
+      },
+      qb, kb, vb);
 }
 
 void attention_cases() {

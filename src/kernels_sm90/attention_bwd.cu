@@ -28,6 +28,7 @@
 #include <string>
 
 #include "kernels/cuda_kernels.h"
+#include "kernels_sm90/common.cuh"
 
 namespace colossal::kernels::cuda {
 
@@ -256,25 +257,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     Tensor accS = partition_fragment_C(mma_sdp, Shape<typename T::BN, typename T::BM>{});
     Tensor accdP = partition_fragment_C(mma_sdp, Shape<typename T::BN, typename T::BM>{});
     FullBarrier::wait(&s.full_q[stage], phase);
-    warpgroup_fence_operand(accS);
-    warpgroup_arrive();
-    mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
-    CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tSrK); ++kb) {
-      cute::gemm(mma_sdp, tSrK(_, _, kb), tSrQ(_, _, kb, stage), accS);
-      mma_sdp.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
+    sm90::gemm_batch<true>(mma_sdp, tSrK, tSrQ(_, _, _, stage), accS);
     FullBarrier::wait(&s.full_do[stage], phase);
-    warpgroup_fence_operand(accdP);
-    warpgroup_arrive();
-    mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
-    CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tSrV); ++kb) {
-      cute::gemm(mma_sdp, tSrV(_, _, kb), tSrdO(_, _, kb, stage), accdP);
-      mma_sdp.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
+    sm90::gemm_batch<true>(mma_sdp, tSrV, tSrdO(_, _, _, stage), accdP);
     FullBarrier::wait(&s.full_stat[stage], phase);
     warpgroup_wait<1>();  // S^T done (dP^T may still run)
     warpgroup_fence_operand(accS);
@@ -319,28 +304,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     Tensor tP = make_tensor(rP.data(), typename T::LayoutP{});
     Tensor tdS = make_tensor(rdS.data(), typename T::LayoutP{});
-    warpgroup_fence_operand(accdV);
-    warpgroup_fence_operand(accdK);
-    warpgroup_arrive();
-    CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tP); ++kb)
-      cute::gemm(mma_kv, tP(_, _, kb), tKVrdO(_, _, kb, stage), accdV);
-    CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tdS); ++kb)
-      cute::gemm(mma_kv, tdS(_, _, kb), tKVrQ(_, _, kb, stage), accdK);
-    warpgroup_commit_batch();
+    warpgroup_fence_operand(tP);
+    warpgroup_fence_operand(tdS);
+    sm90::gemm_batch<false>(mma_kv, tP, tKVrdO(_, _, _, stage), accdV);
+    sm90::gemm_batch<false>(mma_kv, tdS, tKVrQ(_, _, _, stage), accdK);
 
     NamedBarrier::sync(T::kConsumers, 2);  // all of dS^T written
     Tensor accdQ = partition_fragment_C(mma_q, Shape<typename T::BM, typename T::D>{});
-    warpgroup_fence_operand(accdQ);
-    warpgroup_arrive();
-    mma_q.accumulate_ = GMMA::ScaleOut::Zero;
-    CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tQrdS); ++kb) {
-      cute::gemm(mma_q, tQrdS(_, _, kb), tQrK(_, _, kb), accdQ);
-      mma_q.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
+    sm90::gemm_batch<true>(mma_q, tQrdS, tQrK, accdQ);
     warpgroup_wait<0>();
     warpgroup_fence_operand(accdV);
     warpgroup_fence_operand(accdK);

@@ -26,6 +26,7 @@
 #include <string>
 
 #include "kernels/cuda_kernels.h"
+#include "kernels_sm90/common.cuh"
 
 namespace colossal::kernels::cuda {
 
@@ -190,15 +191,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const uint32_t phase = (i / kStages) & 1;
     Tensor accS = partition_fragment_C(mma_qk, Shape<typename T::BM, typename T::BN>{});
     FullBarrier::wait(&s.full_k[stage], phase);
-    warpgroup_fence_operand(accS);
-    warpgroup_arrive();
-    mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
-    CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
-      cute::gemm(mma_qk, tSrQ(_, _, kb), tSrK(_, _, kb, stage), accS);
-      mma_qk.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
+    sm90::gemm_batch<true>(mma_qk, tSrQ, tSrK(_, _, _, stage), accS);
     warpgroup_wait<0>();
     warpgroup_fence_operand(accS);
     EmptyBarrier::arrive(&s.empty_k[stage]);
@@ -243,13 +236,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     Tensor tOrP = make_tensor(rP.data(), typename T::LayoutP{});
 
     FullBarrier::wait(&s.full_v[stage], phase);
-    warpgroup_fence_operand(accO);
     warpgroup_fence_operand(tOrP);
-    warpgroup_arrive();
-    CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tOrP); ++kb)
-      cute::gemm(mma_pv, tOrP(_, _, kb), tOrV(_, _, kb, stage), accO);
-    warpgroup_commit_batch();
+    sm90::gemm_batch<false>(mma_pv, tOrP, tOrV(_, _, _, stage), accO);
     warpgroup_wait<0>();
     warpgroup_fence_operand(accO);
     EmptyBarrier::arrive(&s.empty_v[stage]);
