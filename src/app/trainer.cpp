@@ -43,6 +43,7 @@
 #include "colossal/dist/runtime.h"
 #include "colossal/models/llama/config.h"
 #include "colossal/models/llama/model.h"
+#include "colossal/nn/attention.h"
 #include "colossal/nn/checkpointing.h"
 #include "colossal/nn/fp8_linear.h"
 #include "colossal/nn/init.h"
@@ -95,6 +96,12 @@ void TrainConfig::register_options(OptionSet& s) {
            {"tensorwise", "rowwise"})
       .add("model", "fp8_exclude", &fp8_exclude,
            "comma-separated: linear layers whose path contains one of these stay out of FP8")
+      .add("model", "attn_backend", &attn_backend,
+           "core attention: sdpa (LibTorch) or own (our sm_90a kernels; SDPA where they do not "
+           "apply, counted at the end)",
+           {"sdpa", "own"})
+      .add("model", "deterministic", &deterministic,
+           "attn_backend own: a bitwise repeatable attention backward (dQ summed in order)")
       .add("train", "micro_batch", &micro_batch, "sequences per rank per micro-step (B)")
       .add("train", "accumulation", &accumulation, "micro-steps per optimizer step")
       .add("train", "steps", &steps, "optimizer steps in total")
@@ -192,6 +199,10 @@ void TrainConfig::validate() const {
                        quantize, ") under plugin '", plugin.name,
                        "' is not supported: quantized bases are not sharded or split into "
                        "pipeline stages; use none, ddp, low_level_zero, zero1, zero2 or gemini");
+  COLOSSAL_CHECK_INPUT(!deterministic || attn_backend == "own",
+                       "option 'deterministic' applies to our attention kernels: it needs "
+                       "attn_backend = \"own\", not \"",
+                       attn_backend, "\"");
   COLOSSAL_CHECK_INPUT(!use_fp8 || !lora,
                        "options 'use_fp8' and LoRA (lora_r / lora_adapter) cannot be combined "
                        "yet: the adapters' base GEMMs would not run in FP8");
@@ -427,6 +438,7 @@ class Trainer {
   std::shared_ptr<dist::ParallelDims> dims_;
   std::shared_ptr<Plugin> plugin_;
   std::shared_ptr<models::CausalLM> model_;
+  std::shared_ptr<nn::OwnAttention> own_attention_;  // attn_backend own: its counts
   std::shared_ptr<data::TokenDataset> dataset_;
   std::unique_ptr<Booster> booster_;
   Boosted boosted_;
@@ -544,6 +556,12 @@ void Trainer::build_model() {
     const auto paths = nn::convert_to_fp8(*model_, fc, dev);
     log_info("FP8 (", fc.recipe, dev.is_cpu() ? ", emulated on the CPU" : "", "): ", paths.size(),
              " linear layers; kept out: ", c_.fp8_exclude.empty() ? "none" : c_.fp8_exclude);
+  }
+  if (c_.attn_backend == "own") {
+    const auto [own, slots] = nn::use_own_attention(*model_, c_.deterministic);
+    own_attention_ = own;
+    log_info("attention: our kernels in ", slots, " core-attention slots",
+             c_.deterministic ? " (deterministic backward)" : "");
   }
   const models::ModelConfig& mcfg = model_->config();
   COLOSSAL_CHECK_INPUT(c_.seq_len <= mcfg.max_position_embeddings, "seq_len ", c_.seq_len,
@@ -1309,6 +1327,12 @@ TrainResult Trainer::run() {
     booster_->save_lora_as_pretrained(*boosted_.model, dir, c_.init);
     if (rank0_) log_info("LoRA adapter (as in ", result.last_checkpoint, "): ", dir);
   }
+  if (own_attention_ && rank0_)
+    log_info("attention kernels: own ", own_attention_->own_calls(), " calls, SDPA ",
+             own_attention_->fallback_calls(),
+             own_attention_->fallback_calls() > 0
+                 ? str(" (", own_attention_->fallback_reason(), ")")
+                 : std::string());
   if (c_.report && rank0_) write_report();
   return result;
 }

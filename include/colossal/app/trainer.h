@@ -57,6 +57,11 @@ struct TrainConfig {
   std::string fp8_recipe = "tensorwise";
   std::string fp8_exclude = "lm_head";
   std::string ckpt_mode = "full";
+  // The core attention: sdpa (LibTorch's) or own (our sm_90a kernels, nn::OwnAttention; SDPA
+  // where they do not apply, counted and logged at the end); deterministic (own only): a bitwise
+  // repeatable attention backward.
+  std::string attn_backend = "sdpa";
+  bool deterministic = false;
   // [train]
   int64_t micro_batch = 4;
   int64_t accumulation = 1;

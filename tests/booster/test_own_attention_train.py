@@ -1,0 +1,38 @@
+"""`colossal train --attn_backend own` (our sm_90a attention kernels in every core-attention slot).
+On the CPU every call goes to SDPA, so the curve is the SDPA run's bit for bit and the run says
+how many calls took which kernel and why; `--deterministic` without `own` is a named error. The
+kernels themselves are tested on the GPU (tests/kernels/test_attention_cuda.cpp and the model
+test in test_model_cuda.cpp).
+"""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from train_helpers import SEQ, make_work, run_losses  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return make_work(tmp_path_factory.mktemp("own_attention"))
+
+
+def train(d, name, extra, ok=True):
+    return run_losses(d / name, ["--model", str(d / "model.json"), "--data", str(d / "tokens.bin"), "--seq_len",
+                                 str(SEQ), "--steps", "4", "--lr", "3e-3", "--shuffle", "false", "--precision", "fp32",
+                                 "--seed", "7"] + extra, 0, ok)
+
+
+def test_own_backend_falls_back_to_sdpa_on_the_cpu_and_says_so(work):
+    sdpa, _ = train(work, "sdpa", [])
+    own, log = train(work, "own", ["--attn_backend", "own"])
+    assert own == sdpa
+    assert "attention kernels: own 0 calls, SDPA" in log, log[-2000:]
+    assert "not on a CUDA device" in log or "no sm_90a attention kernels" in log, log[-2000:]
+
+
+def test_deterministic_needs_the_own_backend(work):
+    p = train(work, "bad", ["--deterministic", "true"], ok=False)
+    assert p.returncode == 2 and "needs attn_backend" in p.stderr, p.stderr[-2000:]
+    assert "Exception raised from" not in p.stderr
