@@ -81,12 +81,14 @@ using torch::autograd::variable_list;
 // of what they store into a zeroed fp32 [1] slot, recorded for the tensor afterwards (an FP8 cast
 // of it then skips its amax pass). On the CPU the amax is computed after the loop (the same
 // value: the max of the stored elements), which keeps the bookkeeping under make_test.
+#ifdef COLOSSAL_WITH_CUDA
 at::Tensor amax_slot(const at::Tensor& like) {
   return fp8_amax_capture() ? at::zeros({1}, like.options().dtype(at::kFloat)) : at::Tensor();
 }
 float* slot_ptr(const at::Tensor& slot) {
   return slot.defined() ? slot.mutable_data_ptr<float>() : nullptr;
 }
+#endif
 void record_cpu_amax(const at::Tensor& t) {
   if (fp8_amax_capture()) record_fp8_amax(t, t.abs().amax().to(at::kFloat).reshape({1}));
 }
