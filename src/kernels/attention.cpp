@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "colossal/core/accelerator.h"
+#include "colossal/kernels/fp8.h"
 #include "kernels/op_common.h"
 
 namespace colossal::kernels {
@@ -176,7 +177,12 @@ AttentionResult forward_prepared(const Prepared& p, bool causal,
   fill_args(p, causal, a);
   a.out = o.data_ptr();
   a.lse = lse.data_ptr<float>();
+  // FP8 known amax (kernels/fp8.h): the output is an FP8 o_proj's input.
+  at::Tensor amax = fp8_amax_capture() && p.T > 0 ? at::zeros({1}, p.q.options().dtype(at::kFloat))
+                                                  : at::Tensor();
+  if (amax.defined()) a.out_amax = amax.data_ptr<float>();
   if (p.T > 0) cuda::attention_sm90_fwd(a, stream_of(p.q));
+  if (amax.defined()) record_fp8_amax(o, amax);
 #else
   (void)causal;
 #endif

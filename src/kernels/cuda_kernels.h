@@ -145,6 +145,7 @@ struct AttentionFwdArgs {
   int64_t q_row_stride = 0, kv_row_stride = 0, v_row_stride = 0;
   bool causal = true;
   double scale = 0;
+  float* out_amax = nullptr;  // forward: max |out| as stored (fp32 [1], zeroed), or nullptr
 };
 // Whether this build holds the sm_90a kernels (the CUTLASS headers were found at configure time).
 bool attention_sm90_built();

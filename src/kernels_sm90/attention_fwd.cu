@@ -78,6 +78,7 @@ struct FwdTraits {
 struct FwdParams {
   Bf16* o;
   float* lse;
+  float* amax;  // null, or max |o| as stored (zeroed by the caller)
   const int* cu_seqlens;
   int heads, kv_heads, total, m_blocks;
   float scale_log2;  // softmax scale * log2(e)
@@ -254,6 +255,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     lse[r] = sum > 0.f ? row_max[r] * p.scale + logf(sum) : -INFINITY;
   }
   const int64_t ld = int64_t(p.heads) * T::D::value;
+  float amax = 0.f;  // of the stored values (FP8 known amax, p.amax)
   CUTE_UNROLL
   for (int j = 0; j < size(accO); j += 2) {
     const int r = (j >> 1) & 1;
@@ -261,7 +263,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (row < len) {
       __nv_bfloat162 v = __floats2bfloat162_rn(accO(j) * inv[r], accO(j + 1) * inv[r]);
       *reinterpret_cast<__nv_bfloat162*>(p.o + (start + row) * ld + head * T::D::value + col) = v;
+      amax = fmaxf(amax, fmaxf(fabsf(__low2float(v)), fabsf(__high2float(v))));
     }
+  }
+  if (p.amax) {  // a warp's max, one atomic per warp (|x| >= 0 orders as its fp32 bits)
+    CUTE_UNROLL
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+    if ((threadIdx.x & 31) == 0)
+      atomicMax(reinterpret_cast<unsigned int*>(p.amax), __float_as_uint(amax));
   }
   if ((threadIdx.x & 3) == 0) {
     CUTE_UNROLL
@@ -293,6 +302,7 @@ void launch_fwd(const AttentionFwdArgs& a, Stream stream) {
   FwdParams p;
   p.o = reinterpret_cast<Bf16*>(a.out);
   p.lse = a.lse;
+  p.amax = a.out_amax;
   p.cu_seqlens = a.cu_seqlens;
   p.heads = int(a.heads);
   p.kv_heads = int(a.kv_heads);

@@ -21,6 +21,7 @@
 
 #include "colossal/kernels/attention.h"
 #include "colossal/kernels/attention_reference.h"
+#include "colossal/kernels/fp8.h"
 
 namespace colossal::kernels {
 namespace {
@@ -60,8 +61,12 @@ void check_case(const Case& c) {
   at::Tensor v = at::randn({T, c.kv_heads, c.dim}, bf);
   at::Tensor cu_t = at::tensor(cu, at::kLong);
   at::Tensor out = at::full({T, c.heads, c.dim}, NAN, bf);
+  set_fp8_amax_capture(true);  // the kernel records max |out| for an FP8 o_proj's cast
   AttentionResult r = attention_forward(q, k, v, cu_t.to(at::kCUDA), 0, c.causal, 0, out);
+  set_fp8_amax_capture(false);
   ASSERT_TRUE(r.out.is_same(out));
+  ASSERT_TRUE(known_fp8_amax(r.out).defined());
+  EXPECT_EQ(known_fp8_amax(r.out).item<float>(), r.out.abs().max().to(at::kFloat).item<float>());
   AttentionReference ref = attention_reference(q.cpu(), k.cpu(), v.cpu(), cu_t, c.causal);
   at::Tensor o = r.out.cpu().to(at::kDouble);
   ASSERT_FALSE(o.isnan().any().item<bool>()) << "rows left unwritten (NaN poison) or NaN results";
