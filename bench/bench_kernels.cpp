@@ -336,6 +336,12 @@ void adamw(const std::string& name, const std::vector<std::vector<int64_t>>& sha
 }
 
 // ---- SDPA backends ----
+// "B8 h32/4 S2048 D64": batch, query / kv heads, sequence, head dim.
+std::string attn_shape(int64_t b, int64_t h, int64_t kv, int64_t s, int64_t d) {
+  return "B" + std::to_string(b) + " h" + std::to_string(h) + "/" + std::to_string(kv) + " S" +
+         std::to_string(s) + " D" + std::to_string(d);
+}
+
 using AttnFn = std::function<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>;
 
 // One attention function's rows: forward (no grad) and forward + backward (autograd), q/k/v as
@@ -371,9 +377,7 @@ void attention_rows(const std::string& group, const std::string& name, const std
 
 void sdpa(const std::string& name, int64_t b, int64_t h, int64_t kv, int64_t s, int64_t d) {
   const double fwd_flops = 4.0 * b * h * double(s) * s * d * 0.5;  // causal
-  const std::string shape = "B" + std::to_string(b) + " h" + std::to_string(h) + "/" +
-                            std::to_string(kv) + " S" + std::to_string(s) + " D" +
-                            std::to_string(d);
+  const std::string shape = attn_shape(b, h, kv, s, d);
   at::Tensor q = at::randn({b, h, s, d}, opts()), k = at::randn({b, kv, s, d}, opts()),
              v = at::randn({b, kv, s, d}, opts());
   if (kv != h) {  // the private backends take equal head counts: expand the KV heads (GQA)
@@ -660,9 +664,7 @@ void attention_case(const std::string& name, int64_t b, int64_t h, int64_t kv, i
       cu.push_back(cu.back() + l);
       flops += 4.0 * h * double(l) * l * d * 0.5;
     }
-    const std::string shape = "B" + std::to_string(b) + " h" + std::to_string(h) + "/" +
-                              std::to_string(kv) + " S" + std::to_string(s) + " D" +
-                              std::to_string(d) +
+    const std::string shape = attn_shape(b, h, kv, s, d) +
                               (tag != "dense" ? " " + std::to_string(lens.size()) + " docs" : "");
     Row r{"attention", name + " own " + tag, shape, "fwd"};
     Row rb{"attention", name + " own " + tag, shape, "fwd+bwd"};
@@ -713,9 +715,7 @@ void attention_case(const std::string& name, int64_t b, int64_t h, int64_t kv, i
   kb = kb.contiguous();
   vb = vb.contiguous();
   const double fwd_flops = 4.0 * b * h * double(s) * s * d * 0.5;
-  const std::string shape = "B" + std::to_string(b) + " h" + std::to_string(h) + "/" +
-                            std::to_string(kv) + " S" + std::to_string(s) + " D" +
-                            std::to_string(d);
+  const std::string shape = attn_shape(b, h, kv, s, d);
   attention_rows(
       "attention", name + " sdpa cudnn", shape, fwd_flops,
       [](const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_) {

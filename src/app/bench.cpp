@@ -751,8 +751,7 @@ BenchReport run_bench(const BenchConfig& c) {
   r.final_loss = loop.last_loss();
   for (const auto& m : model->modules(false))
     if (auto own = std::dynamic_pointer_cast<nn::OwnAttention>(m)) {
-      r.attention_kernels = str("own ", own->own_calls(), " calls, SDPA ", own->fallback_calls());
-      if (own->fallback_calls() > 0) r.attention_kernels += str(" (", own->fallback_reason(), ")");
+      r.attention_kernels = own->summary();
       break;
     }
   if (distributed) reduce_over_ranks(r.step_seconds, r.peak_memory_mib, r.final_loss);

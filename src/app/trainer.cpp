@@ -1327,12 +1327,7 @@ TrainResult Trainer::run() {
     booster_->save_lora_as_pretrained(*boosted_.model, dir, c_.init);
     if (rank0_) log_info("LoRA adapter (as in ", result.last_checkpoint, "): ", dir);
   }
-  if (own_attention_ && rank0_)
-    log_info("attention kernels: own ", own_attention_->own_calls(), " calls, SDPA ",
-             own_attention_->fallback_calls(),
-             own_attention_->fallback_calls() > 0
-                 ? str(" (", own_attention_->fallback_reason(), ")")
-                 : std::string());
+  if (own_attention_ && rank0_) log_info("attention kernels: ", own_attention_->summary());
   if (c_.report && rank0_) write_report();
   return result;
 }

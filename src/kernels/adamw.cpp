@@ -188,8 +188,7 @@ void fused_adamw(const std::vector<at::Tensor>& params, const std::vector<at::Te
     for (size_t i = 0; i < n; ++i) {
       cpu::adamw(params[i], grads[i].contiguous(), exp_avgs[i], exp_avg_sqs[i],
                  working.empty() ? at::Tensor() : working[i], hy);
-      if (record && working[i].numel() > 0)
-        record_fp8_amax(working[i], working[i].abs().amax().to(at::kFloat).reshape({1}));
+      if (record) record_computed_fp8_amax(working[i]);
     }
     return;
   }
@@ -203,9 +202,7 @@ void fused_adamw(const std::vector<at::Tensor>& params, const std::vector<at::Te
     if (!run.empty()) cuda::adamw(run.data(), static_cast<int>(run.size()), gdt, wdt, hy, stream);
     run.clear();
   };
-  at::Tensor amax =
-      record ? at::zeros({static_cast<int64_t>(n)}, params[0].options().dtype(at::kFloat))
-             : at::Tensor();
+  at::Tensor amax = record ? fp8_amax_slot(params[0], static_cast<int64_t>(n)) : at::Tensor();
   for (size_t i = 0; i < n; ++i) {
     at::Tensor g = grads[i].is_contiguous() ? grads[i] : keep.emplace_back(grads[i].contiguous());
     const cuda::DType g_dt = cuda_dtype(g.scalar_type());

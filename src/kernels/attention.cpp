@@ -81,6 +81,13 @@ at::Tensor device_offsets(const at::Tensor& cu_seqlens, const at::Tensor& cu_hos
   return last.dev;
 }
 
+// Whether t ([T, heads, D]) is in the layout the kernels read as it is: the head dimension
+// contiguous, heads packed, rows 16-byte strided and aligned (TMA's rule).
+bool rows_ok(const at::Tensor& t, int64_t D) {
+  return t.stride(2) == 1 && t.stride(1) == D && t.stride(0) % 8 == 0 &&
+         reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+}
+
 Prepared prepare(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale) {
   COLOSSAL_CHECK_INPUT(q.defined() && k.defined() && v.defined(), op,
@@ -125,16 +132,11 @@ Prepared prepare(const char* op, const at::Tensor& q, const at::Tensor& k, const
   }
   COLOSSAL_CHECK_INPUT(max_seqlen <= 0 || max_seqlen >= p.longest, op, ": max_seqlen ", max_seqlen,
                        " is shorter than sequence length ", p.longest);
-  const int64_t D = p.D;
-  auto packed = [&](const at::Tensor& t) {
-    return t.stride(2) == 1 && t.stride(1) == D && t.stride(0) % 8 == 0 &&
-           reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
-  };
-  p.q = packed(q) ? q : q.contiguous();
-  p.k = packed(k) ? k : k.contiguous();
-  p.v = packed(v) ? v : v.contiguous();
+  p.q = rows_ok(q, p.D) ? q : q.contiguous();
+  p.k = rows_ok(k, p.D) ? k : k.contiguous();
+  p.v = rows_ok(v, p.D) ? v : v.contiguous();
   p.cu = device_offsets(cu_seqlens, cu_host, q.device());
-  p.scale = scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(D));
+  p.scale = scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(p.D));
   return p;
 }
 
@@ -178,8 +180,7 @@ AttentionResult forward_prepared(const Prepared& p, bool causal,
   a.out = o.data_ptr();
   a.lse = lse.data_ptr<float>();
   // FP8 known amax (kernels/fp8.h): the output is an FP8 o_proj's input.
-  at::Tensor amax = fp8_amax_capture() && p.T > 0 ? at::zeros({1}, p.q.options().dtype(at::kFloat))
-                                                  : at::Tensor();
+  at::Tensor amax = p.T > 0 ? fp8_amax_slot(p.q) : at::Tensor();
   if (amax.defined()) a.out_amax = amax.data_ptr<float>();
   if (p.T > 0) cuda::attention_sm90_fwd(a, stream_of(p.q));
   if (amax.defined()) record_fp8_amax(o, amax);
@@ -202,10 +203,7 @@ AttentionGrads backward_prepared(const Prepared& p, const at::Tensor& out, const
                            lse.sizes() == at::IntArrayRef({p.H, p.T}),
                        op, ": lse must be float32 [", p.H, ", ", p.T, "] from the forward");
   const at::Tensor o = out.contiguous(), l = lse.contiguous();
-  const at::Tensor g = (dout.stride(2) == 1 && dout.stride(1) == p.D && dout.stride(0) % 8 == 0 &&
-                        reinterpret_cast<uintptr_t>(dout.const_data_ptr()) % 16 == 0)
-                           ? dout
-                           : dout.contiguous();
+  const at::Tensor g = rows_ok(dout, p.D) ? dout : dout.contiguous();
   AttentionGrads r;
   r.dq = at::empty(p.q.sizes(), p.q.options().memory_format(at::MemoryFormat::Contiguous));
   r.dk = at::empty(p.k.sizes(), p.k.options().memory_format(at::MemoryFormat::Contiguous));
@@ -245,11 +243,12 @@ struct AttentionFn : torch::autograd::Function<AttentionFn> {
                             bool causal, double scale, bool deterministic) {
     Prepared p = prepare("attention", q, k, v, cu_seqlens, max_seqlen, scale);
     AttentionResult r = forward_prepared(p, causal, std::nullopt);
-    // The offsets as given (on the host they are checked again there without a device sync).
-    ctx->save_for_backward({p.q, p.k, p.v, r.out, r.lse, cu_seqlens});
+    // The checked inputs as the kernels take them (the backward needs no second check).
+    ctx->save_for_backward({p.q, p.k, p.v, r.out, r.lse, p.cu});
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["scale"] = p.scale;
     ctx->saved_data["deterministic"] = deterministic;
+    ctx->saved_data["sequences"] = p.sequences;
     ctx->saved_data["longest"] = p.longest;
     return r.out;
   }
@@ -258,8 +257,18 @@ struct AttentionFn : torch::autograd::Function<AttentionFn> {
     if (!grad[0].defined())
       return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
               at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-    Prepared p = prepare("attention", saved[0], saved[1], saved[2], saved[5],
-                         ctx->saved_data["longest"].toInt(), ctx->saved_data["scale"].toDouble());
+    Prepared p;
+    p.q = saved[0];
+    p.k = saved[1];
+    p.v = saved[2];
+    p.cu = saved[5];
+    p.T = p.q.size(0);
+    p.H = p.q.size(1);
+    p.D = p.q.size(2);
+    p.Hkv = p.k.size(1);
+    p.sequences = ctx->saved_data["sequences"].toInt();
+    p.longest = ctx->saved_data["longest"].toInt();
+    p.scale = ctx->saved_data["scale"].toDouble();
     AttentionGrads g =
         backward_prepared(p, saved[3], grad[0], saved[4], ctx->saved_data["causal"].toBool(),
                           ctx->saved_data["deterministic"].toBool());

@@ -122,15 +122,43 @@ at::Tensor known_fp8_amax(const at::Tensor& t) {
   return {};
 }
 
-Fp8Tensor cast_to_fp8_reference(const at::Tensor& x, at::ScalarType fp8, bool rowwise,
-                                bool transpose) {
-  check_cast(x, fp8, rowwise, transpose);
+at::Tensor fp8_amax_slot(const at::Tensor& like, int64_t n) {
+  return fp8_amax_capture() ? at::zeros({n}, like.options().dtype(at::kFloat)) : at::Tensor();
+}
+
+void record_computed_fp8_amax(const at::Tensor& t) {
+  if (fp8_amax_capture() && t.numel() > 0)
+    record_fp8_amax(t, t.abs().amax().to(at::kFloat).reshape({1}));
+}
+
+namespace {
+
+// The recorded amax a tensorwise cast of x takes (counted as a use); undefined when none.
+at::Tensor take_known_amax(const at::Tensor& x, bool rowwise) {
+  at::Tensor k = rowwise ? at::Tensor() : known_fp8_amax(x);
+  if (k.defined()) ++g_known_uses;
+  return k;
+}
+
+// The max of the parts' recorded amaxes when every part has one (one use), else undefined.
+at::Tensor take_known_group_amax(const std::vector<at::Tensor>& xs) {
+  std::vector<at::Tensor> parts;
+  for (const auto& x : xs) {
+    at::Tensor k = known_fp8_amax(x);
+    if (!k.defined()) return {};
+    parts.push_back(k);
+  }
+  ++g_known_uses;
+  return at::cat(parts).amax().reshape({1});
+}
+
+// The reference cast with the tensorwise amax given (undefined: computed).
+Fp8Tensor reference_cast(const at::Tensor& x, at::ScalarType fp8, bool rowwise, bool transpose,
+                         const at::Tensor& given) {
   const double m = fp8_max(fp8);
   at::Tensor xf = x.to(at::kFloat);
-  at::Tensor given = rowwise ? at::Tensor() : known_fp8_amax(x);
-  if (given.defined()) ++g_known_uses;
   at::Tensor amax = rowwise           ? xf.abs().amax(1, /*keepdim=*/true)
-                    : given.defined() ? given.to(xf.device()).reshape({1})
+                    : given.defined() ? given.reshape({1})
                                       : xf.abs().amax().reshape({1});
   at::Tensor scale = at::full_like(amax, m) / amax.clamp_min(1e-12);
   Fp8Tensor out;
@@ -140,6 +168,14 @@ Fp8Tensor cast_to_fp8_reference(const at::Tensor& x, at::ScalarType fp8, bool ro
   return out;
 }
 
+}  // namespace
+
+Fp8Tensor cast_to_fp8_reference(const at::Tensor& x, at::ScalarType fp8, bool rowwise,
+                                bool transpose) {
+  check_cast(x, fp8, rowwise, transpose);
+  return reference_cast(x, fp8, rowwise, transpose, take_known_amax(x, rowwise));
+}
+
 Fp8Tensor cast_to_fp8(const at::Tensor& x, at::ScalarType fp8, bool rowwise, bool transpose) {
   if (path_for(x) != Path::Cuda) return cast_to_fp8_reference(x, fp8, rowwise, transpose);
   check_cast(x, fp8, rowwise, transpose);
@@ -147,8 +183,7 @@ Fp8Tensor cast_to_fp8(const at::Tensor& x, at::ScalarType fp8, bool rowwise, boo
   const int64_t rows = xc.size(0), cols = xc.size(1), count = rowwise ? rows : 1;
   auto f32 = xc.options().dtype(at::kFloat);
   // A recorded amax of these bytes (kernels that wrote x) saves the amax pass.
-  at::Tensor given = rowwise ? at::Tensor() : known_fp8_amax(x);
-  if (given.defined()) ++g_known_uses;
+  at::Tensor given = take_known_amax(x, rowwise);
   at::Tensor amax = given.defined() ? given : at::empty({count}, f32);
   at::Tensor scale = at::empty({count}, f32);
   Fp8Tensor out;
@@ -186,16 +221,8 @@ void check_concat(const std::vector<at::Tensor>& xs) {
 Fp8Tensor cast_to_fp8_concat_reference(const std::vector<at::Tensor>& xs, at::ScalarType fp8,
                                        bool transpose) {
   check_concat(xs);
-  std::vector<at::Tensor> known_parts;
-  for (const auto& x : xs) {
-    at::Tensor k = known_fp8_amax(x);
-    if (!k.defined()) break;
-    known_parts.push_back(k);
-  }
-  at::Tensor cat = at::cat(xs, 0);
-  if (known_parts.size() == xs.size())  // the parts' recorded amaxes, as the CUDA path takes them
-    record_fp8_amax(cat, at::cat(known_parts).amax().reshape({1}).to(cat.device()));
-  return cast_to_fp8_reference(cat, fp8, false, transpose);
+  fp8_max(fp8);
+  return reference_cast(at::cat(xs, 0), fp8, false, transpose, take_known_group_amax(xs));
 }
 
 Fp8Tensor cast_to_fp8_concat(const std::vector<at::Tensor>& xs, at::ScalarType fp8,
@@ -216,15 +243,9 @@ Fp8Tensor cast_to_fp8_concat(const std::vector<at::Tensor>& xs, at::ScalarType f
   const int64_t cols = xs[0].size(1);
   auto f32 = parts[0].options().dtype(at::kFloat);
   // Every part's amax recorded (the optimizer's, for a fused group's weights): their max.
-  std::vector<at::Tensor> known_parts;
-  for (const auto& x : xs) {
-    at::Tensor k = known_fp8_amax(x);
-    if (!k.defined()) break;
-    known_parts.push_back(k);
-  }
-  const bool given = known_parts.size() == xs.size();
-  if (given) ++g_known_uses;
-  at::Tensor amax = given ? at::cat(known_parts).amax().reshape({1}) : at::empty({1}, f32);
+  const at::Tensor known_max = take_known_group_amax(xs);
+  const bool given = known_max.defined();
+  at::Tensor amax = given ? known_max : at::empty({1}, f32);
   at::Tensor scale = at::empty({1}, f32);
   Fp8Tensor out;
   out.inv_scale = at::empty({1}, f32);

@@ -78,20 +78,15 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // FP8 known amaxes (kernels/fp8.h): while capture is on, the kernels below also reduce the amax
-// of what they store into a zeroed fp32 [1] slot, recorded for the tensor afterwards (an FP8 cast
-// of it then skips its amax pass). On the CPU the amax is computed after the loop (the same
-// value: the max of the stored elements), which keeps the bookkeeping under make_test.
+// of what they store into a zeroed slot (fp8_amax_slot), recorded for the tensor afterwards (an
+// FP8 cast of it then skips its amax pass). The CPU paths record the amax computed after the
+// loop (the same value: the max of the stored elements), which keeps the bookkeeping under
+// make test.
 #ifdef COLOSSAL_WITH_CUDA
-at::Tensor amax_slot(const at::Tensor& like) {
-  return fp8_amax_capture() ? at::zeros({1}, like.options().dtype(at::kFloat)) : at::Tensor();
-}
 float* slot_ptr(const at::Tensor& slot) {
   return slot.defined() ? slot.mutable_data_ptr<float>() : nullptr;
 }
 #endif
-void record_cpu_amax(const at::Tensor& t) {
-  if (fp8_amax_capture()) record_fp8_amax(t, t.abs().amax().to(at::kFloat).reshape({1}));
-}
 
 // ---- SwiGLU ----
 void check_swiglu(const at::Tensor& gate, const at::Tensor& up) {
@@ -105,11 +100,11 @@ at::Tensor swiglu_fwd(const at::Tensor& g, const at::Tensor& u) {
   at::Tensor y = at::empty_like(g, at::MemoryFormat::Contiguous);
   if (path_for(g) == Path::Cpu) {
     cpu::swiglu_fwd(g, u, y);
-    record_cpu_amax(y);
+    record_computed_fp8_amax(y);
   } else {
 #ifdef COLOSSAL_WITH_CUDA
     c10::DeviceGuard guard(g.device());
-    at::Tensor amax = amax_slot(g);
+    at::Tensor amax = fp8_amax_slot(g);
     cuda::swiglu_fwd(g.const_data_ptr(), u.const_data_ptr(), y.mutable_data_ptr(), g.numel(),
                      cuda_dtype(g.scalar_type()), stream_of(g), slot_ptr(amax));
     if (amax.defined()) record_fp8_amax(y, amax);
@@ -133,12 +128,12 @@ struct SwiGLUFn : torch::autograd::Function<SwiGLUFn> {
     at::Tensor dg = at::empty_like(g), du = at::empty_like(u);
     if (path_for(g) == Path::Cpu) {
       cpu::swiglu_bwd(dy, g, u, dg, du);
-      record_cpu_amax(dg);
-      record_cpu_amax(du);
+      record_computed_fp8_amax(dg);
+      record_computed_fp8_amax(du);
     } else {
 #ifdef COLOSSAL_WITH_CUDA
       c10::DeviceGuard guard(g.device());
-      at::Tensor amax_g = amax_slot(g), amax_u = amax_slot(g);
+      at::Tensor amax_g = fp8_amax_slot(g), amax_u = fp8_amax_slot(g);
       cuda::swiglu_bwd(dy.const_data_ptr(), g.const_data_ptr(), u.const_data_ptr(),
                        dg.mutable_data_ptr(), du.mutable_data_ptr(), g.numel(),
                        cuda_dtype(g.scalar_type()), stream_of(g), slot_ptr(amax_g),
@@ -170,7 +165,7 @@ at::Tensor swiglu_packed_fwd(const at::Tensor& gu) {
   at::Tensor y = at::empty(shape, gu.options());
 #ifdef COLOSSAL_WITH_CUDA
   c10::DeviceGuard guard(gu.device());
-  at::Tensor amax = amax_slot(gu);
+  at::Tensor amax = fp8_amax_slot(gu);
   cuda::swiglu_packed_fwd(gu.const_data_ptr(), y.mutable_data_ptr(), f == 0 ? 0 : y.numel() / f, f,
                           cuda_dtype(gu.scalar_type()), stream_of(gu), slot_ptr(amax));
   if (amax.defined()) record_fp8_amax(y, amax);
@@ -195,13 +190,13 @@ struct SwiGLUPackedFn : torch::autograd::Function<SwiGLUPackedFn> {
       at::Tensor dg = at::empty_like(g), du = at::empty_like(u);
       cpu::swiglu_bwd(dy, g, u, dg, du);
       at::Tensor dgu = at::cat({dg, du}, -1);
-      record_cpu_amax(dgu);
+      record_computed_fp8_amax(dgu);
       return {dgu};
     }
     at::Tensor dgu = at::empty_like(gu);
 #ifdef COLOSSAL_WITH_CUDA
     c10::DeviceGuard guard(gu.device());
-    at::Tensor amax = amax_slot(gu);
+    at::Tensor amax = fp8_amax_slot(gu);
     cuda::swiglu_packed_bwd(dy.const_data_ptr(), gu.const_data_ptr(), dgu.mutable_data_ptr(),
                             f == 0 ? 0 : dy.numel() / f, f, cuda_dtype(gu.scalar_type()),
                             stream_of(gu), slot_ptr(amax));

@@ -129,8 +129,13 @@ std::string own_attention_fallback(const at::Tensor& q, const at::Tensor& k,
   if (q.dim() != 4 || k.dim() != 4 || k.size(2) != q.size(2))
     return "keys of another length than the queries go to SDPA";
   if (mask.mask.defined()) return "an explicit attention mask goes to SDPA";
-  return kernels::own_attention_unsupported(q.dim() == 4 ? q.select(0, 0) : q,
-                                            k.dim() == 4 ? k.select(0, 0) : k);
+  return kernels::own_attention_unsupported(q.select(0, 0), k.select(0, 0));
+}
+
+std::string OwnAttention::summary() const {
+  std::string s = str("own ", own_calls_, " calls, SDPA ", fallback_calls_);
+  if (fallback_calls_ > 0) s += str(" (", fallback_reason_, ")");
+  return s;
 }
 
 at::Tensor OwnAttention::forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

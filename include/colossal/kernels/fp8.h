@@ -53,6 +53,11 @@ bool fp8_amax_capture();
 void record_fp8_amax(const at::Tensor& t, const at::Tensor& amax);
 // The recorded amax of exactly t's bytes, unchanged since; undefined when none.
 at::Tensor known_fp8_amax(const at::Tensor& t);
+// For the writers: zeroed fp32 [n] on like's device for their kernels to reduce into while
+// capture is on, else undefined; and, for their CPU paths, t's amax computed and recorded
+// (capture on only).
+at::Tensor fp8_amax_slot(const at::Tensor& like, int64_t n = 1);
+void record_computed_fp8_amax(const at::Tensor& t);
 // How many casts took a recorded amax instead of computing one (tests).
 int64_t fp8_known_amax_uses();
 

@@ -108,6 +108,8 @@ class OwnAttention : public CoreAttention {
   int64_t own_calls() const { return own_calls_; }
   int64_t fallback_calls() const { return fallback_calls_; }
   const std::string& fallback_reason() const { return fallback_reason_; }  // the first one
+  // "own N calls, SDPA M (first reason)": what a run's report says.
+  std::string summary() const;
 
  private:
   bool deterministic_;
