@@ -666,33 +666,47 @@ void attention_case(const std::string& name, int64_t b, int64_t h, int64_t kv, i
     }
     const std::string shape = attn_shape(b, h, kv, s, d) +
                               (tag != "dense" ? " " + std::to_string(lens.size()) + " docs" : "");
-    Row r{"attention", name + " own " + tag, shape, "fwd"};
-    Row rb{"attention", name + " own " + tag, shape, "fwd+bwd"};
-    Row rd{"attention", name + " own " + tag + " determ.", shape, "fwd+bwd"};
-    r.flops = flops;
-    rb.flops = rd.flops = 2.5 * flops;
-    if (!why.empty()) {
-      r.note = rb.note = rd.note = "not available: " + why.substr(0, 90);
-      r.fused_ms = rb.fused_ms = rd.fused_ms = -1;
-    } else {
-      at::Tensor cu_t = at::tensor(cu, at::kLong).to(at::kCUDA);
-      at::Tensor o = at::empty_like(q);
-      r.fused_ms = median_ms([&] { K::attention_forward(q, k, v, cu_t, s, true, 0, o); });
-      at::Tensor ql = q.detach().requires_grad_(true), kl = k.detach().requires_grad_(true),
-                 vl = v.detach().requires_grad_(true);
-      at::Tensor dy = at::randn_like(q);
-      for (Row* row : {&rb, &rd}) {
-        const bool det = row == &rd;
-        row->fused_ms = median_ms([&] {
-          at::Tensor y = K::attention(ql, kl, vl, cu_t, s, true, 0, det);
-          torch::autograd::grad({y}, {ql, kl, vl}, {dy});
-        });
+    // Every schedule (kernels::AttentionSchedule): the forward's rows once per forward schedule,
+    // fwd+bwd once per schedule, the deterministic backward once (it ignores dq_tma).
+    const K::AttentionSchedule saved =
+        why.empty() ? K::attention_schedule() : K::AttentionSchedule{};
+    for (const K::AttentionSchedule& sched : K::attention_schedules()) {
+      const std::string label = name + " own " + tag + " " + K::to_string(sched);
+      Row r{"attention", label, shape, "fwd"};
+      Row rb{"attention", label, shape, "fwd+bwd"};
+      Row rd{"attention", name + " own " + tag + " determ.", shape, "fwd+bwd"};
+      r.flops = flops;
+      rb.flops = rd.flops = 2.5 * flops;
+      const bool with_fwd = !sched.dq_tma;
+      const bool with_det = sched == K::AttentionSchedule{};
+      if (!why.empty()) {
+        r.note = rb.note = rd.note = "not available: " + why.substr(0, 90);
+        r.fused_ms = rb.fused_ms = rd.fused_ms = -1;
+      } else {
+        K::set_attention_schedule(sched);
+        at::Tensor cu_t = at::tensor(cu, at::kLong).to(at::kCUDA);
+        at::Tensor o = at::empty_like(q);
+        if (with_fwd)
+          r.fused_ms = median_ms([&] { K::attention_forward(q, k, v, cu_t, s, true, 0, o); });
+        at::Tensor ql = q.detach().requires_grad_(true), kl = k.detach().requires_grad_(true),
+                   vl = v.detach().requires_grad_(true);
+        at::Tensor dy = at::randn_like(q);
+        for (Row* row : {&rb, &rd}) {
+          const bool det = row == &rd;
+          if (det && !with_det) continue;
+          row->fused_ms = median_ms([&] {
+            at::Tensor y = K::attention(ql, kl, vl, cu_t, s, true, 0, det);
+            torch::autograd::grad({y}, {ql, kl, vl}, {dy});
+          });
+        }
+        K::set_attention_schedule(saved);
       }
+      sync();
+      if (with_fwd) g_rows.push_back(r);
+      g_rows.push_back(rb);
+      if (with_det) g_rows.push_back(rd);
+      if (!why.empty()) break;  // one set of "not available" rows
     }
-    sync();
-    g_rows.push_back(r);
-    g_rows.push_back(rb);
-    g_rows.push_back(rd);
   };
   run_own("dense", std::vector<int64_t>(static_cast<size_t>(b), s));
   run_own("docs", colossal::bench::packed_documents(b, s, 7));

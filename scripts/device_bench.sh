@@ -161,7 +161,10 @@ for phase in "$@"; do
     # side by side: W1 (1b, seq 2048, batch 8) and W2 (7b, seq 4096, batch 1; OWNATTN_W2=0
     # skips it on a card without its memory). The report's "attention kernels" line says which
     # kernel served the calls.
-    step "our attention in the model: W1 / W2, auto vs own"
+    # OWNATTN_SCHEDULE picks the kernels' schedule (COLOSSAL_ATTENTION_SCHEDULE: plain, overlap,
+    # pingpong, each with an optional +dq_tma) for the own runs.
+    step "our attention in the model: W1 / W2, auto vs own (${OWNATTN_SCHEDULE:-plain})"
+    export COLOSSAL_ATTENTION_SCHEDULE="${OWNATTN_SCHEDULE:-plain}"
     for mode in auto own own auto; do
       n=$(ls "$LOGS" | grep -c "^own_w1_${mode}" || true)
       ours own_w1_${mode}$n -c 1b -p ddp -b 8 -l 2048 -s 12 -i 3 --attn_backend $mode
@@ -171,7 +174,8 @@ for phase in "$@"; do
       for mode in auto own; do
         ours own_w2_${mode} -c 7b -p ddp -b 1 -l 4096 -s 10 -i 3 --attn_backend $mode
       done
-    fi ;;
+    fi
+    unset COLOSSAL_ATTENTION_SCHEDULE ;;
   w1base)
     step "W1 baseline: eager amp and torch.compile"
     base w1_eager --model 1b --bs 8 --seq 2048 --mode amp ;;

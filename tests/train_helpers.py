@@ -48,15 +48,15 @@ def train(work, name, nproc, extra, shuffle=True, expect_ok=True):
     return out, p
 
 
-def run_losses(out, args, nproc=0, ok=True):
+def run_losses(out, args, nproc=0, ok=True, env=None):
     """`colossal train` + args with its metrics in out/m.jsonl (out is created; under `colossal run`
-    when nproc > 0). ok: asserts success and returns (losses per step, stderr); else returns the
-    process."""
+    when nproc > 0), env: variables added to the environment. ok: asserts success and returns
+    (losses per step, stderr); else returns the process."""
     out.mkdir(exist_ok=True)
     args = [BIN, "train"] + list(args) + ["--metrics_file", str(out / "m.jsonl")]
     if nproc > 0:
         args = [BIN, "run", "--nproc_per_node", str(nproc), "--master_port", "0"] + args
-    p = subprocess.run(args, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    p = subprocess.run(args, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
     if not ok:
         return p
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -8,6 +8,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <mutex>
+#include <optional>
 
 #include "colossal/core/accelerator.h"
 #include "colossal/kernels/fp8.h"
@@ -45,6 +48,78 @@ std::string own_attention_unsupported(const at::Tensor& q, const at::Tensor& k) 
     return "head dimension " + std::to_string(q.dim() == 3 ? q.size(2) : -1) + " is not 64 or 128";
   return "";
 #endif
+}
+
+// ---- Schedules ------------------------------------------------------------------------------
+AttentionSchedule parse_attention_schedule(const std::string& text) {
+  AttentionSchedule s;
+  bool forward_seen = false;
+  size_t begin = 0;
+  while (true) {
+    const size_t end = text.find('+', begin);
+    const std::string part = text.substr(begin, end == std::string::npos ? end : end - begin);
+    auto forward = [&](AttentionSchedule::Forward f) {
+      COLOSSAL_CHECK_INPUT(!forward_seen, "attention schedule '", text,
+                           "': more than one forward schedule");
+      forward_seen = true;
+      s.forward = f;
+    };
+    if (part == "plain")
+      forward(AttentionSchedule::Forward::plain);
+    else if (part == "overlap")
+      forward(AttentionSchedule::Forward::overlap);
+    else if (part == "pingpong")
+      forward(AttentionSchedule::Forward::pingpong);
+    else if (part == "dq_tma" && !s.dq_tma)
+      s.dq_tma = true;
+    else
+      throw InputError(str("attention schedule '", text, "': unknown or repeated part '", part,
+                           "' (expected plain, overlap or pingpong, optionally +dq_tma)"));
+    if (end == std::string::npos) break;
+    begin = end + 1;
+  }
+  return s;
+}
+
+std::string to_string(const AttentionSchedule& schedule) {
+  static const char* names[] = {"plain", "overlap", "pingpong"};
+  return std::string(names[static_cast<int>(schedule.forward)]) +
+         (schedule.dq_tma ? "+dq_tma" : "");
+}
+
+namespace {
+std::mutex schedule_mutex;
+std::optional<AttentionSchedule> schedule_set;
+}  // namespace
+
+AttentionSchedule attention_schedule() {
+  const std::lock_guard<std::mutex> lock(schedule_mutex);
+  if (!schedule_set) {
+    const char* env = std::getenv("COLOSSAL_ATTENTION_SCHEDULE");
+    AttentionSchedule s;
+    if (env != nullptr && *env != '\0') {
+      try {
+        s = parse_attention_schedule(env);
+      } catch (const InputError& e) {
+        throw InputError(str("COLOSSAL_ATTENTION_SCHEDULE: ", e.what()));
+      }
+    }
+    schedule_set = s;
+  }
+  return *schedule_set;
+}
+
+void set_attention_schedule(const AttentionSchedule& schedule) {
+  const std::lock_guard<std::mutex> lock(schedule_mutex);
+  schedule_set = schedule;
+}
+
+std::vector<AttentionSchedule> attention_schedules() {
+  std::vector<AttentionSchedule> all;
+  for (auto f : {AttentionSchedule::Forward::plain, AttentionSchedule::Forward::overlap,
+                 AttentionSchedule::Forward::pingpong})
+    for (bool dq_tma : {false, true}) all.push_back({f, dq_tma});
+  return all;
 }
 
 namespace {
@@ -86,6 +161,12 @@ at::Tensor device_offsets(const at::Tensor& cu_seqlens, const at::Tensor& cu_hos
 bool rows_ok(const at::Tensor& t, int64_t D) {
   return t.stride(2) == 1 && t.stride(1) == D && t.stride(0) % 8 == 0 &&
          reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+}
+
+// t as it is when the kernels can read it, else a copy in the canonical layout (contiguous()
+// would keep the odd strides of a size-1 dimension).
+at::Tensor as_rows(const at::Tensor& t, int64_t D) {
+  return rows_ok(t, D) ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
 Prepared prepare(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -132,9 +213,11 @@ Prepared prepare(const char* op, const at::Tensor& q, const at::Tensor& k, const
   }
   COLOSSAL_CHECK_INPUT(max_seqlen <= 0 || max_seqlen >= p.longest, op, ": max_seqlen ", max_seqlen,
                        " is shorter than sequence length ", p.longest);
-  p.q = rows_ok(q, p.D) ? q : q.contiguous();
-  p.k = rows_ok(k, p.D) ? k : k.contiguous();
-  p.v = rows_ok(v, p.D) ? v : v.contiguous();
+  COLOSSAL_CHECK_INPUT(p.sequences <= 65535 && p.H <= 65535, op, ": ", p.sequences,
+                       " sequences and ", p.H, " heads: at most 65535 of each in one call");
+  p.q = as_rows(q, p.D);
+  p.k = as_rows(k, p.D);
+  p.v = as_rows(v, p.D);
   p.cu = device_offsets(cu_seqlens, cu_host, q.device());
   p.scale = scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(p.D));
   return p;
@@ -157,6 +240,17 @@ void fill_args(const Prepared& p, bool causal, cuda::AttentionFwdArgs& a) {
   a.v_row_stride = p.v.stride(0);
   a.causal = causal;
   a.scale = p.scale;
+  switch (attention_schedule().forward) {
+    case AttentionSchedule::Forward::plain:
+      a.schedule = cuda::AttentionFwdSchedule::plain;
+      break;
+    case AttentionSchedule::Forward::overlap:
+      a.schedule = cuda::AttentionFwdSchedule::overlap;
+      break;
+    case AttentionSchedule::Forward::pingpong:
+      a.schedule = cuda::AttentionFwdSchedule::pingpong;
+      break;
+  }
 }
 #endif
 
@@ -166,9 +260,10 @@ AttentionResult forward_prepared(const Prepared& p, bool causal,
   if (out) {
     o = *out;
     COLOSSAL_CHECK_INPUT(o.sizes() == p.q.sizes() && o.is_contiguous() &&
-                             o.scalar_type() == p.q.scalar_type() && o.device() == p.q.device(),
+                             o.scalar_type() == p.q.scalar_type() && o.device() == p.q.device() &&
+                             reinterpret_cast<uintptr_t>(o.const_data_ptr()) % 16 == 0,
                          "attention_forward: out must be contiguous ", p.q.sizes(), " ",
-                         p.q.scalar_type(), " on ", p.q.device());
+                         p.q.scalar_type(), " on ", p.q.device(), ", 16-byte aligned");
   } else {
     o = at::empty(p.q.sizes(), p.q.options().memory_format(at::MemoryFormat::Contiguous));
   }
@@ -203,7 +298,7 @@ AttentionGrads backward_prepared(const Prepared& p, const at::Tensor& out, const
                            lse.sizes() == at::IntArrayRef({p.H, p.T}),
                        op, ": lse must be float32 [", p.H, ", ", p.T, "] from the forward");
   const at::Tensor o = out.contiguous(), l = lse.contiguous();
-  const at::Tensor g = rows_ok(dout, p.D) ? dout : dout.contiguous();
+  const at::Tensor g = as_rows(dout, p.D);
   AttentionGrads r;
   r.dq = at::empty(p.q.sizes(), p.q.options().memory_format(at::MemoryFormat::Contiguous));
   r.dk = at::empty(p.k.sizes(), p.k.options().memory_format(at::MemoryFormat::Contiguous));
@@ -211,7 +306,8 @@ AttentionGrads backward_prepared(const Prepared& p, const at::Tensor& out, const
 #ifdef COLOSSAL_WITH_SM90_KERNELS
   const c10::DeviceGuard guard(p.q.device());
   at::Tensor delta = at::empty({p.H, p.T}, p.q.options().dtype(at::kFloat));
-  at::Tensor dq_accum = at::empty({p.T, p.H, p.D}, p.q.options().dtype(at::kFloat));
+  at::Tensor dq_accum = at::empty({cuda::attention_sm90_dq_accum_elements(p.T, p.H, p.D)},
+                                  p.q.options().dtype(at::kFloat));
   const int64_t sems =
       deterministic ? cuda::attention_sm90_bwd_semaphores(p.sequences, p.longest, p.H) : 0;
   at::Tensor sem = at::empty({std::max<int64_t>(sems, 1)}, p.q.options().dtype(at::kInt));
@@ -229,6 +325,7 @@ AttentionGrads backward_prepared(const Prepared& p, const at::Tensor& out, const
   a.dk = r.dk.data_ptr();
   a.dv = r.dv.data_ptr();
   a.deterministic = deterministic;
+  a.dq_tma = attention_schedule().dq_tma && !deterministic;
   if (p.T > 0) cuda::attention_sm90_bwd(a, stream_of(p.q));
 #else
   (void)causal;

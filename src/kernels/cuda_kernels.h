@@ -134,6 +134,10 @@ void fp8_cast_rows_concat(const std::vector<const void*>& xs, const std::vector<
 // the head dimension contiguous, 16-byte aligned; sequence i holds tokens [cu_seqlens[i],
 // cu_seqlens[i+1]) (int32 [sequences + 1], on the device), max_seqlen the longest. out [total,
 // heads, head_dim] contiguous bf16; lse fp32 [heads, total] (natural log). ----
+// The forward's schedules (kernels/attention.h, AttentionSchedule): one key tile at a time;
+// FlashAttention-3's intra-warpgroup overlap of a tile's softmax with the previous tile's P V;
+// that plus the two consumer warpgroups taking turns at the tensor cores.
+enum class AttentionFwdSchedule { plain, overlap, pingpong };
 struct AttentionFwdArgs {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -146,6 +150,7 @@ struct AttentionFwdArgs {
   bool causal = true;
   double scale = 0;
   float* out_amax = nullptr;  // forward: max |out| as stored (fp32 [1], zeroed), or nullptr
+  AttentionFwdSchedule schedule = AttentionFwdSchedule::plain;
 };
 // Whether this build holds the sm_90a kernels (the CUTLASS headers were found at configure time).
 bool attention_sm90_built();
@@ -153,9 +158,12 @@ bool attention_sm90_supported(int64_t head_dim);
 void attention_sm90_fwd(const AttentionFwdArgs& args, Stream stream);
 // Backward: out (the forward's output, contiguous [total, heads, head_dim]) and dout (head
 // dimension contiguous, row stride dout_row_stride), lse from the forward. Workspaces: delta
-// fp32 [heads, total], dq_accum fp32 [total, heads, head_dim], and in deterministic mode
-// dq_semaphore int32 [semaphore_count = attention_sm90_bwd_semaphores(..)]. Outputs contiguous
-// bf16: dq [total, heads, head_dim], dk and dv [total, kv_heads, head_dim].
+// fp32 [heads, total], dq_accum fp32 [attention_sm90_dq_accum_elements(..)] (its own layout),
+// and in deterministic mode dq_semaphore int32 [semaphore_count =
+// attention_sm90_bwd_semaphores(..)]. Outputs contiguous bf16: dq [total, heads, head_dim], dk
+// and dv [total, kv_heads, head_dim]. dq_tma (not with deterministic): the partial dQ sums go
+// through shared memory and a TMA reduce-add issued by a warp of their own, instead of fp32
+// atomics from the consumer warps.
 struct AttentionBwdArgs : AttentionFwdArgs {
   const void* dout = nullptr;
   int64_t dout_row_stride = 0;
@@ -167,7 +175,9 @@ struct AttentionBwdArgs : AttentionFwdArgs {
   void* dk = nullptr;
   void* dv = nullptr;
   bool deterministic = false;
+  bool dq_tma = false;
 };
+int64_t attention_sm90_dq_accum_elements(int64_t total, int64_t heads, int64_t head_dim);
 int64_t attention_sm90_bwd_semaphores(int64_t sequences, int64_t max_seqlen, int64_t heads);
 void attention_sm90_bwd(const AttentionBwdArgs& args, Stream stream);
 

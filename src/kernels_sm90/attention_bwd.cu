@@ -12,11 +12,18 @@
 //      P^T = exp2(S^T * scale * log2 e - lse * log2 e), dS^T = P^T (dP^T - delta),
 //      dV += P^T dO and dK += dS^T Q (wgmma with P^T / dS^T from registers),
 //    then write dS^T to shared memory for dQ = dS K (each warpgroup half of the head dim),
-//    added to the fp32 accumulator with atomics. dK and dV stay in registers for the whole
-//    walk (no atomics: the CTA owns its keys for every head of the group) and are written once;
+//    added to the fp32 accumulator with atomics, or (dq_tma) written to shared memory and
+//    added by a TMA reduce-add that the producer warpgroup's last warp issues. dK and dV stay
+//    in registers for the whole walk (no atomics: the CTA owns its keys for every head of the
+//    group) and are written once;
 //  - deterministic mode: the CTAs of one query tile add their dQ in key-tile order (a counter
 //    per (query tile, head) in global memory), so the sums are bitwise repeatable;
 //  - convert: dQ = bf16(accumulator).
+// The accumulator is [heads, total + 64, D] with the 16-byte chunks of row t XOR-swizzled by
+// t % 8 (dq_index): a 64-row tile of one head is one contiguous range for the bulk reduce, and
+// the consumers' stores of it into shared memory are free of bank conflicts. Rows of a tile
+// past its sequence's end add exact zeros (P is 0 there) to the next sequence's rows or to the
+// 64 rows of padding.
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/numeric_types.h>
@@ -39,6 +46,20 @@ using Bf16 = cutlass::bfloat16_t;
 using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
 using EmptyBarrier = cutlass::arch::ClusterBarrier;
 using NamedBarrier = cutlass::arch::NamedBarrier;
+
+// Named barriers of the backward: the dS^T buffer's reuse (1) and fill (2), the deterministic
+// order (3), the dQ tile's fill (4) and reuse (5).
+enum : int { kDsFree = 1, kDsFull = 2, kDqOrder = 3, kDqFull = 4, kDqFree = 5 };
+
+// Where row t (of the whole batch), column c of one head's dQ sum lives within that head's
+// [total + 64, D] slab: 16-byte chunks of the row XOR-swizzled by t % 8.
+__host__ __device__ __forceinline__ int dq_column(int c, int t_mod_8) {
+  return (((c >> 2) ^ t_mod_8) << 2) + (c & 3);
+}
+template <int kD>
+__host__ __device__ __forceinline__ int64_t dq_index(int64_t t, int c) {
+  return t * kD + dq_column(c, int(t & 7));
+}
 
 template <int kD>
 struct BwdTraits {
@@ -87,8 +108,9 @@ struct BwdTraits {
     alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutQ>> dout;
     alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutDS>> ds;
-    float lse2[kStages][kBlockM];   // lse * log2(e); +inf past the sequence's end
-    float delta[kStages][kBlockM];  // rowsum(dO * O)
+    alignas(128) float dq[kBlockM * kD];  // dq_tma: one query tile's dQ sum (dq_index order)
+    float lse2[kStages][kBlockM];         // lse * log2(e); +inf past the sequence's end
+    float delta[kStages][kBlockM];        // rowsum(dO * O)
     alignas(8) uint64_t bar_kv;
     uint64_t full_q[kStages], full_do[kStages], full_stat[kStages], empty[kStages];
   };
@@ -99,17 +121,18 @@ struct BwdTraits {
 struct BwdParams {
   const float* lse;    // [H, T]
   const float* delta;  // [H, T]
-  float* dq_accum;     // [T, H, D]
+  float* dq_accum;     // [H, T + 64, D] in dq_index order
   Bf16* dk;            // [T, Hkv, D]
   Bf16* dv;
   int* dq_semaphore;  // [sequences, m_blocks, H] (deterministic), else null
   const int* cu_seqlens;
   int heads, kv_heads, total, m_blocks_max;
+  int64_t dq_rows;  // rows of one head in dq_accum (total + 64)
   float scale, scale_log2;
 };
 
-template <class Traits, bool kCausal, bool kDeterministic, class TmaQ, class TmaDO, class TmaK,
-          class TmaV>
+template <class Traits, bool kCausal, bool kDeterministic, bool kDqTma, class TmaQ, class TmaDO,
+          class TmaK, class TmaV>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     attention_bwd_kernel(CUTE_GRID_CONSTANT BwdParams const p, CUTE_GRID_CONSTANT TmaQ const tma_q,
                          CUTE_GRID_CONSTANT TmaDO const tma_do, CUTE_GRID_CONSTANT TmaK const tma_k,
@@ -211,6 +234,31 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         s.delta[stage][t] = d;
         FullBarrier::arrive(&s.full_stat[stage]);
       }
+    } else if (kDqTma) {
+      // Warp 3: each step's dQ tile, once the consumers have written it, added to the
+      // accumulator by one bulk reduce-add; the buffer is handed back when TMA has read it.
+      const bool leader = cute::elect_one_sync();
+      float* head_tile =
+          p.dq_accum + (int64_t(kv_head) * group * p.dq_rows + start + m_begin * kBlockM) * kD;
+      int i = 0;
+      for (int h = 0; h < group; ++h, head_tile += p.dq_rows * kD) {
+        float* tile = head_tile;
+        for (int mm = 0; mm < m_count; ++mm, ++i, tile += kBlockM * kD) {
+          NamedBarrier::sync(T::kConsumers + 32, kDqFull);
+          if (leader) {
+            asm volatile(
+                "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::
+                    "l"(tile),
+                "r"(cute::cast_smem_ptr_to_uint(s.dq)), "r"(int(sizeof(s.dq)))
+                : "memory");
+            cute::tma_store_arrive();
+            cute::tma_store_wait<0>();  // the buffer is read
+          }
+          __syncwarp();
+          if (i + 1 < steps) NamedBarrier::arrive(T::kConsumers + 32, kDqFree);
+        }
+      }
+      if (leader) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // and written
     }
     return;
   }
@@ -292,7 +340,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       rdS(j) = Bf16(accdP(j));
     }
     // The other warpgroup may still read the previous step's dS^T (its dQ GEMM).
-    NamedBarrier::sync(T::kConsumers, 1);
+    NamedBarrier::sync(T::kConsumers, kDsFree);
     {
       // stmatrix through the accumulator's own partition (element-wise swizzled stores
       // would cost a register per address and spill).
@@ -309,7 +357,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     sm90::gemm_batch<false>(mma_kv, tP, tKVrdO(_, _, _, stage), accdV);
     sm90::gemm_batch<false>(mma_kv, tdS, tKVrQ(_, _, _, stage), accdK);
 
-    NamedBarrier::sync(T::kConsumers, 2);  // all of dS^T written
+    NamedBarrier::sync(T::kConsumers, kDsFull);  // all of dS^T written
     Tensor accdQ = partition_fragment_C(mma_q, Shape<typename T::BM, typename T::D>{});
     sm90::gemm_batch<true>(mma_q, tQrdS, tQrK, accdQ);
     warpgroup_wait<0>();
@@ -318,27 +366,44 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     warpgroup_fence_operand(accdQ);
     EmptyBarrier::arrive(&s.empty[stage]);  // Q, dO and the statistics of this stage are read
 
-    float* dq = p.dq_accum + (int64_t(start) + q_row0) * p.heads * kD + int64_t(head) * kD;
-    int* sem = nullptr;
-    if constexpr (kDeterministic) {
-      // Key tiles add in order: tile n waits for the n tiles before it (0 .. n-1 all see
-      // this query tile: causal starts at key tile 0).
-      sem = p.dq_semaphore + (int64_t(seq) * p.m_blocks_max + m) * p.heads + head;
-      if (ct == 0) {
-        while (atomicAdd(sem, 0) != n_block) __nanosleep(64);
-        __threadfence();
+    if constexpr (kDqTma) {
+      // The tile into shared memory (after the previous tile's reduce-add has read it), then
+      // handed to the dQ warp. Rows past the sequence's end hold exact zeros.
+      // A thread's rows are equal modulo 8 (the accumulator's rows are i, i + 8, ...).
+      const int swz = (start + get<0>(tQc(0))) & 7;
+      if (i > 0) NamedBarrier::sync(T::kConsumers + 32, kDqFree);
+      CUTE_UNROLL
+      for (int j = 0; j < size(accdQ); j += 2) {
+        const int r = get<0>(tQc(j)), c = get<1>(tQc(j));
+        *reinterpret_cast<float2*>(s.dq + r * kD + dq_column(c, swz)) =
+            make_float2(accdQ(j) * p.scale, accdQ(j + 1) * p.scale);
       }
-      NamedBarrier::sync(T::kConsumers, 3);
-    }
-    CUTE_UNROLL
-    for (int j = 0; j < size(accdQ); ++j) {
-      const int r = get<0>(tQc(j)), c = get<1>(tQc(j));
-      if (q_row0 + r < len) atomicAdd(dq + int64_t(r) * p.heads * kD + c, accdQ(j) * p.scale);
-    }
-    if constexpr (kDeterministic) {
-      __threadfence();
-      NamedBarrier::sync(T::kConsumers, 3);
-      if (ct == 0) atomicExch(sem, n_block + 1);
+      cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read by TMA
+      NamedBarrier::arrive(T::kConsumers + 32, kDqFull);
+    } else {
+      float* dq = p.dq_accum + int64_t(head) * p.dq_rows * kD;
+      int* sem = nullptr;
+      if constexpr (kDeterministic) {
+        // Key tiles add in order: tile n waits for the n tiles before it (0 .. n-1 all see
+        // this query tile: causal starts at key tile 0).
+        sem = p.dq_semaphore + (int64_t(seq) * p.m_blocks_max + m) * p.heads + head;
+        if (ct == 0) {
+          while (atomicAdd(sem, 0) != n_block) __nanosleep(64);
+          __threadfence();
+        }
+        NamedBarrier::sync(T::kConsumers, kDqOrder);
+      }
+      CUTE_UNROLL
+      for (int j = 0; j < size(accdQ); ++j) {
+        const int r = get<0>(tQc(j)), c = get<1>(tQc(j));
+        if (q_row0 + r < len)
+          atomicAdd(dq + dq_index<kD>(start + q_row0 + r, c), accdQ(j) * p.scale);
+      }
+      if constexpr (kDeterministic) {
+        __threadfence();
+        NamedBarrier::sync(T::kConsumers, kDqOrder);
+        if (ct == 0) atomicExch(sem, n_block + 1);
+      }
     }
   }
 
@@ -381,16 +446,22 @@ __global__ void attention_bwd_delta_kernel(const __nv_bfloat16* __restrict__ out
   if (lane == 0) delta[int64_t(h) * total + t] = acc;
 }
 
+// dq[t, h, :] = bf16(the accumulator's row t of head h), four columns (one chunk) per thread.
+template <int kD>
 __global__ void attention_bwd_convert_kernel(const float* __restrict__ acc,
-                                             __nv_bfloat16* __restrict__ dq, int64_t n) {
-  const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
-  if (i + 3 < n) {
-    const float4 v = *reinterpret_cast<const float4*>(acc + i);
-    *reinterpret_cast<__nv_bfloat162*>(dq + i) = __floats2bfloat162_rn(v.x, v.y);
-    *reinterpret_cast<__nv_bfloat162*>(dq + i + 2) = __floats2bfloat162_rn(v.z, v.w);
-  } else {
-    for (int64_t j = i; j < n; ++j) dq[j] = __float2bfloat16_rn(acc[j]);
-  }
+                                             __nv_bfloat16* __restrict__ dq, int64_t total,
+                                             int heads, int64_t dq_rows) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;  // chunk of dq
+  if (i >= total * heads * (kD / 4)) return;
+  const int c = int(i % (kD / 4)) * 4;
+  const int64_t row = i / (kD / 4);
+  const int64_t t = row / heads;
+  const int h = int(row % heads);
+  const float4 v =
+      *reinterpret_cast<const float4*>(acc + int64_t(h) * dq_rows * kD + dq_index<kD>(t, c));
+  __nv_bfloat16* out = dq + row * kD + c;
+  *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(v.x, v.y);
+  *reinterpret_cast<__nv_bfloat162*>(out + 2) = __floats2bfloat162_rn(v.z, v.w);
 }
 
 void check(cudaError_t err, const char* what) {
@@ -399,8 +470,9 @@ void check(cudaError_t err, const char* what) {
                              cudaGetErrorString(err));
 }
 
-template <int kD, bool kCausal, bool kDeterministic>
+template <int kD, bool kCausal, bool kDeterministic, bool kDqTma>
 void launch_bwd(const AttentionBwdArgs& a, Stream stream) {
+  static_assert(!(kDeterministic && kDqTma), "the deterministic order runs on atomics");
   using T = BwdTraits<kD>;
   using D = typename T::D;
   auto st = reinterpret_cast<cudaStream_t>(stream);
@@ -416,7 +488,10 @@ void launch_bwd(const AttentionBwdArgs& a, Stream stream) {
           reinterpret_cast<const __nv_bfloat16*>(a.dout), a.delta, a.total, int(a.heads),
           a.heads * kD, a.dout_row_stride);
     check(cudaGetLastError(), "delta");
-    check(cudaMemsetAsync(a.dq_accum, 0, sizeof(float) * a.total * a.heads * kD, st), "memset");
+    check(
+        cudaMemsetAsync(a.dq_accum, 0,
+                        sizeof(float) * attention_sm90_dq_accum_elements(a.total, a.heads, kD), st),
+        "memset");
     if (kDeterministic)
       check(cudaMemsetAsync(a.dq_semaphore, 0, sizeof(int) * a.semaphore_count, st), "memset");
   }
@@ -449,9 +524,10 @@ void launch_bwd(const AttentionBwdArgs& a, Stream stream) {
   p.kv_heads = int(a.kv_heads);
   p.total = total;
   p.m_blocks_max = int((a.max_seqlen + T::kBlockM - 1) / T::kBlockM);
+  p.dq_rows = a.total + T::kBlockM;
   p.scale = float(a.scale);
   p.scale_log2 = float(a.scale * M_LOG2E);
-  auto* kernel = &attention_bwd_kernel<T, kCausal, kDeterministic, decltype(tma_q),
+  auto* kernel = &attention_bwd_kernel<T, kCausal, kDeterministic, kDqTma, decltype(tma_q),
                                        decltype(tma_do), decltype(tma_k), decltype(tma_v)>;
   const int smem = int(sizeof(typename T::Smem));
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
@@ -461,27 +537,35 @@ void launch_bwd(const AttentionBwdArgs& a, Stream stream) {
   kernel<<<grid, T::kThreads, smem, st>>>(p, tma_q, tma_do, tma_k, tma_v);
   check(cudaGetLastError(), "main kernel");
   // 3. dQ in bf16.
-  const int64_t n = a.total * a.heads * kD;
-  if (n > 0)
-    attention_bwd_convert_kernel<<<unsigned((n / 4 + 255) / 256 + 1), 256, 0, st>>>(
-        a.dq_accum, reinterpret_cast<__nv_bfloat16*>(a.dq), n);
+  const int64_t chunks = a.total * a.heads * (kD / 4);
+  if (chunks > 0)
+    attention_bwd_convert_kernel<kD><<<unsigned((chunks + 255) / 256), 256, 0, st>>>(
+        a.dq_accum, reinterpret_cast<__nv_bfloat16*>(a.dq), a.total, int(a.heads), p.dq_rows);
   check(cudaGetLastError(), "convert");
 }
 
 template <int kD>
 void dispatch_bwd(const AttentionBwdArgs& a, Stream stream) {
+  if (a.deterministic && a.dq_tma)
+    throw std::runtime_error("attention_sm90_bwd: dq_tma does not keep the deterministic order");
   if (a.causal)
-    a.deterministic ? launch_bwd<kD, true, true>(a, stream)
-                    : launch_bwd<kD, true, false>(a, stream);
+    a.deterministic ? launch_bwd<kD, true, true, false>(a, stream)
+    : a.dq_tma      ? launch_bwd<kD, true, false, true>(a, stream)
+                    : launch_bwd<kD, true, false, false>(a, stream);
   else
-    a.deterministic ? launch_bwd<kD, false, true>(a, stream)
-                    : launch_bwd<kD, false, false>(a, stream);
+    a.deterministic ? launch_bwd<kD, false, true, false>(a, stream)
+    : a.dq_tma      ? launch_bwd<kD, false, false, true>(a, stream)
+                    : launch_bwd<kD, false, false, false>(a, stream);
 }
 
 }  // namespace
 
 int64_t attention_sm90_bwd_semaphores(int64_t sequences, int64_t max_seqlen, int64_t heads) {
   return sequences * ((max_seqlen + BwdTraits<64>::kBlockM - 1) / BwdTraits<64>::kBlockM) * heads;
+}
+
+int64_t attention_sm90_dq_accum_elements(int64_t total, int64_t heads, int64_t head_dim) {
+  return heads * (total + BwdTraits<64>::kBlockM) * head_dim;
 }
 
 void attention_sm90_bwd(const AttentionBwdArgs& a, Stream stream) {

@@ -36,6 +36,8 @@ using namespace cute;
 using Bf16 = cutlass::bfloat16_t;
 using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
 using EmptyBarrier = cutlass::arch::ClusterBarrier;
+using NamedBarrier = cutlass::arch::NamedBarrier;
+constexpr int kTurn = 1;  // named barriers kTurn, kTurn + 1: the ping-pong turns
 
 template <int kD, int kBlockN, int kStages>
 struct FwdTraits {
@@ -85,7 +87,8 @@ struct FwdParams {
   float scale;
 };
 
-template <class Traits, bool kCausal, class TmaQ, class TmaK, class TmaV>
+template <class Traits, bool kCausal, bool kOverlap, bool kPingpong, class TmaQ, class TmaK,
+          class TmaV>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     attention_fwd_kernel(CUTE_GRID_CONSTANT FwdParams const p, CUTE_GRID_CONSTANT TmaQ const tma_q,
                          CUTE_GRID_CONSTANT TmaK const tma_k, CUTE_GRID_CONSTANT TmaV const tma_v) {
@@ -186,17 +189,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   float row_sum[2] = {0.f, 0.f};
   const int q_row0 = m_block * kBlockM;  // the tile's first query, within the sequence
 
-  FullBarrier::wait(&s.bar_q, 0);
-  for (int i = 0; i < n_blocks; ++i) {
-    const int n = n_blocks - 1 - i, stage = i % kStages;
-    const uint32_t phase = (i / kStages) & 1;
-    Tensor accS = partition_fragment_C(mma_qk, Shape<typename T::BM, typename T::BN>{});
-    FullBarrier::wait(&s.full_k[stage], phase);
-    sm90::gemm_batch<true>(mma_qk, tSrQ, tSrK(_, _, _, stage), accS);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(accS);
-    EmptyBarrier::arrive(&s.empty_k[stage]);
-
+  // Mask key tile n's scores in accS, fold them into the row statistics, write P (bf16) into rp
+  // and the factor the output accumulated so far must take into corr (the caller applies it
+  // once no P V GEMM that reads the accumulator is still running).
+  auto softmax_step = [&](auto& accS, int n, auto& rp, float(&corr)[2]) {
     // Masks: keys past the sequence's end, and (causal) keys after the query.
     const int k_col0 = n * kBlockN;
     const bool need_mask = k_col0 + kBlockN > len || (kCausal && k_col0 + kBlockN - 1 > q_row0);
@@ -213,7 +209,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     CUTE_UNROLL
     for (int j = 0; j < size(accS); ++j)
       new_max[(j >> 1) & 1] = fmaxf(new_max[(j >> 1) & 1], accS(j));
-    float scaled_max[2], corr[2];
+    float scaled_max[2];
     CUTE_UNROLL
     for (int r = 0; r < 2; ++r) {
       new_max[r] = fmaxf(new_max[r], __shfl_xor_sync(0xffffffff, new_max[r], 1));
@@ -224,24 +220,117 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       row_max[r] = new_max[r];
       row_sum[r] *= corr[r];
     }
-    Tensor rP = make_tensor<Bf16>(accS.layout());
     CUTE_UNROLL
     for (int j = 0; j < size(accS); ++j) {
       const int r = (j >> 1) & 1;
       const float e = exp2f(accS(j) * p.scale_log2 - scaled_max[r]);
       row_sum[r] += e;
-      rP(j) = Bf16(e);
+      rp(j) = Bf16(e);
     }
+  };
+  auto rescale_o = [&](const float(&corr)[2]) {
     CUTE_UNROLL
     for (int j = 0; j < size(accO); ++j) accO(j) *= corr[(j >> 1) & 1];
-    Tensor tOrP = make_tensor(rP.data(), typename T::LayoutP{});
+  };
+  using FragS = decltype(partition_fragment_C(mma_qk, Shape<typename T::BM, typename T::BN>{}));
 
-    FullBarrier::wait(&s.full_v[stage], phase);
-    warpgroup_fence_operand(tOrP);
-    sm90::gemm_batch<false>(mma_pv, tOrP, tOrV(_, _, _, stage), accO);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(accO);
-    EmptyBarrier::arrive(&s.empty_v[stage]);
+  // Ping-pong (kPingpong): the two consumer warpgroups take turns issuing their GEMMs, so that
+  // one's softmax runs while the other's GEMMs hold the tensor cores. Warpgroup w waits on
+  // barrier kTurn + w before it issues and hands the turn over after; the second warpgroup hands
+  // the first its first turn, and the first takes the second's last hand-over at the end (every
+  // arrival is matched).
+  const int cw = warpgroup - 1;
+  auto turn_begin = [&] {
+    if constexpr (kPingpong) NamedBarrier::sync(T::kConsumerThreads, kTurn + cw);
+  };
+  auto turn_end = [&] {
+    if constexpr (kPingpong) NamedBarrier::arrive(T::kConsumerThreads, kTurn + 1 - cw);
+  };
+  if constexpr (kPingpong)
+    if (cw == 1) NamedBarrier::arrive(T::kConsumerThreads, kTurn);
+
+  FullBarrier::wait(&s.bar_q, 0);
+  if constexpr (!kOverlap) {
+    // One key tile at a time: S = Q K^T, its softmax, then O += P V.
+    for (int i = 0; i < n_blocks; ++i) {
+      const int stage = i % kStages;
+      const uint32_t phase = (i / kStages) & 1;
+      Tensor accS = partition_fragment_C(mma_qk, Shape<typename T::BM, typename T::BN>{});
+      FullBarrier::wait(&s.full_k[stage], phase);
+      sm90::gemm_batch<true>(mma_qk, tSrQ, tSrK(_, _, _, stage), accS);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(accS);
+      EmptyBarrier::arrive(&s.empty_k[stage]);
+      Tensor rP = make_tensor<Bf16>(typename FragS::layout_type{});
+      float corr[2];
+      softmax_step(accS, n_blocks - 1 - i, rP, corr);
+      rescale_o(corr);
+      Tensor tOrP = make_tensor(rP.data(), typename T::LayoutP{});
+      FullBarrier::wait(&s.full_v[stage], phase);
+      warpgroup_fence_operand(tOrP);
+      sm90::gemm_batch<false>(mma_pv, tOrP, tOrV(_, _, _, stage), accO);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(accO);
+      EmptyBarrier::arrive(&s.empty_v[stage]);
+    }
+  } else {
+    // FlashAttention-3's intra-warpgroup pipelining: S_i is issued, then P_{i-1} V_{i-1}; once
+    // S_i is done its softmax runs while P V still computes; the accumulator is rescaled after
+    // that GEMM has finished (it reads and writes accO), and P_{i-1}'s registers are reused
+    // only then (the GEMM reads them).
+    Tensor rP = make_tensor<Bf16>(typename FragS::layout_type{});
+    float corr[2];
+    {
+      Tensor accS = partition_fragment_C(mma_qk, Shape<typename T::BM, typename T::BN>{});
+      turn_begin();
+      FullBarrier::wait(&s.full_k[0], 0);
+      sm90::gemm_batch<true>(mma_qk, tSrQ, tSrK(_, _, _, 0), accS);
+      turn_end();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(accS);
+      EmptyBarrier::arrive(&s.empty_k[0]);
+      softmax_step(accS, n_blocks - 1, rP, corr);  // accO is still zero: nothing to rescale
+    }
+    for (int i = 1; i < n_blocks; ++i) {
+      const int stage = i % kStages, prev = (i - 1) % kStages;
+      const uint32_t phase = (i / kStages) & 1, prev_phase = ((i - 1) / kStages) & 1;
+      Tensor accS = partition_fragment_C(mma_qk, Shape<typename T::BM, typename T::BN>{});
+      Tensor tOrP = make_tensor(rP.data(), typename T::LayoutP{});
+      turn_begin();
+      FullBarrier::wait(&s.full_k[stage], phase);
+      sm90::gemm_batch<true>(mma_qk, tSrQ, tSrK(_, _, _, stage), accS);
+      FullBarrier::wait(&s.full_v[prev], prev_phase);
+      warpgroup_fence_operand(tOrP);
+      sm90::gemm_batch<false>(mma_pv, tOrP, tOrV(_, _, _, prev), accO);
+      turn_end();
+      warpgroup_wait<1>();  // S_i done; P_{i-1} V_{i-1} may still run
+      warpgroup_fence_operand(accS);
+      EmptyBarrier::arrive(&s.empty_k[stage]);
+      Tensor rP_next = make_tensor<Bf16>(typename FragS::layout_type{});
+      softmax_step(accS, n_blocks - 1 - i, rP_next, corr);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tOrP);  // P_{i-1}'s registers stay live until the GEMM read them
+      warpgroup_fence_operand(accO);
+      EmptyBarrier::arrive(&s.empty_v[prev]);
+      rescale_o(corr);
+      CUTE_UNROLL
+      for (int j = 0; j < size(rP); ++j) rP(j) = rP_next(j);
+    }
+    {
+      const int last = n_blocks - 1, stage = last % kStages;
+      const uint32_t phase = (last / kStages) & 1;
+      Tensor tOrP = make_tensor(rP.data(), typename T::LayoutP{});
+      turn_begin();
+      FullBarrier::wait(&s.full_v[stage], phase);
+      warpgroup_fence_operand(tOrP);
+      sm90::gemm_batch<false>(mma_pv, tOrP, tOrV(_, _, _, stage), accO);
+      turn_end();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(accO);
+      EmptyBarrier::arrive(&s.empty_v[stage]);
+    }
+    if constexpr (kPingpong)
+      if (cw == 0) NamedBarrier::sync(T::kConsumerThreads, kTurn);  // the second's last hand-over
   }
 
   // Epilogue: the row sums over the row's four threads, O / sum in bf16, the log-sum-exp.
@@ -282,8 +371,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #endif
 }
 
-template <int kD, int kBlockN, int kStages, bool kCausal>
+template <int kD, int kBlockN, int kStages, bool kCausal, bool kOverlap, bool kPingpong>
 void launch_fwd(const AttentionFwdArgs& a, Stream stream) {
+  static_assert(kOverlap || !kPingpong, "ping-pong is built on the overlapped schedule");
   using T = FwdTraits<kD, kBlockN, kStages>;
   using D = typename T::D;
   const auto* q = reinterpret_cast<const Bf16*>(a.q);
@@ -310,8 +400,8 @@ void launch_fwd(const AttentionFwdArgs& a, Stream stream) {
   p.m_blocks = int((a.max_seqlen + T::kBlockM - 1) / T::kBlockM);
   p.scale = float(a.scale);
   p.scale_log2 = float(a.scale * M_LOG2E);
-  auto* kernel =
-      &attention_fwd_kernel<T, kCausal, decltype(tma_q), decltype(tma_k), decltype(tma_v)>;
+  auto* kernel = &attention_fwd_kernel<T, kCausal, kOverlap, kPingpong, decltype(tma_q),
+                                       decltype(tma_k), decltype(tma_v)>;
   const int smem = int(sizeof(typename T::Smem));
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess)
@@ -322,6 +412,20 @@ void launch_fwd(const AttentionFwdArgs& a, Stream stream) {
   err = cudaGetLastError();
   if (err != cudaSuccess)
     throw std::runtime_error(std::string("attention_sm90_fwd: ") + cudaGetErrorString(err));
+}
+
+template <int kD, bool kCausal>
+void dispatch_fwd(const AttentionFwdArgs& a, Stream stream) {
+  switch (a.schedule) {
+    case AttentionFwdSchedule::plain:
+      return launch_fwd<kD, 128, 2, kCausal, false, false>(a, stream);
+    case AttentionFwdSchedule::overlap:
+      return launch_fwd<kD, 128, 2, kCausal, true, false>(a, stream);
+    case AttentionFwdSchedule::pingpong:
+      return launch_fwd<kD, 128, 2, kCausal, true, true>(a, stream);
+  }
+  throw std::runtime_error("attention_sm90_fwd: unknown schedule " +
+                           std::to_string(static_cast<int>(a.schedule)));
 }
 
 }  // namespace
@@ -336,9 +440,9 @@ bool attention_sm90_supported(int64_t head_dim) {
 
 void attention_sm90_fwd(const AttentionFwdArgs& a, Stream stream) {
   if (a.head_dim == 64) {
-    a.causal ? launch_fwd<64, 128, 2, true>(a, stream) : launch_fwd<64, 128, 2, false>(a, stream);
+    a.causal ? dispatch_fwd<64, true>(a, stream) : dispatch_fwd<64, false>(a, stream);
   } else if (a.head_dim == 128) {
-    a.causal ? launch_fwd<128, 128, 2, true>(a, stream) : launch_fwd<128, 128, 2, false>(a, stream);
+    a.causal ? dispatch_fwd<128, true>(a, stream) : dispatch_fwd<128, false>(a, stream);
   } else {
     throw std::runtime_error("attention_sm90_fwd: head_dim " + std::to_string(a.head_dim) +
                              " is not 64 or 128");

@@ -133,7 +133,9 @@ std::string own_attention_fallback(const at::Tensor& q, const at::Tensor& k,
 }
 
 std::string OwnAttention::summary() const {
-  std::string s = str("own ", own_calls_, " calls, SDPA ", fallback_calls_);
+  std::string s =
+      str("own ", own_calls_, " calls (schedule ",
+          kernels::to_string(kernels::attention_schedule()), "), SDPA ", fallback_calls_);
   if (fallback_calls_ > 0) s += str(" (", fallback_reason_, ")");
   return s;
 }
@@ -173,6 +175,7 @@ at::Tensor OwnAttention::forward(const at::Tensor& q, const at::Tensor& k, const
 
 std::pair<std::shared_ptr<OwnAttention>, int64_t> use_own_attention(torch::nn::Module& root,
                                                                     bool deterministic) {
+  (void)kernels::attention_schedule();  // a bad COLOSSAL_ATTENTION_SCHEDULE fails here, not later
   auto own = std::make_shared<OwnAttention>(deterministic);
   std::vector<std::string> paths;
   for (const auto& item : root.named_modules("", false)) {

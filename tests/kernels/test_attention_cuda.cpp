@@ -2,7 +2,10 @@
 // build without the sm_90a kernels) against kernels::attention_reference, the fp64 composite,
 // on fresh random inputs: every supported head dim, causal and full, GQA ratios 1 / 4 / 8,
 // odd sequence lengths (1, 127, 2049), packed documents (of length 1 too), an output buffer
-// poisoned with NaN (every row the kernel owns must be written).
+// poisoned with NaN (every row the kernel owns must be written); every schedule
+// (AttentionSchedule): the forward's schedules run the same arithmetic in the same order, so
+// their outputs must be bitwise equal; the backward's dQ paths differ only in the order of the
+// fp32 dQ additions, so dK and dV must be bitwise equal and dQ within the bound.
 //
 // Tolerance: the kernel rounds P to bf16 before the P V product (relative error 2^-9 per
 // element) and writes bf16 (2^-9); q, k, v are the same bf16 values on both sides. The
@@ -19,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "colossal/core/error.h"
 #include "colossal/kernels/attention.h"
 #include "colossal/kernels/attention_reference.h"
 #include "colossal/kernels/fp8.h"
@@ -35,6 +39,26 @@ bool usable(std::string* why) {
       at::empty({1, 1, 64}, at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA));
   *why = own_attention_unsupported(probe, probe);
   return why->empty();
+}
+
+// Runs body under each schedule in turn, then restores the process's schedule.
+template <class F>
+void for_each_schedule(const std::vector<AttentionSchedule>& schedules, F&& body) {
+  const AttentionSchedule saved = attention_schedule();
+  for (const AttentionSchedule& s : schedules) {
+    set_attention_schedule(s);
+    SCOPED_TRACE("schedule " + to_string(s));
+    body(s);
+  }
+  set_attention_schedule(saved);
+}
+
+std::vector<AttentionSchedule> forward_schedules() {
+  std::vector<AttentionSchedule> v;
+  for (auto f : {AttentionSchedule::Forward::plain, AttentionSchedule::Forward::overlap,
+                 AttentionSchedule::Forward::pingpong})
+    v.push_back({f, false});
+  return v;
 }
 
 struct Case {
@@ -60,21 +84,32 @@ void check_case(const Case& c) {
   at::Tensor k = at::randn({T, c.kv_heads, c.dim}, bf);
   at::Tensor v = at::randn({T, c.kv_heads, c.dim}, bf);
   at::Tensor cu_t = at::tensor(cu, at::kLong);
-  at::Tensor out = at::full({T, c.heads, c.dim}, NAN, bf);
-  set_fp8_amax_capture(true);  // the kernel records max |out| for an FP8 o_proj's cast
-  AttentionResult r = attention_forward(q, k, v, cu_t.to(at::kCUDA), 0, c.causal, 0, out);
-  set_fp8_amax_capture(false);
-  ASSERT_TRUE(r.out.is_same(out));
-  ASSERT_TRUE(known_fp8_amax(r.out).defined());
-  EXPECT_EQ(known_fp8_amax(r.out).item<float>(), r.out.abs().max().to(at::kFloat).item<float>());
   AttentionReference ref = attention_reference(q.cpu(), k.cpu(), v.cpu(), cu_t, c.causal);
-  at::Tensor o = r.out.cpu().to(at::kDouble);
-  ASSERT_FALSE(o.isnan().any().item<bool>()) << "rows left unwritten (NaN poison) or NaN results";
-  const double err = ((o - ref.out).norm() / ref.out.norm()).item<double>();
-  const double lse_err = (r.lse.cpu().to(at::kDouble) - ref.lse).abs().max().item<double>();
-  EXPECT_LE(err, 1e-2);
-  EXPECT_LE(lse_err, 1e-3);
-  std::printf("%-48s out %.2e  lse %.2e\n", name(c).c_str(), err, lse_err);
+  at::Tensor first_out, first_lse;
+  for_each_schedule(forward_schedules(), [&](const AttentionSchedule& s) {
+    at::Tensor out = at::full({T, c.heads, c.dim}, NAN, bf);
+    set_fp8_amax_capture(true);  // the kernel records max |out| for an FP8 o_proj's cast
+    AttentionResult r = attention_forward(q, k, v, cu_t.to(at::kCUDA), 0, c.causal, 0, out);
+    set_fp8_amax_capture(false);
+    ASSERT_TRUE(r.out.is_same(out));
+    ASSERT_TRUE(known_fp8_amax(r.out).defined());
+    EXPECT_EQ(known_fp8_amax(r.out).item<float>(), r.out.abs().max().to(at::kFloat).item<float>());
+    at::Tensor o = r.out.cpu().to(at::kDouble);
+    ASSERT_FALSE(o.isnan().any().item<bool>()) << "rows left unwritten (NaN poison) or NaN results";
+    const double err = ((o - ref.out).norm() / ref.out.norm()).item<double>();
+    const double lse_err = (r.lse.cpu().to(at::kDouble) - ref.lse).abs().max().item<double>();
+    EXPECT_LE(err, 1e-2);
+    EXPECT_LE(lse_err, 1e-3);
+    if (!first_out.defined()) {
+      first_out = r.out;
+      first_lse = r.lse;
+    } else {  // the same arithmetic in the same order as the plain schedule
+      EXPECT_TRUE(at::equal(first_out, r.out)) << "output differs from the plain schedule's";
+      EXPECT_TRUE(at::equal(first_lse, r.lse)) << "lse differs from the plain schedule's";
+    }
+    std::printf("%-48s %-9s out %.2e  lse %.2e\n", name(c).c_str(), to_string(s).c_str(), err,
+                lse_err);
+  });
 }
 
 TEST(AttentionCuda, ForwardEqualsTheFp64Reference) {
@@ -101,8 +136,6 @@ void check_backward(const Case& c, bool deterministic) {
   at::Tensor v = at::randn({T, c.kv_heads, c.dim}, bf).requires_grad_();
   at::Tensor dy = at::randn({T, c.heads, c.dim}, bf);
   at::Tensor cu_t = at::tensor(cu, at::kLong);
-  at::Tensor y = attention(q, k, v, cu_t.to(at::kCUDA), 0, c.causal, 0, deterministic);
-  y.backward(dy);
   at::Tensor qr = q.detach().cpu().to(at::kDouble).requires_grad_();
   at::Tensor kr = k.detach().cpu().to(at::kDouble).requires_grad_();
   at::Tensor vr = v.detach().cpu().to(at::kDouble).requires_grad_();
@@ -111,25 +144,39 @@ void check_backward(const Case& c, bool deterministic) {
   auto nrel = [](const at::Tensor& a, const at::Tensor& b) {
     return ((a.cpu().to(at::kDouble) - b).norm() / b.norm()).item<double>();
   };
-  for (const at::Tensor* g : {&q.grad(), &k.grad(), &v.grad()})
-    ASSERT_FALSE(g->isnan().any().item<bool>()) << "NaN in a gradient";
-  const double eq = nrel(q.grad(), qr.grad()), ek = nrel(k.grad(), kr.grad()),
-               ev = nrel(v.grad(), vr.grad());
-  EXPECT_LE(eq, 2e-2);
-  EXPECT_LE(ek, 2e-2);
-  EXPECT_LE(ev, 2e-2);
-  std::printf("%-48s dq %.2e  dk %.2e  dv %.2e%s\n", name(c).c_str(), eq, ek, ev,
-              deterministic ? " (deterministic)" : "");
-  if (deterministic) {  // bitwise repeatable
-    at::Tensor dq1 = q.grad().clone(), dk1 = k.grad().clone(), dv1 = v.grad().clone();
-    q.grad().zero_();
-    k.grad().zero_();
-    v.grad().zero_();
-    attention(q, k, v, cu_t.to(at::kCUDA), 0, c.causal, 0, true).backward(dy);
-    EXPECT_TRUE(at::equal(dq1, q.grad()));
-    EXPECT_TRUE(at::equal(dk1, k.grad()));
-    EXPECT_TRUE(at::equal(dv1, v.grad()));
-  }
+  auto run = [&] {
+    q.mutable_grad() = at::Tensor();
+    k.mutable_grad() = at::Tensor();
+    v.mutable_grad() = at::Tensor();
+    attention(q, k, v, cu_t.to(at::kCUDA), 0, c.causal, 0, deterministic).backward(dy);
+    return std::vector<at::Tensor>{q.grad(), k.grad(), v.grad()};
+  };
+  // The dQ paths: atomics and the TMA reduce-add (deterministic mode always orders atomics).
+  std::vector<AttentionSchedule> schedules{{AttentionSchedule::Forward::plain, false}};
+  if (!deterministic) schedules.push_back({AttentionSchedule::Forward::plain, true});
+  std::vector<at::Tensor> first;
+  for_each_schedule(schedules, [&](const AttentionSchedule& s) {
+    const std::vector<at::Tensor> g = run();
+    for (const at::Tensor& t : g) ASSERT_FALSE(t.isnan().any().item<bool>()) << "NaN in a gradient";
+    const double eq = nrel(g[0], qr.grad()), ek = nrel(g[1], kr.grad()), ev = nrel(g[2], vr.grad());
+    EXPECT_LE(eq, 2e-2);
+    EXPECT_LE(ek, 2e-2);
+    EXPECT_LE(ev, 2e-2);
+    std::printf("%-48s %-14s dq %.2e  dk %.2e  dv %.2e%s\n", name(c).c_str(), to_string(s).c_str(),
+                eq, ek, ev, deterministic ? " (deterministic)" : "");
+    if (first.empty()) {
+      first = g;
+    } else {  // dK and dV do not depend on the dQ path
+      EXPECT_TRUE(at::equal(first[1], g[1])) << "dk differs between the dQ paths";
+      EXPECT_TRUE(at::equal(first[2], g[2])) << "dv differs between the dQ paths";
+    }
+    if (deterministic) {  // bitwise repeatable
+      const std::vector<at::Tensor> again = run();
+      EXPECT_TRUE(at::equal(g[0], again[0]));
+      EXPECT_TRUE(at::equal(g[1], again[1]));
+      EXPECT_TRUE(at::equal(g[2], again[2]));
+    }
+  });
 }
 
 TEST(AttentionCuda, BackwardEqualsTheFp64Reference) {
@@ -161,6 +208,31 @@ TEST(AttentionCuda, SaysWhyItDoesNotRunOnTheCpu) {
   }
 }
 
+// Runs everywhere: the schedule names round-trip, and a bad one is an InputError naming it.
+TEST(AttentionCuda, SchedulesParseAndNameTheBadPart) {
+  for (const AttentionSchedule& s : attention_schedules())
+    EXPECT_EQ(parse_attention_schedule(to_string(s)), s) << to_string(s);
+  EXPECT_EQ(attention_schedules().size(), 6u);
+  const AttentionSchedule dq = parse_attention_schedule("dq_tma");
+  EXPECT_EQ(dq.forward, AttentionSchedule::Forward::plain);
+  EXPECT_TRUE(dq.dq_tma);
+  EXPECT_EQ(to_string(parse_attention_schedule("dq_tma+pingpong")), "pingpong+dq_tma");
+  for (const char* bad : {"", "fast", "overlap+", "overlap+pingpong", "dq_tma+dq_tma", "Overlap"}) {
+    try {
+      parse_attention_schedule(bad);
+      ADD_FAILURE() << "'" << bad << "' was accepted";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("attention schedule '" + std::string(bad) + "'"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  const AttentionSchedule saved = attention_schedule();
+  set_attention_schedule({AttentionSchedule::Forward::overlap, true});
+  EXPECT_EQ(to_string(attention_schedule()), "overlap+dq_tma");
+  set_attention_schedule(saved);
+}
+
 TEST(AttentionCuda, NamedErrors) {
   std::string why;
   if (!usable(&why)) GTEST_SKIP() << why;
@@ -174,6 +246,14 @@ TEST(AttentionCuda, NamedErrors) {
   at::Tensor q96 = at::randn({8, 4, 96}, bf), k96 = at::randn({8, 2, 96}, bf);
   EXPECT_FALSE(own_attention_unsupported(q96, k96).empty());
   EXPECT_THROW(attention_forward(q96, k96, k96, cu, 0, true), std::exception);
+  // A [1, H, D] view whose row stride TMA cannot take (not a multiple of 16 bytes) is copied.
+  at::Tensor wide = at::randn({1, 4 * 64 + 3}, bf);
+  at::Tensor q1 = wide.narrow(1, 0, 4 * 64).view({1, 4, 64});
+  at::Tensor k1 = at::randn({1, 2, 64}, bf);
+  at::Tensor cu1 = at::tensor(std::vector<int64_t>{0, 1}, at::kLong);
+  at::Tensor y1 = attention_forward(q1, k1, k1, cu1, 0, true).out;
+  EXPECT_TRUE(at::allclose(y1.to(at::kFloat),
+                           k1.repeat_interleave(2, 1).to(at::kFloat)));  // one key: out = v
 }
 
 }  // namespace

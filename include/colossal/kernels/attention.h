@@ -9,6 +9,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace colossal::kernels {
 
@@ -51,6 +52,34 @@ AttentionGrads attention_backward(const at::Tensor& q, const at::Tensor& k, cons
                                   const at::Tensor& lse, const at::Tensor& cu_seqlens,
                                   int64_t max_seqlen, bool causal, double scale = 0,
                                   bool deterministic = false);
+
+// The kernels' schedules, so one build can measure them against each other (bench_kernels
+// --op attention prints every one) and the GPU tests check every one. forward:
+//  - plain: one key tile at a time (S = Q K^T, its softmax, then O += P V);
+//  - overlap: a tile's softmax overlaps the previous tile's P V GEMM (FlashAttention-3's
+//    intra-warpgroup pipelining);
+//  - pingpong: overlap, and the two consumer warpgroups take turns at the tensor cores so one's
+//    softmax runs under the other's GEMMs.
+// dq_tma: the backward adds its partial dQ sums through shared memory and a TMA reduce-add
+// issued by a warp of its own instead of fp32 atomics from the consumer warps (deterministic
+// mode keeps its ordered atomics). The results of every schedule are equal up to the order of
+// the fp32 dQ additions.
+struct AttentionSchedule {
+  enum class Forward { plain, overlap, pingpong };
+  Forward forward = Forward::plain;
+  bool dq_tma = false;
+  bool operator==(const AttentionSchedule&) const = default;
+};
+// "plain", "overlap" or "pingpong", optionally followed by "+dq_tma" (also "dq_tma" alone:
+// plain+dq_tma). InputError naming the bad part.
+AttentionSchedule parse_attention_schedule(const std::string& text);
+std::string to_string(const AttentionSchedule& schedule);
+// The schedule the kernels run: set_attention_schedule's, else COLOSSAL_ATTENTION_SCHEDULE's
+// (read at the first call; a bad value is an InputError then), else plain.
+AttentionSchedule attention_schedule();
+void set_attention_schedule(const AttentionSchedule& schedule);
+// Every schedule, for the benchmarks and the GPU tests.
+std::vector<AttentionSchedule> attention_schedules();
 
 // attention_forward's output with autograd (q, k, v differentiable; the backward above).
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -108,7 +108,7 @@ class OwnAttention : public CoreAttention {
   int64_t own_calls() const { return own_calls_; }
   int64_t fallback_calls() const { return fallback_calls_; }
   const std::string& fallback_reason() const { return fallback_reason_; }  // the first one
-  // "own N calls, SDPA M (first reason)": what a run's report says.
+  // "own N calls (schedule S), SDPA M (first reason)": what a run's report says.
   std::string summary() const;
 
  private:
@@ -121,7 +121,8 @@ class OwnAttention : public CoreAttention {
 
 // Puts one OwnAttention in every core-attention slot under `root` that holds the plain
 // SdpaAttention (a slot already given another kind, a sequence-parallel wrapper, stays as it
-// is); returns it (its counters cover every layer) and the number of slots replaced.
+// is); returns it (its counters cover every layer) and the number of slots replaced. Reads the
+// kernels' schedule first, so a bad COLOSSAL_ATTENTION_SCHEDULE is an InputError before any work.
 std::pair<std::shared_ptr<OwnAttention>, int64_t> use_own_attention(torch::nn::Module& root,
                                                                     bool deterministic);
 
