@@ -122,38 +122,102 @@ std::vector<AttentionSchedule> attention_schedules() {
   return all;
 }
 
+// ---- Work lists -----------------------------------------------------------------------------
+namespace {
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+// Heaviest first; equal work keeps the order of insertion (sequence, then tile).
+std::vector<AttentionTile> heaviest_first(std::vector<AttentionTile> tiles) {
+  std::stable_sort(tiles.begin(), tiles.end(),
+                   [](const AttentionTile& a, const AttentionTile& b) { return a.work > b.work; });
+  return tiles;
+}
+}  // namespace
+
+std::vector<AttentionTile> attention_forward_tiles(const std::vector<int64_t>& cu, bool causal) {
+  constexpr int64_t BM = cuda::kAttentionFwdBlockM, BN = cuda::kAttentionFwdBlockN;
+  std::vector<AttentionTile> tiles;
+  for (size_t s = 0; s + 1 < cu.size(); ++s) {
+    const int64_t len = cu[s + 1] - cu[s], key_tiles = ceil_div(len, BN);
+    for (int64_t m = 0; m < ceil_div(len, BM); ++m)
+      tiles.push_back({static_cast<int32_t>(s), static_cast<int32_t>(m),
+                       causal ? std::min(key_tiles, ceil_div((m + 1) * BM, BN)) : key_tiles});
+  }
+  return heaviest_first(std::move(tiles));
+}
+
+std::vector<AttentionTile> attention_backward_tiles(const std::vector<int64_t>& cu, bool causal) {
+  constexpr int64_t BM = cuda::kAttentionBwdBlockM, BN = cuda::kAttentionBwdBlockN;
+  std::vector<AttentionTile> tiles;
+  for (size_t s = 0; s + 1 < cu.size(); ++s) {
+    const int64_t len = cu[s + 1] - cu[s], query_tiles = ceil_div(len, BM);
+    for (int64_t n = 0; n < ceil_div(len, BN); ++n)
+      tiles.push_back({static_cast<int32_t>(s), static_cast<int32_t>(n),
+                       query_tiles - (causal ? n * BN / BM : 0)});
+  }
+  return heaviest_first(std::move(tiles));
+}
+
 namespace {
 
 // The checked inputs of one call: layouts the kernels take (views of a packed projection output
-// as they are, each with its own row stride), offsets as int32 on the device, the longest
-// sequence, the scale.
+// as they are, each with its own row stride), the work on the device, the longest sequence,
+// the scale.
 struct Prepared {
-  at::Tensor q, k, v, cu;
+  at::Tensor q, k, v;
+  // int32 on the device: the offsets [sequences + 1], then the forward's and the backward's
+  // work lists ((sequence, tile) pairs).
+  at::Tensor work;
   int64_t T = 0, H = 0, D = 0, Hkv = 0, sequences = 0, longest = 0;
+  int64_t fwd_tiles = 0, bwd_tiles = 0;
   double scale = 0;
+  const int* cu() const { return work.const_data_ptr<int>(); }
+  const int* fwd() const { return cu() + sequences + 1; }
+  const int* bwd() const { return fwd() + 2 * fwd_tiles; }
 };
 
-// The int32 device copy of the offsets: cu_seqlens itself when it is one; for a host tensor the
-// upload of the last one seen on this thread while it is unchanged (the layers of one forward
-// pass the same tensor).
-at::Tensor device_offsets(const at::Tensor& cu_seqlens, const at::Tensor& cu_host,
-                          const at::Device& device) {
-  if (cu_seqlens.device() == device && cu_seqlens.scalar_type() == at::kInt &&
-      cu_seqlens.is_contiguous())
-    return cu_seqlens;
-  if (!cu_seqlens.is_cpu()) return cu_host.to(at::kInt).to(device);
+// Prepared::work for these offsets, uploaded in one copy. For a host tensor the upload of the
+// last one seen on this thread is reused while it is unchanged (the layers of one forward pass
+// the same tensor); offsets on the device were copied back to the host to be checked, so the
+// lists are built from that copy.
+void upload_work(Prepared& p, const at::Tensor& cu_seqlens, const std::vector<int64_t>& cu,
+                 bool causal, const at::Device& device) {
   struct Last {
     at::Tensor host, dev;
-    int64_t version = -1;
+    int64_t version = -1, fwd = 0, bwd = 0;
+    bool causal = false;
   };
   thread_local Last last;
-  if (last.host.defined() && last.host.is_same(cu_seqlens) &&
-      last.version == static_cast<int64_t>(cu_seqlens._version()) && last.dev.device() == device)
-    return last.dev;
-  last.host = cu_seqlens;
-  last.version = static_cast<int64_t>(cu_seqlens._version());
-  last.dev = cu_host.to(at::kInt).to(device);
-  return last.dev;
+  if (cu_seqlens.is_cpu() && last.host.defined() && last.host.is_same(cu_seqlens) &&
+      last.version == static_cast<int64_t>(cu_seqlens._version()) && last.causal == causal &&
+      last.dev.device() == device) {
+    p.work = last.dev;
+    p.fwd_tiles = last.fwd;
+    p.bwd_tiles = last.bwd;
+    return;
+  }
+  const std::vector<AttentionTile> f = attention_forward_tiles(cu, causal);
+  const std::vector<AttentionTile> b = attention_backward_tiles(cu, causal);
+  std::vector<int32_t> all;
+  all.reserve(cu.size() + 2 * (f.size() + b.size()));
+  for (int64_t c : cu) all.push_back(static_cast<int32_t>(c));
+  for (const auto* list : {&f, &b})
+    for (const AttentionTile& t : *list) {
+      all.push_back(t.seq);
+      all.push_back(t.block);
+    }
+  p.fwd_tiles = static_cast<int64_t>(f.size());
+  p.bwd_tiles = static_cast<int64_t>(b.size());
+  p.work = at::tensor(all, at::kInt).to(device);
+  if (cu_seqlens.is_cpu()) {
+    last.host = cu_seqlens;
+    last.version = static_cast<int64_t>(cu_seqlens._version());
+    last.causal = causal;
+    last.dev = p.work;
+    last.fwd = p.fwd_tiles;
+    last.bwd = p.bwd_tiles;
+  }
 }
 
 // Whether t ([T, heads, D]) is in the layout the kernels read as it is: the head dimension
@@ -170,7 +234,7 @@ at::Tensor as_rows(const at::Tensor& t, int64_t D) {
 }
 
 Prepared prepare(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                 const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale) {
+                 const at::Tensor& cu_seqlens, int64_t max_seqlen, bool causal, double scale) {
   COLOSSAL_CHECK_INPUT(q.defined() && k.defined() && v.defined(), op,
                        ": q, k and v must be defined");
   COLOSSAL_CHECK_INPUT(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, op,
@@ -201,7 +265,9 @@ Prepared prepare(const char* op, const at::Tensor& q, const at::Tensor& k, const
   // copy and a synchronisation; offsets on the host are uploaded once and reused while the same
   // host tensor comes again: every layer of one forward).
   const at::Tensor cu_host = cu_seqlens.to(at::kCPU, at::kLong).contiguous();
-  const int64_t* c = cu_host.const_data_ptr<int64_t>();
+  const std::vector<int64_t> cu(cu_host.const_data_ptr<int64_t>(),
+                                cu_host.const_data_ptr<int64_t>() + cu_host.numel());
+  const int64_t* c = cu.data();
   p.sequences = cu_host.numel() - 1;
   COLOSSAL_CHECK_INPUT(c[0] == 0 && c[p.sequences] == p.T, op,
                        ": cu_seqlens must start at 0 and end at T = ", p.T, "; got ", c[0], " and ",
@@ -218,7 +284,9 @@ Prepared prepare(const char* op, const at::Tensor& q, const at::Tensor& k, const
   p.q = as_rows(q, p.D);
   p.k = as_rows(k, p.D);
   p.v = as_rows(v, p.D);
-  p.cu = device_offsets(cu_seqlens, cu_host, q.device());
+  upload_work(p, cu_seqlens, cu, causal, q.device());
+  COLOSSAL_CHECK_INPUT(std::max(p.fwd_tiles * p.H, p.bwd_tiles * p.Hkv) < (int64_t(1) << 31), op,
+                       ": ", p.T, " tokens in ", p.H, " heads are too many for one call");
   p.scale = scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(p.D));
   return p;
 }
@@ -228,7 +296,9 @@ void fill_args(const Prepared& p, bool causal, cuda::AttentionFwdArgs& a) {
   a.q = p.q.const_data_ptr();
   a.k = p.k.const_data_ptr();
   a.v = p.v.const_data_ptr();
-  a.cu_seqlens = p.cu.const_data_ptr<int>();
+  a.cu_seqlens = p.cu();
+  a.tiles = p.fwd();
+  a.tile_count = p.fwd_tiles;
   a.total = p.T;
   a.sequences = p.sequences;
   a.max_seqlen = p.longest;
@@ -326,6 +396,8 @@ AttentionGrads backward_prepared(const Prepared& p, const at::Tensor& out, const
   a.dv = r.dv.data_ptr();
   a.deterministic = deterministic;
   a.dq_tma = attention_schedule().dq_tma && !deterministic;
+  a.bwd_tiles = p.bwd();
+  a.bwd_tile_count = p.bwd_tiles;
   if (p.T > 0) cuda::attention_sm90_bwd(a, stream_of(p.q));
 #else
   (void)causal;
@@ -338,15 +410,17 @@ struct AttentionFn : torch::autograd::Function<AttentionFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const at::Tensor& cu_seqlens, int64_t max_seqlen,
                             bool causal, double scale, bool deterministic) {
-    Prepared p = prepare("attention", q, k, v, cu_seqlens, max_seqlen, scale);
+    Prepared p = prepare("attention", q, k, v, cu_seqlens, max_seqlen, causal, scale);
     AttentionResult r = forward_prepared(p, causal, std::nullopt);
     // The checked inputs as the kernels take them (the backward needs no second check).
-    ctx->save_for_backward({p.q, p.k, p.v, r.out, r.lse, p.cu});
+    ctx->save_for_backward({p.q, p.k, p.v, r.out, r.lse, p.work});
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["scale"] = p.scale;
     ctx->saved_data["deterministic"] = deterministic;
     ctx->saved_data["sequences"] = p.sequences;
     ctx->saved_data["longest"] = p.longest;
+    ctx->saved_data["fwd_tiles"] = p.fwd_tiles;
+    ctx->saved_data["bwd_tiles"] = p.bwd_tiles;
     return r.out;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grad) {
@@ -358,13 +432,15 @@ struct AttentionFn : torch::autograd::Function<AttentionFn> {
     p.q = saved[0];
     p.k = saved[1];
     p.v = saved[2];
-    p.cu = saved[5];
+    p.work = saved[5];
     p.T = p.q.size(0);
     p.H = p.q.size(1);
     p.D = p.q.size(2);
     p.Hkv = p.k.size(1);
     p.sequences = ctx->saved_data["sequences"].toInt();
     p.longest = ctx->saved_data["longest"].toInt();
+    p.fwd_tiles = ctx->saved_data["fwd_tiles"].toInt();
+    p.bwd_tiles = ctx->saved_data["bwd_tiles"].toInt();
     p.scale = ctx->saved_data["scale"].toDouble();
     AttentionGrads g =
         backward_prepared(p, saved[3], grad[0], saved[4], ctx->saved_data["causal"].toBool(),
@@ -378,8 +454,8 @@ struct AttentionFn : torch::autograd::Function<AttentionFn> {
 AttentionResult attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& cu_seqlens, int64_t max_seqlen, bool causal,
                                   double scale, const std::optional<at::Tensor>& out) {
-  return forward_prepared(prepare("attention_forward", q, k, v, cu_seqlens, max_seqlen, scale),
-                          causal, out);
+  return forward_prepared(
+      prepare("attention_forward", q, k, v, cu_seqlens, max_seqlen, causal, scale), causal, out);
 }
 
 AttentionGrads attention_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -387,8 +463,9 @@ AttentionGrads attention_backward(const at::Tensor& q, const at::Tensor& k, cons
                                   const at::Tensor& lse, const at::Tensor& cu_seqlens,
                                   int64_t max_seqlen, bool causal, double scale,
                                   bool deterministic) {
-  return backward_prepared(prepare("attention_backward", q, k, v, cu_seqlens, max_seqlen, scale),
-                           out, dout, lse, causal, deterministic);
+  return backward_prepared(
+      prepare("attention_backward", q, k, v, cu_seqlens, max_seqlen, causal, scale), out, dout, lse,
+      causal, deterministic);
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -138,6 +138,10 @@ void fp8_cast_rows_concat(const std::vector<const void*>& xs, const std::vector<
 // FlashAttention-3's intra-warpgroup overlap of a tile's softmax with the previous tile's P V;
 // that plus the two consumer warpgroups taking turns at the tensor cores.
 enum class AttentionFwdSchedule { plain, overlap, pingpong };
+// The kernels' tiles: the forward's CTA takes 128 queries against 128-key tiles, the backward's
+// 128 keys against 64-query tiles (kernels::attention_forward_tiles / _backward_tiles).
+constexpr int kAttentionFwdBlockM = 128, kAttentionFwdBlockN = 128;
+constexpr int kAttentionBwdBlockM = 64, kAttentionBwdBlockN = 128;
 struct AttentionFwdArgs {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -150,6 +154,10 @@ struct AttentionFwdArgs {
   bool causal = true;
   double scale = 0;
   float* out_amax = nullptr;  // forward: max |out| as stored (fp32 [1], zeroed), or nullptr
+  // The work list: int32 (sequence, tile) pairs, heaviest first; one CTA per pair and head (the
+  // forward's query tiles; the backward's key tiles, per kv head, in bwd_tiles).
+  const int* tiles = nullptr;
+  int64_t tile_count = 0;
   AttentionFwdSchedule schedule = AttentionFwdSchedule::plain;
 };
 // Whether this build holds the sm_90a kernels (the CUTLASS headers were found at configure time).
@@ -176,6 +184,8 @@ struct AttentionBwdArgs : AttentionFwdArgs {
   void* dv = nullptr;
   bool deterministic = false;
   bool dq_tma = false;
+  const int* bwd_tiles = nullptr;
+  int64_t bwd_tile_count = 0;
 };
 int64_t attention_sm90_dq_accum_elements(int64_t total, int64_t heads, int64_t head_dim);
 int64_t attention_sm90_bwd_semaphores(int64_t sequences, int64_t max_seqlen, int64_t heads);

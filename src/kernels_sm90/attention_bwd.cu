@@ -4,7 +4,9 @@
 // scheme, not on their code:
 //  - preprocess: delta_i = rowsum(dO_i * O_i) per query and head (fp32 [H, T]); dQ's fp32
 //    accumulator zeroed;
-//  - main kernel: one CTA per (128-key tile, kv head, sequence) holds K and V in shared memory
+//  - main kernel: one CTA per (128-key tile of a sequence, kv head), from a host-built work list
+//    (tiles with work only, heaviest first, a sequence's key tiles in order), holds K and V in
+//    shared memory
 //    and walks every query head of its group and every 64-query tile that sees its keys; a
 //    producer warpgroup streams Q and dO (TMA) and the tile's log-sum-exp and delta (plain
 //    loads) through a two-stage ring; two consumer warpgroups (64 keys each) compute
@@ -126,6 +128,7 @@ struct BwdParams {
   Bf16* dv;
   int* dq_semaphore;  // [sequences, m_blocks, H] (deterministic), else null
   const int* cu_seqlens;
+  const int* tiles;  // (sequence, key tile) pairs
   int heads, kv_heads, total, m_blocks_max;
   int64_t dq_rows;  // rows of one head in dq_accum (total + 64)
   float scale, scale_log2;
@@ -144,7 +147,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];  // 128-byte swizzles need 1024
   auto& s = *reinterpret_cast<typename T::Smem*>(smem_raw);
 
-  const int n_block = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
+  const int tile = int(blockIdx.x) / p.kv_heads, kv_head = int(blockIdx.x) % p.kv_heads;
+  const int seq = p.tiles[2 * tile], n_block = p.tiles[2 * tile + 1];
   const int start = p.cu_seqlens[seq];
   const int len = p.cu_seqlens[seq + 1] - start;
   if (n_block * kBlockN >= len) return;
@@ -385,7 +389,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       int* sem = nullptr;
       if constexpr (kDeterministic) {
         // Key tiles add in order: tile n waits for the n tiles before it (0 .. n-1 all see
-        // this query tile: causal starts at key tile 0).
+        // this query tile: causal starts at key tile 0). The work list puts those n tiles
+        // earlier, and CTAs start in list order, so they are resident or done.
         sem = p.dq_semaphore + (int64_t(seq) * p.m_blocks_max + m) * p.heads + head;
         if (ct == 0) {
           while (atomicAdd(sem, 0) != n_block) __nanosleep(64);
@@ -524,6 +529,7 @@ void launch_bwd(const AttentionBwdArgs& a, Stream stream) {
   p.kv_heads = int(a.kv_heads);
   p.total = total;
   p.m_blocks_max = int((a.max_seqlen + T::kBlockM - 1) / T::kBlockM);
+  p.tiles = a.bwd_tiles;
   p.dq_rows = a.total + T::kBlockM;
   p.scale = float(a.scale);
   p.scale_log2 = float(a.scale * M_LOG2E);
@@ -532,8 +538,9 @@ void launch_bwd(const AttentionBwdArgs& a, Stream stream) {
   const int smem = int(sizeof(typename T::Smem));
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
         "shared memory");
-  dim3 grid(unsigned((a.max_seqlen + T::kBlockN - 1) / T::kBlockN), unsigned(a.kv_heads),
-            unsigned(a.sequences));
+  static_assert(T::kBlockM == kAttentionBwdBlockM && T::kBlockN == kAttentionBwdBlockN,
+                "the host's work list is cut in other tiles");
+  dim3 grid(unsigned(a.bwd_tile_count * a.kv_heads));
   kernel<<<grid, T::kThreads, smem, st>>>(p, tma_q, tma_do, tma_k, tma_v);
   check(cudaGetLastError(), "main kernel");
   // 3. dQ in bf16.

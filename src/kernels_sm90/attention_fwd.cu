@@ -5,9 +5,11 @@
 //
 // Built on CuTe (CUTLASS's headers, scripts/fetch_cutlass.sh), not on FlashAttention's code; the
 // structure follows the FlashAttention-3 paper (Shah et al., 2024):
-//  - one CTA per (128-query tile, head, sequence), three warpgroups: the first only issues TMA
-//    loads (Q once, then K and V tiles into a two-stage ring guarded by mbarriers), the other
-//    two each own 64 query rows and run the two GEMMs as wgmma (S = Q K^T from shared memory,
+//  - one CTA per (128-query tile of a sequence, head), taken from a host-built work list that
+//    holds only tiles with work, heaviest first (the causal tiles with the most keys; long
+//    documents before short ones), the heads of one tile adjacent; three warpgroups: the first only
+//    issues TMA loads (Q once, then K and V tiles into a two-stage ring guarded by mbarriers), the
+//    other two each own 64 query rows and run the two GEMMs as wgmma (S = Q K^T from shared memory,
 //    O += P V with P from registers, never written to shared memory);
 //  - online softmax in base 2 on the fp32 S fragment (a row's four threads reduce by shuffles);
 //  - the key tiles run from the last to the first, so only the first tiles need the causal and
@@ -82,7 +84,8 @@ struct FwdParams {
   float* lse;
   float* amax;  // null, or max |o| as stored (zeroed by the caller)
   const int* cu_seqlens;
-  int heads, kv_heads, total, m_blocks;
+  const int* tiles;  // (sequence, query tile) pairs
+  int heads, kv_heads, total;
   float scale_log2;  // softmax scale * log2(e)
   float scale;
 };
@@ -98,9 +101,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];  // 128-byte swizzles need 1024
   auto& s = *reinterpret_cast<typename T::Smem*>(smem_raw);
 
-  // The heaviest causal tiles (the last rows) first.
-  const int m_block = p.m_blocks - 1 - int(blockIdx.x);
-  const int head = blockIdx.y, seq = blockIdx.z;
+  const int tile = int(blockIdx.x) / p.heads, head = int(blockIdx.x) % p.heads;
+  const int seq = p.tiles[2 * tile], m_block = p.tiles[2 * tile + 1];
   const int start = p.cu_seqlens[seq];
   const int len = p.cu_seqlens[seq + 1] - start;
   if (m_block * kBlockM >= len) return;  // the whole CTA, before any barrier
@@ -397,7 +399,7 @@ void launch_fwd(const AttentionFwdArgs& a, Stream stream) {
   p.heads = int(a.heads);
   p.kv_heads = int(a.kv_heads);
   p.total = int(total);
-  p.m_blocks = int((a.max_seqlen + T::kBlockM - 1) / T::kBlockM);
+  p.tiles = a.tiles;
   p.scale = float(a.scale);
   p.scale_log2 = float(a.scale * M_LOG2E);
   auto* kernel = &attention_fwd_kernel<T, kCausal, kOverlap, kPingpong, decltype(tma_q),
@@ -406,7 +408,9 @@ void launch_fwd(const AttentionFwdArgs& a, Stream stream) {
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess)
     throw std::runtime_error(std::string("attention_sm90_fwd: ") + cudaGetErrorString(err));
-  dim3 grid(p.m_blocks, int(a.heads), int(a.sequences));
+  static_assert(T::kBlockM == kAttentionFwdBlockM && kBlockN == kAttentionFwdBlockN,
+                "the host's work list is cut in other tiles");
+  dim3 grid(unsigned(a.tile_count * a.heads));
   kernel<<<grid, T::kThreads, smem, reinterpret_cast<cudaStream_t>(stream)>>>(p, tma_q, tma_k,
                                                                               tma_v);
   err = cudaGetLastError();

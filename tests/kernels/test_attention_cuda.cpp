@@ -19,6 +19,8 @@
 
 #include <cmath>
 #include <cstdio>
+#include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -231,6 +233,61 @@ TEST(AttentionCuda, SchedulesParseAndNameTheBadPart) {
   set_attention_schedule({AttentionSchedule::Forward::overlap, true});
   EXPECT_EQ(to_string(attention_schedule()), "overlap+dq_tma");
   set_attention_schedule(saved);
+}
+
+// Runs everywhere: the work lists hold every tile with work exactly once, with the work a
+// token-level count gives, heaviest first, a sequence's backward key tiles in order.
+TEST(AttentionCuda, WorkListsCoverEveryTileHeaviestFirst) {
+  const std::vector<int64_t> lens{1, 127, 0, 128, 129, 300, 2049, 64, 0};
+  std::vector<int64_t> cu{0};
+  for (int64_t l : lens) cu.push_back(cu.back() + l);
+  for (bool causal : {true, false}) {
+    SCOPED_TRACE(causal ? "causal" : "full");
+    // tiles[(seq, block)] = work, by brute force over the (query, key) pairs each tile sees.
+    auto oracle = [&](int64_t own, int64_t other, bool own_is_query) {
+      std::map<std::pair<int32_t, int32_t>, int64_t> want;
+      for (size_t s = 0; s < lens.size(); ++s) {
+        const int64_t len = lens[s];
+        std::map<int64_t, std::set<int64_t>> seen;  // block -> the other side's blocks
+        for (int64_t q = 0; q < len; ++q)
+          for (int64_t k = 0; k <= (causal ? q : len - 1); ++k) {
+            const int64_t mine = own_is_query ? q : k, theirs = own_is_query ? k : q;
+            seen[mine / own].insert(theirs / other);
+          }
+        for (const auto& [block, set] : seen)
+          want[{static_cast<int32_t>(s), static_cast<int32_t>(block)}] =
+              static_cast<int64_t>(set.size());
+      }
+      return want;
+    };
+    for (bool forward : {true, false}) {
+      SCOPED_TRACE(forward ? "forward" : "backward");
+      const std::vector<AttentionTile> got =
+          forward ? attention_forward_tiles(cu, causal) : attention_backward_tiles(cu, causal);
+      const auto want = forward ? oracle(128, 128, true) : oracle(128, 64, false);
+      std::map<std::pair<int32_t, int32_t>, int64_t> have;
+      for (size_t i = 0; i < got.size(); ++i) {
+        const AttentionTile& t = got[i];
+        EXPECT_TRUE(have.emplace(std::make_pair(t.seq, t.block), t.work).second)
+            << "tile (" << t.seq << ", " << t.block << ") twice";
+        if (i > 0) {
+          EXPECT_GE(got[i - 1].work, t.work) << "not heaviest first at " << i;
+        }
+      }
+      EXPECT_EQ(have, want);
+      if (!forward) {  // a sequence's key tiles in increasing order
+        std::map<int32_t, int32_t> last;
+        for (const AttentionTile& t : got) {
+          auto it = last.find(t.seq);
+          if (it != last.end()) {
+            EXPECT_LT(it->second, t.block) << "sequence " << t.seq;
+          }
+          last[t.seq] = t.block;
+        }
+      }
+    }
+  }
+  EXPECT_TRUE(attention_forward_tiles({0, 0, 0}, true).empty());
 }
 
 TEST(AttentionCuda, NamedErrors) {

@@ -7,6 +7,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
@@ -80,6 +81,22 @@ AttentionSchedule attention_schedule();
 void set_attention_schedule(const AttentionSchedule& schedule);
 // Every schedule, for the benchmarks and the GPU tests.
 std::vector<AttentionSchedule> attention_schedules();
+
+// The work lists the kernels run, built on the host from the offsets (exposed for the CPU
+// tests): every (sequence, tile) pair that has work, heaviest first, so no CTA is launched
+// only to exit (a packed batch of many short documents) and the long tiles do not come last.
+// Forward: 128-query tiles; work = the 128-key tiles it reads. Backward: 128-key tiles; work =
+// the 64-query tiles that see them. Equal work keeps sequence, then tile order, so a
+// sequence's backward key tiles stay in increasing order (deterministic mode's waits go to
+// earlier CTAs only).
+struct AttentionTile {
+  int32_t seq = 0, block = 0;
+  int64_t work = 0;
+};
+std::vector<AttentionTile> attention_forward_tiles(const std::vector<int64_t>& cu_seqlens,
+                                                   bool causal);
+std::vector<AttentionTile> attention_backward_tiles(const std::vector<int64_t>& cu_seqlens,
+                                                    bool causal);
 
 // attention_forward's output with autograd (q, k, v differentiable; the backward above).
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
