@@ -11,6 +11,7 @@
 #include "cli/command.h"
 #include "colossal/core/error.h"
 #include "colossal/core/version.h"
+#include "colossal/kernels/attention.h"
 
 namespace colossal::cli {
 
@@ -40,6 +41,11 @@ void print_help() {
             [](auto& a, auto& b) { return std::strcmp(a.name, b.name) < 0; });
   for (const auto& c : cmds) std::printf("  %-10s %s\n", c.name, c.summary);
 }
+// A CUDA error after one of our kernels stopped a hung wait: say which wait it was.
+void report_kernel_hang(const char* name) {
+  const std::string hang = colossal::kernels::attention_hang_report();
+  if (!hang.empty()) std::fprintf(stderr, "colossal %s: %s\n", name, hang.c_str());
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -65,9 +71,11 @@ int main(int argc, char** argv) {
       return 1;
     } catch (const c10::Error& e) {
       std::fprintf(stderr, "colossal %s: error: %s\n", name, e.what_without_backtrace());
+      report_kernel_hang(name);
       return 1;
     } catch (const std::exception& e) {
       std::fprintf(stderr, "colossal %s: error: %s\n", name, e.what());
+      report_kernel_hang(name);
       return 1;
     }
   }

@@ -14,6 +14,7 @@
 
 #include "colossal/core/accelerator.h"
 #include "colossal/kernels/fp8.h"
+#include "kernels/attention_tiles.h"
 #include "kernels/op_common.h"
 
 namespace colossal::kernels {
@@ -120,6 +121,14 @@ std::vector<AttentionSchedule> attention_schedules() {
                  AttentionSchedule::Forward::pingpong})
     for (bool dq_tma : {false, true}) all.push_back({f, dq_tma});
   return all;
+}
+
+std::string attention_hang_report() {
+#ifdef COLOSSAL_WITH_SM90_KERNELS
+  return cuda::attention_sm90_hang_report();
+#else
+  return "";
+#endif
 }
 
 // ---- Work lists -----------------------------------------------------------------------------

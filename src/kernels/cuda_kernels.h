@@ -7,9 +7,11 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "colossal/kernels/adamw_hyper.h"
+#include "kernels/attention_tiles.h"
 
 struct CUstream_st;  // cudaStream_t is CUstream_st*
 
@@ -138,10 +140,7 @@ void fp8_cast_rows_concat(const std::vector<const void*>& xs, const std::vector<
 // FlashAttention-3's intra-warpgroup overlap of a tile's softmax with the previous tile's P V;
 // that plus the two consumer warpgroups taking turns at the tensor cores.
 enum class AttentionFwdSchedule { plain, overlap, pingpong };
-// The kernels' tiles: the forward's CTA takes 128 queries against 128-key tiles, the backward's
-// 128 keys against 64-query tiles (kernels::attention_forward_tiles / _backward_tiles).
-constexpr int kAttentionFwdBlockM = 128, kAttentionFwdBlockN = 128;
-constexpr int kAttentionBwdBlockM = 64, kAttentionBwdBlockN = 128;
+
 struct AttentionFwdArgs {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -188,6 +187,9 @@ struct AttentionBwdArgs : AttentionFwdArgs {
   int64_t bwd_tile_count = 0;
 };
 int64_t attention_sm90_dq_accum_elements(int64_t total, int64_t heads, int64_t head_dim);
+// "" or what a hung wait of the kernels recorded before it stopped the launch (a trap): kernel,
+// CTA, thread, barrier, stage and phase.
+std::string attention_sm90_hang_report();
 int64_t attention_sm90_bwd_semaphores(int64_t sequences, int64_t max_seqlen, int64_t heads);
 void attention_sm90_bwd(const AttentionBwdArgs& args, Stream stream);
 

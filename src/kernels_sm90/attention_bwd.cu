@@ -21,11 +21,11 @@
 //  - deterministic mode: the CTAs of one query tile add their dQ in key-tile order (a counter
 //    per (query tile, head) in global memory), so the sums are bitwise repeatable;
 //  - convert: dQ = bf16(accumulator).
-// The accumulator is [heads, total + 64, D] with the 16-byte chunks of row t XOR-swizzled by
-// t % 8 (dq_index): a 64-row tile of one head is one contiguous range for the bulk reduce, and
-// the consumers' stores of it into shared memory are free of bank conflicts. Rows of a tile
-// past its sequence's end add exact zeros (P is 0 there) to the next sequence's rows or to the
-// 64 rows of padding.
+// The accumulator is [heads, total + 64, D] with the 16-byte chunks of row t XOR-swizzled
+// (dq_index, attention_traits.cuh): a 64-row tile of one head is one contiguous range for the
+// bulk reduce, and the consumers' stores of it into shared memory are free of bank conflicts. Rows
+// of a tile past its sequence's end add exact zeros (P is 0 there) to the next sequence's rows or
+// to the 64 rows of padding.
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/numeric_types.h>
@@ -37,6 +37,7 @@
 #include <string>
 
 #include "kernels/cuda_kernels.h"
+#include "kernels_sm90/attention_traits.cuh"
 #include "kernels_sm90/common.cuh"
 
 namespace colossal::kernels::cuda {
@@ -44,7 +45,7 @@ namespace colossal::kernels::cuda {
 namespace {
 
 using namespace cute;
-using Bf16 = cutlass::bfloat16_t;
+using namespace sm90;
 using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
 using EmptyBarrier = cutlass::arch::ClusterBarrier;
 using NamedBarrier = cutlass::arch::NamedBarrier;
@@ -52,73 +53,6 @@ using NamedBarrier = cutlass::arch::NamedBarrier;
 // Named barriers of the backward: the dS^T buffer's reuse (1) and fill (2), the deterministic
 // order (3), the dQ tile's fill (4) and reuse (5).
 enum : int { kDsFree = 1, kDsFull = 2, kDqOrder = 3, kDqFull = 4, kDqFree = 5 };
-
-// Where row t (of the whole batch), column c of one head's dQ sum lives within that head's
-// [total + 64, D] slab: 16-byte chunks of the row XOR-swizzled by t % 8.
-__host__ __device__ __forceinline__ int dq_column(int c, int t_mod_8) {
-  return (((c >> 2) ^ t_mod_8) << 2) + (c & 3);
-}
-template <int kD>
-__host__ __device__ __forceinline__ int64_t dq_index(int64_t t, int c) {
-  return t * kD + dq_column(c, int(t & 7));
-}
-
-template <int kD>
-struct BwdTraits {
-  static constexpr int kBlockM = 64;   // queries per step
-  static constexpr int kBlockN = 128;  // keys per CTA (64 per consumer warpgroup)
-  static constexpr int kStages = 2;
-  static constexpr int kThreads = 384;
-  static constexpr int kConsumers = 256;
-  static constexpr int kStatThreads = 64;  // producer threads loading lse / delta per step
-  using D = Int<kD>;
-  using BM = Int<kBlockM>;
-  using BN = Int<kBlockN>;
-  using S = Int<kStages>;
-  using Atom = GMMA::Layout_K_SW128_Atom<Bf16>;
-  // Row-major tiles (the last dimension contiguous), 128-byte swizzled.
-  using SmemLayoutQ = decltype(tile_to_shape(Atom{}, Shape<BM, D, S>{}));  // also dO
-  using SmemLayoutK = decltype(tile_to_shape(Atom{}, Shape<BN, D>{}));     // also V
-  using SmemLayoutDS = decltype(tile_to_shape(Atom{}, Shape<BN, BM>{}));   // dS^T [key, query]
-  // The same bytes read as the transposed (MN-major) operands.
-  using SmemLayoutQt = decltype(composition(
-      SmemLayoutQ{}, make_layout(Shape<D, BM, S>{}, Stride<BM, _1, Int<kBlockM * kD>>{})));
-  using SmemLayoutKt =
-      decltype(composition(SmemLayoutK{}, make_layout(Shape<D, BN>{}, Stride<BN, _1>{})));
-  using SmemLayoutDSt =
-      decltype(composition(SmemLayoutDS{}, make_layout(Shape<BM, BN>{}, Stride<BN, _1>{})));
-  // S^T = K Q^T, dP^T = V dO^T: [BN keys, BM queries], both operands K-major.
-  using MmaSdP = decltype(GMMA::ss_op_selector<Bf16, Bf16, float, Shape<_64, BM, D>, GMMA::Major::K,
-                                               GMMA::Major::K>());
-  // dV += P^T dO, dK += dS^T Q: [BN, D], A from registers, B = dO^T / Q^T MN-major.
-  using MmaKV = decltype(GMMA::rs_op_selector<Bf16, Bf16, float, Shape<_64, D, BM>, GMMA::Major::K,
-                                              GMMA::Major::MN>());
-  // dQ = dS K: [BM, D] split over the warpgroups along D; A = dS (MN-major view of dS^T),
-  // B = K^T (MN-major view of K).
-  using MmaQ = decltype(GMMA::ss_op_selector<Bf16, Bf16, float, Shape<_64, Int<kD / 2>, BN>,
-                                             GMMA::Major::MN, GMMA::Major::MN>());
-  using TiledMmaSdP = decltype(make_tiled_mma(MmaSdP{}, Layout<Shape<_2, _1, _1>>{}));
-  using TiledMmaKV = decltype(make_tiled_mma(MmaKV{}, Layout<Shape<_2, _1, _1>>{}));
-  using TiledMmaQ = decltype(make_tiled_mma(MmaQ{}, Layout<Shape<_1, _2, _1>>{}));
-  // The S^T accumulator ((2, 2, BM/8), 1, 1) read as the A fragment ((2, 2, 2), 1, BM/16).
-  using LayoutP =
-      Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockM / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
-
-  struct alignas(1024) Smem {
-    alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutK>> k;
-    alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutK>> v;
-    alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutQ>> q;
-    alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutQ>> dout;
-    alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutDS>> ds;
-    alignas(128) float dq[kBlockM * kD];  // dq_tma: one query tile's dQ sum (dq_index order)
-    float lse2[kStages][kBlockM];         // lse * log2(e); +inf past the sequence's end
-    float delta[kStages][kBlockM];        // rowsum(dO * O)
-    alignas(8) uint64_t bar_kv;
-    uint64_t full_q[kStages], full_do[kStages], full_stat[kStages], empty[kStages];
-  };
-  static constexpr int kBytesQ = kBlockM * kD * 2;
-  static constexpr int kBytesK = kBlockN * kD * 2;
-};
 
 struct BwdParams {
   const float* lse;    // [H, T]
@@ -129,6 +63,7 @@ struct BwdParams {
   int* dq_semaphore;  // [sequences, m_blocks, H] (deterministic), else null
   const int* cu_seqlens;
   const int* tiles;  // (sequence, key tile) pairs
+  HangRecord* hang;
   int heads, kv_heads, total, m_blocks_max;
   int64_t dq_rows;  // rows of one head in dq_accum (total + 64)
   float scale, scale_log2;
@@ -213,7 +148,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                                           group_modes<0, 2>(gQ));
           auto [tdOg, tdOs] = tma_partition(tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO),
                                             group_modes<0, 2>(gdO));
-          EmptyBarrier::wait(&s.empty[stage], phase ^ 1);
+          watched_wait(&s.empty[stage], phase ^ 1, p.hang, kHangBwd, kWaitEmpty, stage);
           FullBarrier::arrive_and_expect_tx(&s.full_q[stage], T::kBytesQ);
           copy(tma_q.with(s.full_q[stage]), tQg, tQs(_, stage));
           FullBarrier::arrive_and_expect_tx(&s.full_do[stage], T::kBytesQ);
@@ -233,7 +168,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           l = p.lse[int64_t(head) * p.total + start + row] * float(M_LOG2E);
           d = p.delta[int64_t(head) * p.total + start + row];
         }
-        EmptyBarrier::wait(&s.empty[stage], phase ^ 1);
+        watched_wait(&s.empty[stage], phase ^ 1, p.hang, kHangBwd, kWaitEmpty, stage);
         s.lse2[stage][t] = l;
         s.delta[stage][t] = d;
         FullBarrier::arrive(&s.full_stat[stage]);
@@ -300,7 +235,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   clear(accdK);
   const int k_row0 = n_block * kBlockN;
 
-  FullBarrier::wait(&s.bar_kv, 0);
+  watched_wait(&s.bar_kv, 0, p.hang, kHangBwd, kWaitBarKV, 0);
   for (int i = 0; i < steps; ++i) {
     const int head = kv_head * group + i / m_count, m = m_begin + i % m_count;
     const int stage = i % kStages;
@@ -308,11 +243,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int q_row0 = m * kBlockM;
     Tensor accS = partition_fragment_C(mma_sdp, Shape<typename T::BN, typename T::BM>{});
     Tensor accdP = partition_fragment_C(mma_sdp, Shape<typename T::BN, typename T::BM>{});
-    FullBarrier::wait(&s.full_q[stage], phase);
+    watched_wait(&s.full_q[stage], phase, p.hang, kHangBwd, kWaitFullQ, stage);
     sm90::gemm_batch<true>(mma_sdp, tSrK, tSrQ(_, _, _, stage), accS);
-    FullBarrier::wait(&s.full_do[stage], phase);
+    watched_wait(&s.full_do[stage], phase, p.hang, kHangBwd, kWaitFullDO, stage);
     sm90::gemm_batch<true>(mma_sdp, tSrV, tSrdO(_, _, _, stage), accdP);
-    FullBarrier::wait(&s.full_stat[stage], phase);
+    watched_wait(&s.full_stat[stage], phase, p.hang, kHangBwd, kWaitFullStat, stage);
     warpgroup_wait<1>();  // S^T done (dP^T may still run)
     warpgroup_fence_operand(accS);
 
@@ -373,13 +308,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if constexpr (kDqTma) {
       // The tile into shared memory (after the previous tile's reduce-add has read it), then
       // handed to the dQ warp. Rows past the sequence's end hold exact zeros.
-      // A thread's rows are equal modulo 8 (the accumulator's rows are i, i + 8, ...).
-      const int swz = (start + get<0>(tQc(0))) & 7;
+      // A thread's rows are equal modulo 8 (the accumulator's rows are i, i + 8, ...), so one
+      // swizzle serves all of them (test_attention_layouts checks it).
+      const int64_t swz_row = start + get<0>(tQc(0));
       if (i > 0) NamedBarrier::sync(T::kConsumers + 32, kDqFree);
       CUTE_UNROLL
       for (int j = 0; j < size(accdQ); j += 2) {
         const int r = get<0>(tQc(j)), c = get<1>(tQc(j));
-        *reinterpret_cast<float2*>(s.dq + r * kD + dq_column(c, swz)) =
+        *reinterpret_cast<float2*>(s.dq + r * kD + dq_column(c, swz_row)) =
             make_float2(accdQ(j) * p.scale, accdQ(j + 1) * p.scale);
       }
       cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read by TMA
@@ -393,7 +329,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // earlier, and CTAs start in list order, so they are resident or done.
         sem = p.dq_semaphore + (int64_t(seq) * p.m_blocks_max + m) * p.heads + head;
         if (ct == 0) {
-          while (atomicAdd(sem, 0) != n_block) __nanosleep(64);
+          for (uint32_t tries = 0; atomicAdd(sem, 0) != n_block;) {
+            __nanosleep(64);
+            if (++tries == kHangTries) report_hang(p.hang, kHangBwd, kWaitDqOrder, m, 0);
+          }
           __threadfence();
         }
         NamedBarrier::sync(T::kConsumers, kDqOrder);
@@ -530,6 +469,7 @@ void launch_bwd(const AttentionBwdArgs& a, Stream stream) {
   p.total = total;
   p.m_blocks_max = int((a.max_seqlen + T::kBlockM - 1) / T::kBlockM);
   p.tiles = a.bwd_tiles;
+  p.hang = hang_record_device();
   p.dq_rows = a.total + T::kBlockM;
   p.scale = float(a.scale);
   p.scale_log2 = float(a.scale * M_LOG2E);

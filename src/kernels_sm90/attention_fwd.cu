@@ -24,10 +24,13 @@
 #include <cutlass/cluster_launch.hpp>
 
 #include <cmath>
+#include <cstring>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
 #include "kernels/cuda_kernels.h"
+#include "kernels_sm90/attention_traits.cuh"
 #include "kernels_sm90/common.cuh"
 
 namespace colossal::kernels::cuda {
@@ -35,49 +38,11 @@ namespace colossal::kernels::cuda {
 namespace {
 
 using namespace cute;
-using Bf16 = cutlass::bfloat16_t;
+using namespace sm90;
 using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
 using EmptyBarrier = cutlass::arch::ClusterBarrier;
 using NamedBarrier = cutlass::arch::NamedBarrier;
 constexpr int kTurn = 1;  // named barriers kTurn, kTurn + 1: the ping-pong turns
-
-template <int kD, int kBlockN, int kStages>
-struct FwdTraits {
-  static constexpr int kBlockM = 128;
-  static constexpr int kThreads = 384;          // producer warpgroup + two consumer warpgroups
-  static constexpr int kConsumerThreads = 256;  // 64 query rows each
-  using D = Int<kD>;
-  using BM = Int<kBlockM>;
-  using BN = Int<kBlockN>;
-  using S = Int<kStages>;
-  // Q [BM, D] and K [BN, D] K-major (the head dimension contiguous), V as [D, BN] MN-major (the
-  // head dimension contiguous too: it is the GEMM's N), 128-byte swizzled as wgmma reads them.
-  using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Bf16>{}, Shape<BM, D>{}));
-  using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Bf16>{}, Shape<BN, D, S>{}));
-  using SmemLayoutV =
-      decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Bf16>{}, Shape<D, BN, S>{}));
-  using MmaQK = decltype(GMMA::ss_op_selector<Bf16, Bf16, float, Shape<_64, BN, D>, GMMA::Major::K,
-                                              GMMA::Major::K>());
-  using MmaPV = decltype(GMMA::rs_op_selector<Bf16, Bf16, float, Shape<_64, D, BN>, GMMA::Major::K,
-                                              GMMA::Major::MN>());
-  using TiledMmaQK = decltype(make_tiled_mma(MmaQK{}, Layout<Shape<_2, _1, _1>>{}));
-  using TiledMmaPV = decltype(make_tiled_mma(MmaPV{}, Layout<Shape<_2, _1, _1>>{}));
-  // The S accumulator of one thread, ((2 cols, 2 rows, BN/8 col blocks), 1, 1), reread as the
-  // A operand of the P V wgmma, ((2, 2, 2), 1, BN/16): the same registers in the same order
-  // (checked at compile time against the MMA's own fragment below).
-  using LayoutP =
-      Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockN / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
-
-  struct alignas(1024) Smem {
-    alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutQ>> q;
-    alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutK>> k;
-    alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutV>> v;
-    alignas(8) uint64_t bar_q;
-    uint64_t full_k[kStages], empty_k[kStages], full_v[kStages], empty_v[kStages];
-  };
-  static constexpr int kBytesQ = kBlockM * kD * 2;
-  static constexpr int kBytesKV = kBlockN * kD * 2;
-};
 
 struct FwdParams {
   Bf16* o;
@@ -85,6 +50,7 @@ struct FwdParams {
   float* amax;  // null, or max |o| as stored (zeroed by the caller)
   const int* cu_seqlens;
   const int* tiles;  // (sequence, query tile) pairs
+  HangRecord* hang;
   int heads, kv_heads, total;
   float scale_log2;  // softmax scale * log2(e)
   float scale;
@@ -153,10 +119,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int i = 0; i < n_blocks; ++i) {
         const int n = n_blocks - 1 - i, stage = i % kStages;
         const uint32_t phase = (i / kStages) & 1;
-        EmptyBarrier::wait(&s.empty_k[stage], phase ^ 1);
+        watched_wait(&s.empty_k[stage], phase ^ 1, p.hang, kHangFwd, kWaitEmptyK, stage);
         FullBarrier::arrive_and_expect_tx(&s.full_k[stage], T::kBytesKV);
         copy(tma_k.with(s.full_k[stage]), tKg(_, n), tKs(_, stage));
-        EmptyBarrier::wait(&s.empty_v[stage], phase ^ 1);
+        watched_wait(&s.empty_v[stage], phase ^ 1, p.hang, kHangFwd, kWaitEmptyV, stage);
         FullBarrier::arrive_and_expect_tx(&s.full_v[stage], T::kBytesKV);
         copy(tma_v.with(s.full_v[stage]), tVg(_, n), tVs(_, stage));
       }
@@ -251,14 +217,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if constexpr (kPingpong)
     if (cw == 1) NamedBarrier::arrive(T::kConsumerThreads, kTurn);
 
-  FullBarrier::wait(&s.bar_q, 0);
+  watched_wait(&s.bar_q, 0, p.hang, kHangFwd, kWaitBarQ, 0);
   if constexpr (!kOverlap) {
     // One key tile at a time: S = Q K^T, its softmax, then O += P V.
     for (int i = 0; i < n_blocks; ++i) {
       const int stage = i % kStages;
       const uint32_t phase = (i / kStages) & 1;
       Tensor accS = partition_fragment_C(mma_qk, Shape<typename T::BM, typename T::BN>{});
-      FullBarrier::wait(&s.full_k[stage], phase);
+      watched_wait(&s.full_k[stage], phase, p.hang, kHangFwd, kWaitFullK, stage);
       sm90::gemm_batch<true>(mma_qk, tSrQ, tSrK(_, _, _, stage), accS);
       warpgroup_wait<0>();
       warpgroup_fence_operand(accS);
@@ -268,7 +234,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       softmax_step(accS, n_blocks - 1 - i, rP, corr);
       rescale_o(corr);
       Tensor tOrP = make_tensor(rP.data(), typename T::LayoutP{});
-      FullBarrier::wait(&s.full_v[stage], phase);
+      watched_wait(&s.full_v[stage], phase, p.hang, kHangFwd, kWaitFullV, stage);
       warpgroup_fence_operand(tOrP);
       sm90::gemm_batch<false>(mma_pv, tOrP, tOrV(_, _, _, stage), accO);
       warpgroup_wait<0>();
@@ -285,7 +251,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     {
       Tensor accS = partition_fragment_C(mma_qk, Shape<typename T::BM, typename T::BN>{});
       turn_begin();
-      FullBarrier::wait(&s.full_k[0], 0);
+      watched_wait(&s.full_k[0], 0, p.hang, kHangFwd, kWaitFullK, 0);
       sm90::gemm_batch<true>(mma_qk, tSrQ, tSrK(_, _, _, 0), accS);
       turn_end();
       warpgroup_wait<0>();
@@ -299,9 +265,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       Tensor accS = partition_fragment_C(mma_qk, Shape<typename T::BM, typename T::BN>{});
       Tensor tOrP = make_tensor(rP.data(), typename T::LayoutP{});
       turn_begin();
-      FullBarrier::wait(&s.full_k[stage], phase);
+      watched_wait(&s.full_k[stage], phase, p.hang, kHangFwd, kWaitFullK, stage);
       sm90::gemm_batch<true>(mma_qk, tSrQ, tSrK(_, _, _, stage), accS);
-      FullBarrier::wait(&s.full_v[prev], prev_phase);
+      watched_wait(&s.full_v[prev], prev_phase, p.hang, kHangFwd, kWaitFullV, prev);
       warpgroup_fence_operand(tOrP);
       sm90::gemm_batch<false>(mma_pv, tOrP, tOrV(_, _, _, prev), accO);
       turn_end();
@@ -323,7 +289,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const uint32_t phase = (last / kStages) & 1;
       Tensor tOrP = make_tensor(rP.data(), typename T::LayoutP{});
       turn_begin();
-      FullBarrier::wait(&s.full_v[stage], phase);
+      watched_wait(&s.full_v[stage], phase, p.hang, kHangFwd, kWaitFullV, stage);
       warpgroup_fence_operand(tOrP);
       sm90::gemm_batch<false>(mma_pv, tOrP, tOrV(_, _, _, stage), accO);
       turn_end();
@@ -400,6 +366,7 @@ void launch_fwd(const AttentionFwdArgs& a, Stream stream) {
   p.kv_heads = int(a.kv_heads);
   p.total = int(total);
   p.tiles = a.tiles;
+  p.hang = hang_record_device();
   p.scale = float(a.scale);
   p.scale_log2 = float(a.scale * M_LOG2E);
   auto* kernel = &attention_fwd_kernel<T, kCausal, kOverlap, kPingpong, decltype(tma_q),
@@ -433,6 +400,64 @@ void dispatch_fwd(const AttentionFwdArgs& a, Stream stream) {
 }
 
 }  // namespace
+
+namespace sm90 {
+namespace {
+HangRecord* g_hang_host = nullptr;
+HangRecord* g_hang_device = nullptr;
+std::once_flag g_hang_once;
+}  // namespace
+
+HangRecord* hang_record_device() {
+  std::call_once(g_hang_once, [] {
+    void* host = nullptr;
+    if (cudaHostAlloc(&host, sizeof(HangRecord), cudaHostAllocMapped | cudaHostAllocPortable) !=
+        cudaSuccess) {
+      (void)cudaGetLastError();  // no record: a hang still traps, unnamed
+      return;
+    }
+    std::memset(host, 0, sizeof(HangRecord));
+    void* device = nullptr;
+    if (cudaHostGetDevicePointer(&device, host, 0) != cudaSuccess) {
+      (void)cudaGetLastError();
+      cudaFreeHost(host);
+      return;
+    }
+    g_hang_host = static_cast<HangRecord*>(host);
+    g_hang_device = static_cast<HangRecord*>(device);
+  });
+  return g_hang_device;
+}
+
+HangRecord* hang_record_host() {
+  return g_hang_host;
+}
+}  // namespace sm90
+
+std::string attention_sm90_hang_report() {
+  const volatile sm90::HangRecord* r = sm90::hang_record_host();
+  if (r == nullptr || r->set == 0) return "";
+  static const char* waits[] = {"bar_q",
+                                "full_k",
+                                "full_v",
+                                "empty_k",
+                                "empty_v",
+                                "bar_kv",
+                                "full_q",
+                                "full_do",
+                                "full_stat",
+                                "empty",
+                                "the dQ order counter"};
+  const int w = r->wait;
+  const std::string what = w >= 0 && w < int(sizeof(waits) / sizeof(waits[0]))
+                               ? std::string(waits[w])
+                               : "wait " + std::to_string(w);
+  return std::string(r->kernel == sm90::kHangFwd ? "attention_sm90_fwd" : "attention_sm90_bwd") +
+         ": CTA " + std::to_string(r->block) + " thread " + std::to_string(r->thread) +
+         " waited for " + what + "[" + std::to_string(r->index) + "] (phase " +
+         std::to_string(r->phase) +
+         ") through 2^26 tries (seconds) and stopped the launch: a barrier protocol bug";
+}
 
 bool attention_sm90_built() {
   return true;

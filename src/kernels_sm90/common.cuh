@@ -1,8 +1,11 @@
 // What the sm_90a kernels share (src/kernels_sm90/*.cu): issuing one batch of wgmma over the
-// k-blocks of a tile.
+// k-blocks of a tile, and waits that name a hang instead of hanging.
 #pragma once
 
+#include <cutlass/arch/barrier.h>
 #include <cute/tensor.hpp>
+
+#include <cstdint>
 
 namespace colossal::kernels::cuda::sm90 {
 
@@ -22,5 +25,63 @@ __device__ __forceinline__ void gemm_batch(TiledMma& mma, const TA& a, const TB&
   }
   warpgroup_commit_batch();
 }
+
+// ---- Hangs --------------------------------------------------------------------------------
+// A wait that does not end is a protocol bug (a barrier's phase, an arrival count). Instead of
+// a process hung until something kills it, the waiting thread writes what it waited for into a
+// record in mapped host memory (readable by the host after the failed launch has taken the
+// device's memory with it) and traps; kernels::attention_hang_report() formats the record.
+enum HangKernel : int { kHangFwd = 1, kHangBwd = 2 };
+enum HangWait : int {
+  kWaitBarQ,
+  kWaitFullK,
+  kWaitFullV,
+  kWaitEmptyK,
+  kWaitEmptyV,
+  kWaitBarKV,
+  kWaitFullQ,
+  kWaitFullDO,
+  kWaitFullStat,
+  kWaitEmpty,
+  kWaitDqOrder,
+};
+struct HangRecord {
+  int set, kernel, wait, index, block, thread;
+  unsigned phase;
+};
+// Tries of a wait before it is called a hang. Each try suspends the thread for up to a
+// hardware time limit, so this is seconds at the least; no legitimate wait in these kernels
+// lasts a millisecond.
+constexpr uint32_t kHangTries = 1u << 26;
+
+// Out of line: the kernels' hot loops keep their registers; this runs once, at a hang.
+static __device__ __noinline__ void report_hang(HangRecord* rec, int kernel, int wait, int index,
+                                                uint32_t phase) {
+  if (rec != nullptr) {
+    volatile HangRecord* r = rec;
+    r->kernel = kernel;
+    r->wait = wait;
+    r->index = index;
+    r->block = int(blockIdx.x);
+    r->thread = int(threadIdx.x);
+    r->phase = phase;
+    __threadfence_system();
+    r->set = 1;
+    __threadfence_system();
+  }
+  __trap();
+}
+
+// mbarrier wait for phase parity `phase` (ClusterBarrier::wait's), watched.
+__device__ __forceinline__ void watched_wait(const uint64_t* bar, uint32_t phase, HangRecord* rec,
+                                             int kernel, int wait, int index) {
+  for (uint32_t tries = 0; !cutlass::arch::ClusterBarrier::try_wait(bar, phase);)
+    if (++tries == kHangTries) report_hang(rec, kernel, wait, index, phase);
+}
+
+// The device address of the process's hang record (mapped pinned memory, allocated once; null
+// when it cannot be), and the host's view of it (attention_fwd.cu).
+HangRecord* hang_record_device();
+HangRecord* hang_record_host();
 
 }  // namespace colossal::kernels::cuda::sm90

@@ -32,6 +32,16 @@
 namespace colossal::kernels {
 namespace {
 
+// After a launch that a hung wait stopped (the kernels trap instead of hanging), say which wait.
+class HangReport : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    const std::string hang = attention_hang_report();
+    if (!hang.empty()) ADD_FAILURE() << hang;
+  }
+};
+const auto* const hang_report = ::testing::AddGlobalTestEnvironment(new HangReport);
+
 bool usable(std::string* why) {
   if (!at::hasCUDA()) {
     *why = "no CUDA device";
@@ -111,6 +121,7 @@ void check_case(const Case& c) {
     }
     std::printf("%-48s %-9s out %.2e  lse %.2e\n", name(c).c_str(), to_string(s).c_str(), err,
                 lse_err);
+    std::fflush(stdout);  // a hang's log shows how far the cases got
   });
 }
 
@@ -166,6 +177,7 @@ void check_backward(const Case& c, bool deterministic) {
     EXPECT_LE(ev, 2e-2);
     std::printf("%-48s %-14s dq %.2e  dk %.2e  dv %.2e%s\n", name(c).c_str(), to_string(s).c_str(),
                 eq, ek, ev, deterministic ? " (deterministic)" : "");
+    std::fflush(stdout);
     if (first.empty()) {
       first = g;
     } else {  // dK and dV do not depend on the dQ path

@@ -73,6 +73,17 @@ StepResult run(at::ScalarType dtype, bool fused, int64_t batch) {
   return r;
 }
 
+// After a launch that a hung wait stopped (our attention kernels trap instead of hanging), say
+// which wait.
+class HangReport : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    const std::string hang = kernels::attention_hang_report();
+    if (!hang.empty()) ADD_FAILURE() << hang;
+  }
+};
+const auto* const hang_report = ::testing::AddGlobalTestEnvironment(new HangReport);
+
 }  // namespace
 
 TEST(ModelCuda, FusedKernelsMatchTheComposites) {

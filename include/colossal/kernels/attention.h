@@ -82,6 +82,11 @@ void set_attention_schedule(const AttentionSchedule& schedule);
 // Every schedule, for the benchmarks and the GPU tests.
 std::vector<AttentionSchedule> attention_schedules();
 
+// "" or, after a launch of our kernels failed because a wait never ended (a barrier protocol
+// bug: the kernel traps after seconds of waiting instead of hanging), which kernel, CTA, thread
+// and barrier it was. The CLI and the GPU tests print it next to the CUDA error.
+std::string attention_hang_report();
+
 // The work lists the kernels run, built on the host from the offsets (exposed for the CPU
 // tests): every (sequence, tile) pair that has work, heaviest first, so no CTA is launched
 // only to exit (a packed batch of many short documents) and the long tiles do not come last.

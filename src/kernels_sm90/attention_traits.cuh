@@ -1,0 +1,125 @@
+// The tiles, shared-memory layouts and wgmma shapes of our sm_90a attention kernels
+// (attention_fwd.cu, attention_bwd.cu), and the dQ accumulator's layout: one definition that
+// the kernels compile and tests/kernels/test_attention_layouts.cu checks on the host (which
+// thread holds which rows and columns, what the softmax's shuffles and the dQ stores assume).
+#pragma once
+
+#include <cutlass/numeric_types.h>
+#include <cute/tensor.hpp>
+
+#include <cstdint>
+
+namespace colossal::kernels::cuda::sm90 {
+
+using namespace cute;
+using Bf16 = cutlass::bfloat16_t;
+
+template <int kD, int kBlockN, int kStages>
+struct FwdTraits {
+  static constexpr int kBlockM = 128;
+  static constexpr int kThreads = 384;          // producer warpgroup + two consumer warpgroups
+  static constexpr int kConsumerThreads = 256;  // 64 query rows each
+  using D = Int<kD>;
+  using BM = Int<kBlockM>;
+  using BN = Int<kBlockN>;
+  using S = Int<kStages>;
+  // Q [BM, D] and K [BN, D] K-major (the head dimension contiguous), V as [D, BN] MN-major (the
+  // head dimension contiguous too: it is the GEMM's N), 128-byte swizzled as wgmma reads them.
+  using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Bf16>{}, Shape<BM, D>{}));
+  using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Bf16>{}, Shape<BN, D, S>{}));
+  using SmemLayoutV =
+      decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Bf16>{}, Shape<D, BN, S>{}));
+  using MmaQK = decltype(GMMA::ss_op_selector<Bf16, Bf16, float, Shape<_64, BN, D>, GMMA::Major::K,
+                                              GMMA::Major::K>());
+  using MmaPV = decltype(GMMA::rs_op_selector<Bf16, Bf16, float, Shape<_64, D, BN>, GMMA::Major::K,
+                                              GMMA::Major::MN>());
+  using TiledMmaQK = decltype(make_tiled_mma(MmaQK{}, Layout<Shape<_2, _1, _1>>{}));
+  using TiledMmaPV = decltype(make_tiled_mma(MmaPV{}, Layout<Shape<_2, _1, _1>>{}));
+  // The S accumulator of one thread, ((2 cols, 2 rows, BN/8 col blocks), 1, 1), reread as the
+  // A operand of the P V wgmma, ((2, 2, 2), 1, BN/16): the same registers in the same order
+  // (checked at compile time against the MMA's own fragment below).
+  using LayoutP =
+      Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockN / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
+
+  struct alignas(1024) Smem {
+    alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutK>> k;
+    alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutV>> v;
+    alignas(8) uint64_t bar_q;
+    uint64_t full_k[kStages], empty_k[kStages], full_v[kStages], empty_v[kStages];
+  };
+  static constexpr int kBytesQ = kBlockM * kD * 2;
+  static constexpr int kBytesKV = kBlockN * kD * 2;
+};
+
+template <int kD>
+struct BwdTraits {
+  static constexpr int kBlockM = 64;   // queries per step
+  static constexpr int kBlockN = 128;  // keys per CTA (64 per consumer warpgroup)
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 384;
+  static constexpr int kConsumers = 256;
+  static constexpr int kStatThreads = 64;  // producer threads loading lse / delta per step
+  using D = Int<kD>;
+  using BM = Int<kBlockM>;
+  using BN = Int<kBlockN>;
+  using S = Int<kStages>;
+  using Atom = GMMA::Layout_K_SW128_Atom<Bf16>;
+  // Row-major tiles (the last dimension contiguous), 128-byte swizzled.
+  using SmemLayoutQ = decltype(tile_to_shape(Atom{}, Shape<BM, D, S>{}));  // also dO
+  using SmemLayoutK = decltype(tile_to_shape(Atom{}, Shape<BN, D>{}));     // also V
+  using SmemLayoutDS = decltype(tile_to_shape(Atom{}, Shape<BN, BM>{}));   // dS^T [key, query]
+  // The same bytes read as the transposed (MN-major) operands.
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_layout(Shape<D, BM, S>{}, Stride<BM, _1, Int<kBlockM * kD>>{})));
+  using SmemLayoutKt =
+      decltype(composition(SmemLayoutK{}, make_layout(Shape<D, BN>{}, Stride<BN, _1>{})));
+  using SmemLayoutDSt =
+      decltype(composition(SmemLayoutDS{}, make_layout(Shape<BM, BN>{}, Stride<BN, _1>{})));
+  // S^T = K Q^T, dP^T = V dO^T: [BN keys, BM queries], both operands K-major.
+  using MmaSdP = decltype(GMMA::ss_op_selector<Bf16, Bf16, float, Shape<_64, BM, D>, GMMA::Major::K,
+                                               GMMA::Major::K>());
+  // dV += P^T dO, dK += dS^T Q: [BN, D], A from registers, B = dO^T / Q^T MN-major.
+  using MmaKV = decltype(GMMA::rs_op_selector<Bf16, Bf16, float, Shape<_64, D, BM>, GMMA::Major::K,
+                                              GMMA::Major::MN>());
+  // dQ = dS K: [BM, D] split over the warpgroups along D; A = dS (MN-major view of dS^T),
+  // B = K^T (MN-major view of K).
+  using MmaQ = decltype(GMMA::ss_op_selector<Bf16, Bf16, float, Shape<_64, Int<kD / 2>, BN>,
+                                             GMMA::Major::MN, GMMA::Major::MN>());
+  using TiledMmaSdP = decltype(make_tiled_mma(MmaSdP{}, Layout<Shape<_2, _1, _1>>{}));
+  using TiledMmaKV = decltype(make_tiled_mma(MmaKV{}, Layout<Shape<_2, _1, _1>>{}));
+  using TiledMmaQ = decltype(make_tiled_mma(MmaQ{}, Layout<Shape<_1, _2, _1>>{}));
+  // The S^T accumulator ((2, 2, BM/8), 1, 1) read as the A fragment ((2, 2, 2), 1, BM/16).
+  using LayoutP =
+      Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockM / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
+
+  struct alignas(1024) Smem {
+    alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutK>> k;
+    alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutK>> v;
+    alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutQ>> dout;
+    alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutDS>> ds;
+    alignas(128) float dq[kBlockM * kD];  // dq_tma: one query tile's dQ sum (dq_index order)
+    float lse2[kStages][kBlockM];         // lse * log2(e); +inf past the sequence's end
+    float delta[kStages][kBlockM];        // rowsum(dO * O)
+    alignas(8) uint64_t bar_kv;
+    uint64_t full_q[kStages], full_do[kStages], full_stat[kStages], empty[kStages];
+  };
+  static constexpr int kBytesQ = kBlockM * kD * 2;
+  static constexpr int kBytesK = kBlockN * kD * 2;
+};
+
+// Where row t (of the whole batch), column c of one head's dQ sum lives within that head's
+// [total + 64, D] slab: the row's 16-byte chunks XOR-swizzled by 2 * (t % 4). A warp's store of
+// one accumulator register pair writes 8 rows x 32 bytes (two chunks 2q, 2q + 1 of each row);
+// the swizzle sends any 4 consecutive rows to 4 different chunk pairs (the pair index becomes
+// q ^ (t % 4)), so each half-warp's 128 bytes fill the 32 banks once: no bank conflict.
+__host__ __device__ __forceinline__ int dq_column(int c, int64_t t) {
+  return (((c >> 2) ^ (2 * int(t & 3))) << 2) + (c & 3);
+}
+template <int kD>
+__host__ __device__ __forceinline__ int64_t dq_index(int64_t t, int c) {
+  return t * kD + dq_column(c, t);
+}
+
+}  // namespace colossal::kernels::cuda::sm90

@@ -1,0 +1,221 @@
+// Issue 25: what our sm_90a attention kernels assume about CuTe's wgmma fragments, checked on
+// the host (make test, no GPU): for every consumer thread, the (row, column) each accumulator
+// register holds, from the kernels' own types (src/kernels_sm90/attention_traits.cuh). A wrong
+// assumption here is a wrong softmax or a lost gradient that a GPU test would only show as a
+// numeric error; this names it.
+//  - forward: register j of S holds row rows[(j / 2) % 2] (the softmax's statistics), the four
+//    threads holding a row are lanes 4i .. 4i + 3 (the xor-1 / xor-2 shuffles), O's registers
+//    hold the same two rows (the rescale and the log-sum-exp store), register pairs (j, j + 1)
+//    are adjacent columns (bf16x2 stores), P read from S's registers is the A operand the P V
+//    wgmma expects element for element;
+//  - backward: S^T / dP^T and the dV / dK accumulators likewise (P^T and dS^T as A operands);
+//    a thread's dQ rows are equal mod 8 (one swizzle per thread) and a half-warp's dQ stores
+//    hit each shared-memory bank once; dq_index is a permutation of each row's columns that
+//    keeps 16-byte chunks whole;
+//  - every tile element is held by exactly one thread.
+#include <cstdio>
+#include <map>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels_sm90/attention_traits.cuh"
+
+namespace {
+
+using namespace colossal::kernels::cuda::sm90;
+
+int failures = 0;
+#define EXPECT(cond, ...)                                             \
+  do {                                                                \
+    if (!(cond)) {                                                    \
+      if (++failures <= 20) {                                         \
+        std::printf("FAILED %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+        std::printf(__VA_ARGS__);                                     \
+        std::printf("\n");                                            \
+      }                                                               \
+    }                                                                 \
+  } while (0)
+
+using Coord = std::pair<int, int>;
+
+// The coordinates of a thread's accumulator registers, in register (logical fragment) order.
+template <class Frag>
+std::vector<Coord> coords(const Frag& f) {
+  std::vector<Coord> v;
+  for (int j = 0; j < int(size(f)); ++j) v.push_back({int(get<0>(f(j))), int(get<1>(f(j)))});
+  return v;
+}
+
+// Registers j alternate rows by (j / 2) % 2 and pairs (j, j + 1) are adjacent columns; returns
+// the thread's two rows.
+std::pair<int, int> check_rows(const std::vector<Coord>& c, const char* what, int t) {
+  int rows[2] = {-1, -1};
+  for (int j = 0; j < int(c.size()); ++j) {
+    int& r = rows[(j >> 1) & 1];
+    if (r < 0) r = c[j].first;
+    EXPECT(r == c[j].first, "%s thread %d register %d: row %d, expected %d", what, t, j, c[j].first,
+           r);
+    if (j % 2 == 1)
+      EXPECT(c[j].first == c[j - 1].first && c[j].second == c[j - 1].second + 1,
+             "%s thread %d registers %d, %d are not adjacent columns", what, t, j - 1, j);
+  }
+  EXPECT(rows[1] == rows[0] + 8, "%s thread %d: rows %d and %d", what, t, rows[0], rows[1]);
+  return {rows[0], rows[1]};
+}
+
+// Every element of an m x n tile is held by exactly one (thread, register).
+void check_cover(const std::vector<std::vector<Coord>>& per_thread, int m, int n,
+                 const char* what) {
+  std::vector<int> seen(size_t(m) * n, 0);
+  for (const auto& c : per_thread)
+    for (const Coord& x : c) {
+      EXPECT(x.first >= 0 && x.first < m && x.second >= 0 && x.second < n, "%s: (%d, %d) outside",
+             what, x.first, x.second);
+      if (x.first >= 0 && x.first < m && x.second >= 0 && x.second < n)
+        ++seen[size_t(x.first) * n + x.second];
+    }
+  int bad = 0;
+  for (int s : seen) bad += s != 1;
+  EXPECT(bad == 0, "%s: %d of %d elements not held exactly once", what, bad, m * n);
+}
+
+// The register at offset LayoutP(i) of the accumulator (which holds S element `acc[j]` with
+// acc_layout(j) = LayoutP(i)) must be the A element a_coords[i] the next wgmma reads.
+template <class AccLayout, class PLayout>
+void check_registers_as_a(const std::vector<Coord>& acc, const AccLayout& acc_layout,
+                          const PLayout& p_layout, const std::vector<Coord>& a_coords,
+                          const char* what, int t) {
+  std::map<int, int> at;  // register offset -> logical accumulator index
+  for (int j = 0; j < int(size(acc_layout)); ++j) at[int(acc_layout(j))] = j;
+  EXPECT(a_coords.size() == acc.size(), "%s thread %d: %zu A elements, %zu accumulators", what, t,
+         a_coords.size(), acc.size());
+  for (int i = 0; i < int(size(p_layout)) && i < int(a_coords.size()); ++i) {
+    const auto it = at.find(int(p_layout(i)));
+    EXPECT(it != at.end(), "%s thread %d: A register %d reads no accumulator", what, t, i);
+    if (it == at.end()) continue;
+    EXPECT(acc[it->second] == a_coords[i],
+           "%s thread %d A register %d: holds (%d, %d), the wgmma reads it as (%d, %d)", what, t, i,
+           acc[it->second].first, acc[it->second].second, a_coords[i].first, a_coords[i].second);
+  }
+}
+
+template <int kD>
+void forward() {
+  using T = FwdTraits<kD, 128, 2>;
+  constexpr int BM = T::kBlockM, BN = T::BN::value;
+  typename T::TiledMmaQK mma_qk;
+  typename T::TiledMmaPV mma_pv;
+  std::vector<std::vector<Coord>> s_all, o_all;
+  std::vector<std::pair<int, int>> rows(256);
+  for (int t = 0; t < 256; ++t) {
+    auto thr_qk = mma_qk.get_thread_slice(t);
+    auto thr_pv = mma_pv.get_thread_slice(t);
+    const auto s = coords(thr_qk.partition_C(make_identity_tensor(Shape<Int<BM>, Int<BN>>{})));
+    const auto o = coords(thr_pv.partition_C(make_identity_tensor(Shape<Int<BM>, Int<kD>>{})));
+    rows[t] = check_rows(s, "forward S", t);
+    EXPECT(check_rows(o, "forward O", t) == rows[t], "forward thread %d: O rows differ from S rows",
+           t);
+    // P from S's registers as the P V wgmma's A operand.
+    auto acc = partition_fragment_C(mma_qk, Shape<Int<BM>, Int<BN>>{});
+    const auto a = coords(thr_pv.partition_A(make_identity_tensor(Shape<Int<BM>, Int<BN>>{})));
+    check_registers_as_a(s, acc.layout(), typename T::LayoutP{}, a, "forward P", t);
+    s_all.push_back(s);
+    o_all.push_back(o);
+  }
+  // The four threads holding a row: lanes 4i .. 4i + 3 of one warp (shuffles xor 1 and 2).
+  for (int t = 0; t < 256; ++t)
+    for (int u = 0; u < 256; ++u) {
+      const bool same = rows[t] == rows[u], quad = (t & ~3) == (u & ~3);
+      EXPECT(same == quad, "forward: threads %d and %d %s rows", t, u, same ? "share" : "split");
+    }
+  check_cover(s_all, BM, BN, "forward S");
+  check_cover(o_all, BM, kD, "forward O");
+}
+
+template <int kD>
+void backward() {
+  using T = BwdTraits<kD>;
+  constexpr int BM = T::kBlockM, BN = T::kBlockN;
+  typename T::TiledMmaSdP mma_sdp;
+  typename T::TiledMmaKV mma_kv;
+  typename T::TiledMmaQ mma_q;
+  std::vector<std::vector<Coord>> s_all, kv_all, q_all;
+  std::vector<std::vector<Coord>> q_by_thread(256);
+  for (int t = 0; t < 256; ++t) {
+    auto thr_sdp = mma_sdp.get_thread_slice(t);
+    auto thr_kv = mma_kv.get_thread_slice(t);
+    auto thr_q = mma_q.get_thread_slice(t);
+    const auto s = coords(thr_sdp.partition_C(make_identity_tensor(Shape<Int<BN>, Int<BM>>{})));
+    const auto kv = coords(thr_kv.partition_C(make_identity_tensor(Shape<Int<BN>, Int<kD>>{})));
+    const auto q = coords(thr_q.partition_C(make_identity_tensor(Shape<Int<BM>, Int<kD>>{})));
+    check_rows(s, "backward S^T", t);
+    check_rows(kv, "backward dK/dV", t);
+    // P^T and dS^T from S^T's registers as the dV / dK wgmma's A operand (keys x queries).
+    auto acc = partition_fragment_C(mma_sdp, Shape<Int<BN>, Int<BM>>{});
+    const auto a = coords(thr_kv.partition_A(make_identity_tensor(Shape<Int<BN>, Int<BM>>{})));
+    check_registers_as_a(s, acc.layout(), typename T::LayoutP{}, a, "backward P^T", t);
+    // dQ: column pairs adjacent, rows equal mod 8.
+    for (int j = 0; j < int(q.size()); ++j) {
+      EXPECT(q[j].first % 8 == q[0].first % 8, "backward dQ thread %d register %d: row %d vs %d", t,
+             j, q[j].first, q[0].first);
+      if (j % 2 == 1)
+        EXPECT(q[j].first == q[j - 1].first && q[j].second == q[j - 1].second + 1,
+               "backward dQ thread %d registers %d, %d are not adjacent columns", t, j - 1, j);
+    }
+    q_by_thread[t] = q;
+    s_all.push_back(s);
+    kv_all.push_back(kv);
+    q_all.push_back(q);
+  }
+  check_cover(s_all, BN, BM, "backward S^T");
+  check_cover(kv_all, BN, kD, "backward dK/dV");
+  check_cover(q_all, BM, kD, "backward dQ");
+  // The dQ tile's stores into shared memory (float2 at row * D + dq_column(col, row)): within
+  // each half-warp, for every register pair and every sequence start, no two threads hit one
+  // bank at different words.
+  for (int start = 0; start < 8; ++start)
+    for (int warp = 0; warp < 8; ++warp)
+      for (int j = 0; j + 1 < int(q_by_thread[0].size()); j += 2)
+        for (int half = 0; half < 2; ++half) {
+          std::map<int, std::set<int>> bank_words;
+          for (int lane = half * 16; lane < half * 16 + 16; ++lane) {
+            const Coord x = q_by_thread[warp * 32 + lane][j];
+            const int word = x.first * kD + dq_column(x.second, start + x.first);
+            for (int w : {word, word + 1}) bank_words[w % 32].insert(w);
+          }
+          int worst = 0;
+          for (const auto& [bank, words] : bank_words) worst = std::max(worst, int(words.size()));
+          EXPECT(worst == 1, "dQ store D%d start %d warp %d register %d half %d: %d-way conflict",
+                 kD, start, warp, j, half, worst);
+        }
+  // dq_index: each row's columns permuted, 16-byte chunks kept whole.
+  for (int64_t t = 0; t < 8; ++t) {
+    std::set<int64_t> cols;
+    for (int c = 0; c < kD; ++c) {
+      const int64_t i = dq_index<kD>(t, c);
+      EXPECT(i >= t * kD && i < (t + 1) * kD, "dq_index(%d, %d) = %lld leaves the row", int(t), c,
+             (long long)i);
+      EXPECT(i % 4 == c % 4, "dq_index(%d, %d) splits a chunk", int(t), c);
+      cols.insert(i);
+    }
+    EXPECT(int(cols.size()) == kD, "dq_index row %d: %zu distinct columns", int(t), cols.size());
+  }
+}
+
+}  // namespace
+
+int main() {
+  forward<64>();
+  forward<128>();
+  backward<64>();
+  backward<128>();
+  if (failures > 0) {
+    std::printf("%d failed checks\n", failures);
+    return 1;
+  }
+  std::printf(
+      "attention layouts: all checks passed (forward and backward, head dims 64 and 128)\n");
+  return 0;
+}
