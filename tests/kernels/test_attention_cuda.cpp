@@ -73,6 +73,33 @@ std::vector<AttentionSchedule> forward_schedules() {
   return v;
 }
 
+// Where a result is wrong, for a failure's message: the worst (token, head) pairs by absolute
+// error with the token's sequence and position in it (and that position mod 64 and 128, the
+// kernels' tile sizes), so a failure points at a tile edge, a sequence end or a head group.
+std::string worst_rows(const at::Tensor& got, const at::Tensor& want,
+                       const std::vector<int64_t>& cu, int count = 3) {
+  const at::Tensor err = (got.cpu().to(at::kDouble) - want.cpu().to(at::kDouble)).abs();
+  const at::Tensor per = err.dim() == 3 ? std::get<0>(err.max(2)) : err;  // [T, H] or [H, T]
+  const int64_t heads = got.dim() == 3 ? got.size(1) : got.size(0);
+  const at::Tensor flat = per.reshape({-1});
+  const auto top = at::topk(flat, std::min<int64_t>(count, flat.numel()));
+  std::string s;
+  for (int64_t i = 0; i < std::get<1>(top).numel(); ++i) {
+    const int64_t idx = std::get<1>(top)[i].item<int64_t>();
+    const int64_t t = got.dim() == 3 ? idx / heads : idx % got.size(1);
+    const int64_t h = got.dim() == 3 ? idx % heads : idx / got.size(1);
+    size_t seq = 0;
+    while (seq + 2 < cu.size() && cu[seq + 1] <= t) ++seq;
+    const int64_t pos = t - cu[seq];
+    s += "\n  token " + std::to_string(t) + " head " + std::to_string(h) + ": sequence " +
+         std::to_string(seq) + " (length " + std::to_string(cu[seq + 1] - cu[seq]) + ") position " +
+         std::to_string(pos) + " (mod 64: " + std::to_string(pos % 64) +
+         ", mod 128: " + std::to_string(pos % 128) + "), |error| " +
+         std::to_string(std::get<0>(top)[i].item<double>());
+  }
+  return s;
+}
+
 struct Case {
   std::vector<int64_t> lens;
   int64_t heads, kv_heads, dim;
@@ -110,8 +137,8 @@ void check_case(const Case& c) {
     ASSERT_FALSE(o.isnan().any().item<bool>()) << "rows left unwritten (NaN poison) or NaN results";
     const double err = ((o - ref.out).norm() / ref.out.norm()).item<double>();
     const double lse_err = (r.lse.cpu().to(at::kDouble) - ref.lse).abs().max().item<double>();
-    EXPECT_LE(err, 1e-2);
-    EXPECT_LE(lse_err, 1e-3);
+    EXPECT_LE(err, 1e-2) << worst_rows(r.out, ref.out, cu);
+    EXPECT_LE(lse_err, 1e-3) << worst_rows(r.lse, ref.lse, cu);
     if (!first_out.defined()) {
       first_out = r.out;
       first_lse = r.lse;
@@ -172,9 +199,9 @@ void check_backward(const Case& c, bool deterministic) {
     const std::vector<at::Tensor> g = run();
     for (const at::Tensor& t : g) ASSERT_FALSE(t.isnan().any().item<bool>()) << "NaN in a gradient";
     const double eq = nrel(g[0], qr.grad()), ek = nrel(g[1], kr.grad()), ev = nrel(g[2], vr.grad());
-    EXPECT_LE(eq, 2e-2);
-    EXPECT_LE(ek, 2e-2);
-    EXPECT_LE(ev, 2e-2);
+    EXPECT_LE(eq, 2e-2) << worst_rows(g[0], qr.grad(), cu);
+    EXPECT_LE(ek, 2e-2) << worst_rows(g[1], kr.grad(), cu);
+    EXPECT_LE(ev, 2e-2) << worst_rows(g[2], vr.grad(), cu);
     std::printf("%-48s %-14s dq %.2e  dk %.2e  dv %.2e%s\n", name(c).c_str(), to_string(s).c_str(),
                 eq, ek, ev, deterministic ? " (deterministic)" : "");
     std::fflush(stdout);
@@ -220,6 +247,23 @@ TEST(AttentionCuda, SaysWhyItDoesNotRunOnTheCpu) {
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
   }
+}
+
+// Runs everywhere: the failure messages' locator names the token, head and position.
+TEST(AttentionCuda, WorstRowsPointAtTheWrongToken) {
+  const std::vector<int64_t> cu{0, 100, 100, 300};
+  at::Tensor want = at::zeros({300, 4, 8}, at::kDouble);
+  at::Tensor got = want.clone();
+  got[230][2][5] = 1.0;  // sequence 2 (the 0-length one is skipped), position 130
+  const std::string s = worst_rows(got, want, cu, 1);
+  EXPECT_NE(
+      s.find("token 230 head 2: sequence 2 (length 200) position 130 (mod 64: 2, mod 128: 2)"),
+      std::string::npos)
+      << s;
+  at::Tensor lse_want = at::zeros({4, 300}, at::kDouble), lse_got = lse_want.clone();
+  lse_got[1][99] = 1.0;
+  EXPECT_NE(worst_rows(lse_got, lse_want, cu, 1).find("token 99 head 1: sequence 0"),
+            std::string::npos);
 }
 
 // Runs everywhere: the schedule names round-trip, and a bad one is an InputError naming it.
