@@ -206,10 +206,6 @@ void TrainConfig::validate() const {
   COLOSSAL_CHECK_INPUT(!use_fp8 || !lora,
                        "options 'use_fp8' and LoRA (lora_r / lora_adapter) cannot be combined "
                        "yet: the adapters' base GEMMs would not run in FP8");
-  COLOSSAL_CHECK_INPUT(!use_fp8 || !is_hybrid_plugin(plugin.name),
-                       "option 'use_fp8' under plugin '", plugin.name,
-                       "' is not supported yet (tensor-parallel FP8); use none, ddp, "
-                       "low_level_zero, zero1, zero2 or gemini");
   COLOSSAL_CHECK_INPUT(quantize == "none" || lora, "option 'quantize' (", quantize,
                        ") needs LoRA (lora_r or lora_adapter): a quantized base is frozen, so "
                        "only adapters can train on it");

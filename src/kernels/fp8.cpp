@@ -176,14 +176,15 @@ Fp8Tensor cast_to_fp8_reference(const at::Tensor& x, at::ScalarType fp8, bool ro
   return reference_cast(x, fp8, rowwise, transpose, take_known_amax(x, rowwise));
 }
 
-Fp8Tensor cast_to_fp8(const at::Tensor& x, at::ScalarType fp8, bool rowwise, bool transpose) {
-  if (path_for(x) != Path::Cuda) return cast_to_fp8_reference(x, fp8, rowwise, transpose);
-  check_cast(x, fp8, rowwise, transpose);
+namespace {
+
+// cast_to_fp8 with the tensorwise amax `given` (undefined: computed in the cast's first pass).
+Fp8Tensor cast_with(const at::Tensor& x, at::ScalarType fp8, bool rowwise, bool transpose,
+                    const at::Tensor& given) {
+  if (path_for(x) != Path::Cuda) return reference_cast(x, fp8, rowwise, transpose, given);
   at::Tensor xc = x.contiguous();
   const int64_t rows = xc.size(0), cols = xc.size(1), count = rowwise ? rows : 1;
   auto f32 = xc.options().dtype(at::kFloat);
-  // A recorded amax of these bytes (kernels that wrote x) saves the amax pass.
-  at::Tensor given = take_known_amax(x, rowwise);
   at::Tensor amax = given.defined() ? given : at::empty({count}, f32);
   at::Tensor scale = at::empty({count}, f32);
   Fp8Tensor out;
@@ -200,6 +201,32 @@ Fp8Tensor cast_to_fp8(const at::Tensor& x, at::ScalarType fp8, bool rowwise, boo
                  cuda_dtype(xc.scalar_type()), stream_of(xc), /*amax_given=*/given.defined());
 #endif
   return out;
+}
+
+}  // namespace
+
+Fp8Tensor cast_to_fp8(const at::Tensor& x, at::ScalarType fp8, bool rowwise, bool transpose) {
+  check_cast(x, fp8, rowwise, transpose);
+  // A recorded amax of these bytes (kernels that wrote x) saves the amax pass.
+  return cast_with(x, fp8, rowwise, transpose, take_known_amax(x, rowwise));
+}
+
+at::Tensor fp8_amax(const at::Tensor& x) {
+  COLOSSAL_CHECK_INPUT(x.defined() && x.is_floating_point(), "fp8_amax: x must be a defined ",
+                       "floating-point tensor");
+  at::Tensor k = take_known_amax(x, false);
+  if (k.defined()) return k;
+  // max |x| without a temporary: the infinity norm, accumulated in fp32 (exact: a max).
+  return at::linalg_vector_norm(x, INFINITY, std::nullopt, false, at::kFloat).reshape({1});
+}
+
+Fp8Tensor cast_to_fp8_with_amax(const at::Tensor& x, at::ScalarType fp8, bool transpose,
+                                const at::Tensor& amax) {
+  check_cast(x, fp8, false, transpose);
+  COLOSSAL_CHECK_INPUT(amax.defined() && amax.scalar_type() == at::kFloat && amax.numel() == 1 &&
+                           amax.device() == x.device(),
+                       "cast_to_fp8_with_amax: the amax must be float32 [1] on ", x.device());
+  return cast_with(x, fp8, false, transpose, amax.reshape({1}));
 }
 
 namespace {

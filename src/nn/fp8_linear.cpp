@@ -11,6 +11,7 @@
 #include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
 #include "colossal/core/weights_epoch.h"
+#include "colossal/dist/communicator.h"
 
 namespace colossal::nn {
 
@@ -85,12 +86,37 @@ kernels::Fp8Tensor cast_activation(const at::Tensor& x2, at::ScalarType fp8, boo
   return q;
 }
 
+}  // namespace
+
+// A tensor-parallel FP8 GEMM's operands that are split over the group: their amax is
+// all-reduced (max), so each shard's scale is the whole tensor's and every element quantizes as
+// it would unsplit (the curve of one process). Column: the weight's rows and the output
+// gradient's columns; row: the input's columns and the weight's. The other operand is whole on
+// every rank already (column: the input, entered into the region; row: the output gradient).
+struct Fp8TpScales : torch::CustomClassHolder {
+  Fp8TpScales(dist::Communicator g, bool x, bool dy)
+      : group(std::move(g)), x_split(x), dy_split(dy) {}
+  dist::Communicator group;
+  bool x_split, dy_split;
+};
+
+namespace {
+
+// t's amax, all-reduced over the group (the cast then takes it).
+at::Tensor group_amax(const at::Tensor& t, const dist::Communicator& g) {
+  at::Tensor a = kernels::fp8_amax(t).clone();
+  const_cast<dist::Communicator&>(g).all_reduce(a, dist::ReduceOp::Max);
+  return a;
+}
+
 // y = x W^T (+ b) with the recipe's FP8 GEMMs. Non-variable arguments: the weight's casts
-// (tensorwise {w data, w data_t, w inv}; rowwise {w data, w inv, w_t data, w_t inv}).
+// (tensorwise {w data, w data_t, w inv}; rowwise {w data, w inv, w_t data, w_t inv}); tp (or
+// null): which operands are split over a tensor-parallel group (tensorwise only).
 struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             const at::Tensor& w, const std::optional<at::Tensor>& bias,
-                            const std::vector<at::Tensor>& wc, bool rowwise, bool need_dw) {
+                            const std::vector<at::Tensor>& wc, bool rowwise, bool need_dw,
+                            const c10::intrusive_ptr<Fp8TpScales>& tp) {
     const int64_t k = x.size(-1), n = w.size(0);
     const at::Tensor x2 = x.reshape({-1, k});
     std::vector<int64_t> out_shape = x.sizes().vec();
@@ -100,8 +126,14 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     ctx->saved_data["bias_grad"] = bias && bias->requires_grad();
     ctx->saved_data["w_dtype"] = static_cast<int64_t>(w.scalar_type());
     at::Tensor y;
+    if (tp) ctx->saved_data["tp"] = c10::IValue::make_capsule(tp);
     if (!rowwise) {
-      kernels::Fp8Tensor xq = cast_activation(x2, at::kFloat8_e4m3fn, false, need_dw);
+      // A split input (row parallel) is cast with the group's scale and never shared: the
+      // activation cache holds casts with a tensor's own scale.
+      kernels::Fp8Tensor xq = tp && tp->x_split
+                                  ? kernels::cast_to_fp8_with_amax(x2, at::kFloat8_e4m3fn, need_dw,
+                                                                   group_amax(x2, tp->group))
+                                  : cast_activation(x2, at::kFloat8_e4m3fn, false, need_dw);
       y = scaled_mm(xq.data, xq.inv_scale, wc[0], wc[2], x.scalar_type(), true);
       ctx->save_for_backward({need_dw ? xq.data_t : at::Tensor(), xq.inv_scale, wc[1], wc[2]});
     } else {
@@ -115,7 +147,8 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad) {
-    if (!grad[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), {}, {}};
+    if (!grad[0].defined())
+      return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), {}, {}, {}};
     const auto x_shape = ctx->saved_data["x_shape"].toIntVector();
     const bool rowwise = ctx->saved_data["rowwise"].toBool();
     const auto w_dtype = static_cast<at::ScalarType>(ctx->saved_data["w_dtype"].toInt());
@@ -125,8 +158,19 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     const bool need_dw = saved[0].defined();
     at::Tensor dx, dw;
     if (!rowwise) {
-      // dy in e5m2 (gradients need range more than precision), with its transpose for dW.
-      kernels::Fp8Tensor dq = kernels::cast_to_fp8(dy, at::kFloat8_e5m2, false, need_dw);
+      // dy in e5m2 (gradients need range more than precision), with its transpose for dW; a
+      // split dy (column parallel) with the group's scale.
+      const bool dy_split =
+          ctx->saved_data.count("tp") > 0 &&
+          c10::static_intrusive_pointer_cast<Fp8TpScales>(ctx->saved_data["tp"].toCapsule())
+              ->dy_split;
+      kernels::Fp8Tensor dq =
+          dy_split ? kernels::cast_to_fp8_with_amax(
+                         dy, at::kFloat8_e5m2, need_dw,
+                         group_amax(dy, c10::static_intrusive_pointer_cast<Fp8TpScales>(
+                                            ctx->saved_data["tp"].toCapsule())
+                                            ->group))
+                   : kernels::cast_to_fp8(dy, at::kFloat8_e5m2, false, need_dw);
       dx = scaled_mm(dq.data, dq.inv_scale, saved[2], saved[3], dy.scalar_type(), false);
       if (need_dw) dw = scaled_mm(dq.data_t, dq.inv_scale, saved[0], saved[1], w_dtype, false);
     } else {
@@ -137,7 +181,7 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     at::Tensor db;
     if (ctx->saved_data["bias_grad"].toBool()) db = dy.sum(0);
     (void)k;
-    return {dx.view(x_shape), dw, db, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dx.view(x_shape), dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -224,7 +268,8 @@ std::optional<at::Tensor> fp8_fused_projections(const at::Tensor& x,
   std::vector<Fp8Linear*> group;
   for (Linear* p : projections) {
     auto* f = dynamic_cast<Fp8Linear*>(p);
-    if (!f || f->recipe() != "tensorwise") return std::nullopt;
+    // Sharded layers keep their region operations: never fused.
+    if (!f || f->recipe() != "tensorwise" || !f->plain_storage()) return std::nullopt;
     group.push_back(f);
   }
   const Fp8Linear& first = *group.front();
@@ -269,8 +314,8 @@ Fp8Linear::Fp8Linear(const Linear& base, const Fp8Config& cfg)
     : Linear(on_meta(base.options())), cfg_(cfg) {
   cfg_.validate();
   COLOSSAL_CHECK_INPUT(!base.shard_spec(), "fp8: ", base.name(),
-                       " is sharded; tensor-parallel FP8 is not supported yet (convert before "
-                       "the plugin shards the model, with tp_size 1)");
+                       " is sharded already; convert to FP8 before the plugin shards the model "
+                       "(the FP8 layer shards itself, keeping the group's scales)");
   COLOSSAL_CHECK_INPUT(base.in_features() % 16 == 0 && base.out_features() % 16 == 0,
                        "fp8: ", base.name(), " is [", base.out_features(), ", ", base.in_features(),
                        "]; FP8 GEMMs need both sizes divisible by 16 (exclude it: --fp8_exclude)");
@@ -284,7 +329,11 @@ Fp8Linear::WeightCasts Fp8Linear::cast_weight(const at::Tensor& w) {
   const at::Tensor wd = w.detach();
   WeightCasts c;
   if (cfg_.recipe == "tensorwise") {
-    c.w = kernels::cast_to_fp8(wd, at::kFloat8_e4m3fn, false, true);
+    // A weight split over a tensor-parallel group: the whole weight's scale.
+    const ShardSpec* s = shard_spec() ? &*shard_spec() : nullptr;
+    c.w = s && s->communicates() ? kernels::cast_to_fp8_with_amax(wd, at::kFloat8_e4m3fn, true,
+                                                                  group_amax(wd, s->group))
+                                 : kernels::cast_to_fp8(wd, at::kFloat8_e4m3fn, false, true);
   } else {
     c.w = kernels::cast_to_fp8(wd, at::kFloat8_e4m3fn, true, false);
     c.w_t = kernels::cast_to_fp8(wd.t().contiguous(), at::kFloat8_e4m3fn, true, false);
@@ -308,8 +357,21 @@ const Fp8Linear::WeightCasts& Fp8Linear::weight_casts_for(const at::Tensor& w) {
 }
 
 at::Tensor Fp8Linear::forward(const at::Tensor& x) {
+  // Sharded over a group: Linear's region operations around local_gemm below.
+  if (shard_spec() && shard_spec()->communicates()) return Linear::forward(x);
   ForwardScope scope(*this);
-  const at::Tensor& w = weight();
+  return fp8_gemm(x, weight(), has_bias() ? param("bias") : at::Tensor(), {});
+}
+
+at::Tensor Fp8Linear::local_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  const ShardSpec& s = *shard_spec();
+  return fp8_gemm(x, w, b,
+                  c10::make_intrusive<Fp8TpScales>(s.group, s.kind == ShardSpec::Kind::Row,
+                                                   s.kind == ShardSpec::Kind::Column));
+}
+
+at::Tensor Fp8Linear::fp8_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                               const c10::intrusive_ptr<Fp8TpScales>& tp) {
   COLOSSAL_CHECK_INPUT(
       !x.is_cuda() || cfg_.recipe == "tensorwise" || x.scalar_type() == at::kBFloat16,
       "fp8: the rowwise recipe on CUDA needs bf16 activations (", name(), " gets ", x.scalar_type(),
@@ -326,18 +388,28 @@ at::Tensor Fp8Linear::forward(const at::Tensor& x) {
     wc = {c.w.data, c.w.data_t, c.w.inv_scale};
   else
     wc = {c.w.data, c.w.inv_scale, c.w_t.data, c.w_t.inv_scale};
-  const at::Tensor b = has_bias() ? param("bias") : at::Tensor();
   // The weight gradient (and so the input's transpose) only when a graph is recorded: inside
-  // the autograd function grad mode is always off.
+  // the autograd function grad mode is always off. The layer never defers it (a zero-bubble
+  // schedule's W finds nothing of this layer's to run: its dW is computed in the backward).
   const bool need_dw = at::GradMode::is_enabled() && w.requires_grad();
   return Fp8LinearFn::apply(x, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt, wc,
-                            cfg_.recipe == "rowwise", need_dw);
+                            cfg_.recipe == "rowwise", need_dw, tp);
 }
 
 void Fp8Linear::shard(const ShardSpec& spec) {
-  (void)spec;
-  throw InputError(str("fp8: ", name(),
-                       " cannot be sharded; tensor-parallel FP8 is not supported yet (tp_size 1)"));
+  if (spec.communicates()) {
+    COLOSSAL_CHECK_INPUT(cfg_.recipe == "tensorwise", "fp8: ", name(),
+                         ": the rowwise recipe is not supported under tensor parallelism (its "
+                         "per-row scales would run along the split dimension); use tensorwise");
+    COLOSSAL_CHECK_INPUT(spec.sequence_parallel != SequenceParallelMode::Ring, "fp8: ", name(),
+                         ": sequence_parallelism_mode ring runs the linear layers' GEMMs chunk by "
+                         "chunk inside the ring, not in FP8; use split_gather or all_to_all");
+  }
+  Linear::shard(spec);
+  COLOSSAL_CHECK_INPUT(in_features() % 16 == 0 && out_features() % 16 == 0, "fp8: ", name(),
+                       " is [", out_features(), ", ", in_features(), "] on each of ", spec.world,
+                       " ranks; FP8 GEMMs need both sizes divisible by 16 (exclude it: "
+                       "--fp8_exclude, or a smaller tp)");
 }
 
 std::vector<std::string> convert_to_fp8(torch::nn::Module& root, const Fp8Config& cfg,

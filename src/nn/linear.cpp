@@ -125,6 +125,10 @@ at::Tensor Linear::matmul(const at::Tensor& x, const at::Tensor& w, const at::Te
   return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
 }
 
+at::Tensor Linear::local_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  return matmul(x, w, b);
+}
+
 at::Tensor Linear::forward(const at::Tensor& x) {
   ForwardScope scope(*this);
   if (!shard_spec_ || !shard_spec_->communicates())
@@ -144,7 +148,7 @@ at::Tensor Linear::forward(const at::Tensor& x) {
       at::Tensor in = mode == SequenceParallelMode::SplitGather
                           ? gather_from_sequence(x, s.group, 1)
                           : copy_to_region(x, s.group);
-      y = matmul(in, w, b);
+      y = local_gemm(in, w, b);
     }
     // A vocabulary head with parallel_output=false: the whole output, padding cut.
     return s.gather_output ? gather_vocab(y, s, full_out_) : y;
@@ -153,7 +157,7 @@ at::Tensor Linear::forward(const at::Tensor& x) {
   if (mode == SequenceParallelMode::Ring) {
     y = ring_linear_reduce_scatter(x, w, s.group, 1);
   } else {
-    y = matmul(x, w, at::Tensor());
+    y = local_gemm(x, w, at::Tensor());
     y = mode == SequenceParallelMode::SplitGather ? reduce_scatter_sequence(y, s.group, 1)
                                                   : reduce_from_region(y, s.group);
   }

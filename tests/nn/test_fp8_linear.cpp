@@ -351,12 +351,17 @@ TEST(Fp8Linear, ConvertsAModelAndKeepsExcludedLayersPlain) {
   Linear odd(LinearOptions(24, 16));
   EXPECT_NE(error_of([&] { Fp8Linear l(odd, Fp8Config{}); }).find("divisible by 16"),
             std::string::npos);
+  // Sharding keeps the FP8 GEMMs' rule on each rank's sizes (tensor parallelism itself:
+  // test_fp8_tp.cpp).
   Linear ok(LinearOptions(32, 16));
   Fp8Linear l(ok, Fp8Config{});
-  EXPECT_NE(error_of([&] {
-              l.shard(ShardSpec(ShardSpec::Kind::Column, 0, 2));
-            }).find("tensor-parallel FP8"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { l.shard(ShardSpec(ShardSpec::Kind::Column, 0, 2)); }).find("divisible by 16"),
+      std::string::npos);
+  Linear wide(LinearOptions(32, 64));
+  Fp8Linear half(wide, Fp8Config{});
+  half.shard(ShardSpec(ShardSpec::Kind::Column, 1, 2));
+  EXPECT_EQ(half.out_features(), 32);
 }
 
 // Known amaxes (kernels/fp8.h): an entry describes bytes (storage, offset, count, version), so a

@@ -31,6 +31,16 @@ Fp8Tensor cast_to_fp8(const at::Tensor& x, at::ScalarType fp8, bool rowwise, boo
 Fp8Tensor cast_to_fp8_reference(const at::Tensor& x, at::ScalarType fp8, bool rowwise,
                                 bool transpose);
 
+// The amax of x (2-D or any shape; fp32 [1] on x's device): its recorded one when a kernel
+// recorded it (known amaxes, below; counted as a use), else max |x| computed. With
+// cast_to_fp8_with_amax, what a tensor split over ranks needs: each rank's amax, all-reduced
+// (max) over the group, gives every shard the whole tensor's scale, so each element quantizes
+// exactly as in the unsplit tensor (tensor-parallel FP8, nn/fp8_linear.h).
+at::Tensor fp8_amax(const at::Tensor& x);
+// A tensorwise cast of x (as cast_to_fp8) with the amax given (fp32 [1] on x's device).
+Fp8Tensor cast_to_fp8_with_amax(const at::Tensor& x, at::ScalarType fp8, bool transpose,
+                                const at::Tensor& amax);
+
 // The tensorwise cast of xs (2-D, one dtype and device, the same number of columns) concatenated
 // along their rows, without building the concatenation: one amax over all of them, data
 // [sum rows, cols] and, when asked, data_t [cols, sum rows]. Equal bit for bit to cast_to_fp8 of

@@ -13,11 +13,24 @@
 // (Fp8Config::keep_weight_casts; off, they live only as long as the step's graph). On CUDA the
 // GEMMs are at::_scaled_mm (compute capability 8.9+), the casts our kernels; elsewhere (the CPU:
 // make test) an emulation runs the same casts, then dequantizes and multiplies in fp32, so the
-// scaling logic is the one the GPU runs. Being a derived Linear it is never fused with its
-// siblings: q/k/v and gate/up run one FP8 GEMM each.
+// scaling logic is the one the GPU runs. Being a derived Linear it is never fused with plain
+// siblings: FP8 projections of one input fuse among themselves (fp8_fused_projections).
+//
+// Tensor parallel (the hybrid plugin, tensorwise recipe): the layer shards like a Linear and
+// keeps Linear's region operations (the input's entry into the region, the row output's
+// reduction, split_gather's gather / reduce-scatter), running only the local GEMM in FP8. The
+// operands split over the group (column: the weight's rows and the output gradient's columns;
+// row: the input's and the weight's columns) are cast with their amax all-reduced over the
+// group: one fp32 max per cast, and every element quantizes as in the unsplit tensor, so a tp
+// run follows the one-process FP8 curve up to the GEMMs' fp32 rounding. Not with the ring
+// sequence mode (its GEMMs run inside the ring) or the rowwise recipe (per-row scales along the
+// split dimension): InputError at shard(). A replicated key/value head (tp beyond the kv heads)
+// back-propagates each rank's share of the head's output gradient, so that cast's scale is the
+// largest share's, not the sum's: still FP8 training, not the one-process scale.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
 #include <memory>
@@ -44,13 +57,16 @@ struct Fp8Config {
   void validate() const;
 };
 
+struct Fp8TpScales;  // fp8_linear.cpp: which operands of a sharded GEMM are split
+
 class Fp8Linear : public Linear {
  public:
   // Wraps a plain, unsharded Linear: shares its weight and bias (re-pointed, not copied).
   // InputError for in/out features that are not multiples of 16 (the FP8 GEMMs' rule).
   Fp8Linear(const Linear& base, const Fp8Config& cfg);
   at::Tensor forward(const at::Tensor& x) override;
-  // Tensor-parallel FP8 is not built: InputError.
+  // Linear::shard, after refusing (InputError) what tensor-parallel FP8 does not cover: the
+  // rowwise recipe, the ring sequence mode, and local sizes not divisible by 16.
   void shard(const ShardSpec& spec) override;
   const std::string& recipe() const { return cfg_.recipe; }
   // How many times the weight has been cast to FP8 (tests: once per optimizer step).
@@ -58,6 +74,9 @@ class Fp8Linear : public Linear {
   // How many activation casts this thread has made (tests: layers reading one input, q/k/v or
   // gate/up, share one cast while its saved tensors live).
   static int64_t activation_casts();
+
+  // The sharded forward's local GEMM, in FP8 with the group's scales for the split operands.
+  at::Tensor local_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) override;
 
   // The weight's casts for this forward: from the cache while the weight is unchanged.
   struct WeightCasts {
@@ -70,6 +89,9 @@ class Fp8Linear : public Linear {
   const kernels::Fp8Tensor& group_weight_cast(const std::vector<Fp8Linear*>& group);
 
  private:
+  // x w^T + b in FP8 (tp: null, or the split operands of a sharded GEMM).
+  at::Tensor fp8_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                      const c10::intrusive_ptr<Fp8TpScales>& tp);
   // The cache's casts, made again when the weight changed (keep_weight_casts).
   const WeightCasts& weight_casts_for(const at::Tensor& w);
   WeightCasts cast_weight(const at::Tensor& w);  // counts in weight_casts_
@@ -98,8 +120,9 @@ std::optional<at::Tensor> fp8_fused_projections(const at::Tensor& x,
                                                 const std::vector<Linear*>& projections);
 
 // Replaces every plain nn::Linear under `root` whose path contains none of cfg.exclude with an
-// Fp8Linear; returns the paths. InputError for an invalid config, a sharded layer, a layer whose
-// sizes are not multiples of 16, and on a CUDA device below compute capability 8.9 (named).
+// Fp8Linear; returns the paths. InputError for an invalid config, a sharded layer (convert
+// before the plugin shards: the FP8 layers shard themselves), a layer whose sizes are not
+// multiples of 16, and on a CUDA device below compute capability 8.9 (named).
 std::vector<std::string> convert_to_fp8(torch::nn::Module& root, const Fp8Config& cfg,
                                         const at::Device& device);
 

@@ -140,6 +140,12 @@ class Linear : public Module {
   // x w^T + b (b may be undefined), with dW deferred to an open weight-gradient store when this
   // layer defers and `w` is its own leaf parameter (not a region copy of a replicated head).
   at::Tensor matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) const;
+  // The local GEMM of a sharded forward (column: after the input entered the region; row: before
+  // the reduction), over this rank's storage `w` (a region copy for a replicated head) and `b`:
+  // matmul here; a derived layer that computes the GEMM another way (FP8) overrides it and keeps
+  // the region operations. Not used by the ring mode, whose GEMMs run chunk by chunk inside
+  // ring_ops (a derived layer that overrides this must refuse that mode at shard()).
+  virtual at::Tensor local_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b);
 
  private:
   LinearOptions options_;
