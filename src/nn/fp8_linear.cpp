@@ -404,6 +404,14 @@ void Fp8Linear::shard(const ShardSpec& spec) {
     COLOSSAL_CHECK_INPUT(spec.sequence_parallel != SequenceParallelMode::Ring, "fp8: ", name(),
                          ": sequence_parallelism_mode ring runs the linear layers' GEMMs chunk by "
                          "chunk inside the ring, not in FP8; use split_gather or all_to_all");
+    // A vocabulary head sharded for the vocab-parallel loss (local logits): that loss reads a
+    // plain head's weight, so an FP8 head could only hand the model a slice of the logits.
+    COLOSSAL_CHECK_INPUT(
+        spec.kind != ShardSpec::Kind::Column || spec.pad_multiple == 1 || spec.gather_output,
+        "fp8: ", name(),
+        " is sharded as a vocabulary head for the vocab-parallel loss, which "
+        "reads a plain head; keep it out of FP8 (--fp8_exclude lm_head, the "
+        "default) or gather its output (parallel_output false)");
   }
   Linear::shard(spec);
   COLOSSAL_CHECK_INPUT(in_features() % 16 == 0 && out_features() % 16 == 0, "fp8: ", name(),

@@ -8,7 +8,7 @@
 // shard used its own amax, the FP8 rounding (up to 2^-4 relative per element for e4m3) would
 // show far above that. Also a Llama converted to FP8, then sharded by its tensor-parallel plan
 // (2 ranks), against the whole FP8 one (loss and every gradient), and the named refusals (ring
-// sequence mode, rowwise recipe, local sizes not divisible by 16).
+// sequence mode, rowwise recipe, a vocab-parallel head, local sizes not divisible by 16).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -116,16 +116,20 @@ TEST(Fp8Tp, ColumnAndRowLayersEqualTheWholeLayer) {
 TEST(Fp8Tp, WhatIsNotCoveredIsRefusedByName) {
   dist::Communicator g = dist::world();
   auto ring = make_layer();
-  EXPECT_NE(error_of_shard(*ring, ShardSpec::over(ShardSpec::Kind::Column, g,
-                                                  SequenceParallelMode::Ring))
-                .find("sequence_parallelism_mode ring"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of_shard(*ring, ShardSpec::over(ShardSpec::Kind::Column, g, SequenceParallelMode::Ring))
+          .find("sequence_parallelism_mode ring"),
+      std::string::npos);
   Linear base(LinearOptions(kIn, kOut));
   Fp8Config rowwise;
   rowwise.recipe = "rowwise";
   Fp8Linear rw(base, rowwise);
   EXPECT_NE(error_of_shard(rw, ShardSpec::over(ShardSpec::Kind::Row, g)).find("rowwise recipe"),
             std::string::npos);
+  auto head = make_layer();
+  ShardSpec vocab = ShardSpec::over(ShardSpec::Kind::Column, g);
+  vocab.pad_multiple = 64;
+  EXPECT_NE(error_of_shard(*head, vocab).find("vocabulary head"), std::string::npos);
   Linear narrow(LinearOptions(kIn, 16 * g.size() / 2));  // 8 output features per rank
   Fp8Linear n(narrow, Fp8Config{});
   EXPECT_NE(error_of_shard(n, ShardSpec::over(ShardSpec::Kind::Column, g)).find("divisible by 16"),
