@@ -136,8 +136,16 @@ namespace {
 int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }
-// Heaviest first; equal work keeps the order of insertion (sequence, then tile).
-std::vector<AttentionTile> heaviest_first(std::vector<AttentionTile> tiles) {
+// Every (sequence, tile) pair of `block`-token tiles with its work (work(len, tile)), heaviest
+// first; equal work keeps the order of insertion (sequence, then tile).
+template <class Work>
+std::vector<AttentionTile> work_list(const std::vector<int64_t>& cu, int64_t block, Work work) {
+  std::vector<AttentionTile> tiles;
+  for (size_t s = 0; s + 1 < cu.size(); ++s) {
+    const int64_t len = cu[s + 1] - cu[s];
+    for (int64_t t = 0; t < ceil_div(len, block); ++t)
+      tiles.push_back({static_cast<int32_t>(s), static_cast<int32_t>(t), work(len, t)});
+  }
   std::stable_sort(tiles.begin(), tiles.end(),
                    [](const AttentionTile& a, const AttentionTile& b) { return a.work > b.work; });
   return tiles;
@@ -146,26 +154,18 @@ std::vector<AttentionTile> heaviest_first(std::vector<AttentionTile> tiles) {
 
 std::vector<AttentionTile> attention_forward_tiles(const std::vector<int64_t>& cu, bool causal) {
   constexpr int64_t BM = cuda::kAttentionFwdBlockM, BN = cuda::kAttentionFwdBlockN;
-  std::vector<AttentionTile> tiles;
-  for (size_t s = 0; s + 1 < cu.size(); ++s) {
-    const int64_t len = cu[s + 1] - cu[s], key_tiles = ceil_div(len, BN);
-    for (int64_t m = 0; m < ceil_div(len, BM); ++m)
-      tiles.push_back({static_cast<int32_t>(s), static_cast<int32_t>(m),
-                       causal ? std::min(key_tiles, ceil_div((m + 1) * BM, BN)) : key_tiles});
-  }
-  return heaviest_first(std::move(tiles));
+  // A query tile reads the key tiles up to its last row (causal), else all of them.
+  return work_list(cu, BM, [&](int64_t len, int64_t m) {
+    return causal ? std::min(ceil_div(len, BN), ceil_div((m + 1) * BM, BN)) : ceil_div(len, BN);
+  });
 }
 
 std::vector<AttentionTile> attention_backward_tiles(const std::vector<int64_t>& cu, bool causal) {
   constexpr int64_t BM = cuda::kAttentionBwdBlockM, BN = cuda::kAttentionBwdBlockN;
-  std::vector<AttentionTile> tiles;
-  for (size_t s = 0; s + 1 < cu.size(); ++s) {
-    const int64_t len = cu[s + 1] - cu[s], query_tiles = ceil_div(len, BM);
-    for (int64_t n = 0; n < ceil_div(len, BN); ++n)
-      tiles.push_back({static_cast<int32_t>(s), static_cast<int32_t>(n),
-                       query_tiles - (causal ? n * BN / BM : 0)});
-  }
-  return heaviest_first(std::move(tiles));
+  // A key tile is seen by the query tiles from its own first row on (causal), else by all.
+  return work_list(cu, BN, [&](int64_t len, int64_t n) {
+    return ceil_div(len, BM) - (causal ? n * BN / BM : 0);
+  });
 }
 
 namespace {
