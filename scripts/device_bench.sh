@@ -56,6 +56,10 @@ for phase in "$@"; do
     TL=$($PY -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
     NV=$(find "$(dirname "$TL")/.." /usr/local/cuda*/lib64 -maxdepth 4 -name 'libcudart.so.13*' 2>/dev/null | head -1)
     PB=${PREBUILT:-build-carry}  # another packed build (an A/B of two commits) by name
+    # device_pack.sh carries them as one xz archive: unpacked once, in place.
+    if [ -f "$PB/binaries.tar.xz" ] && [ ! -x "$PB/colossal" ]; then
+      tar -C "$PB" -xJf "$PB/binaries.tar.xz" || note "prebuilt: $PB/binaries.tar.xz does not unpack"
+    fi
     # cuDNN from the nvidia-cudnn wheel next to torch (bench_kernels --op sdpa_fe links it).
     CD=$(find "$(dirname "$TL")/.." -maxdepth 4 -name 'libcudnn.so.9' 2>/dev/null | head -1)
     export LD_LIBRARY_PATH="$TL${NV:+:$(dirname "$NV")}${CD:+:$(dirname "$CD")}:$PWD/$PB/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Copies the binaries a device call needs from a local build into build-carry/ (git-ignored),
-# stripped, so the GPU machine can skip its own build: pass build-carry in `carry` and start
+# stripped and xz-compressed, so the GPU machine can skip its own build: pass build-carry in `carry` and start
 # scripts/device_bench.sh with the `prebuilt` phase. Usage: scripts/device_pack.sh [build-dir]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,4 +20,9 @@ mkdir -p build-carry/lib
 for f in $(find build-carry -type f -perm -u+x); do
   ldd "$f" 2>/dev/null | awk '/=> \// {print $3}' | grep -E 'sentencepiece|protobuf|pcre2|icu' || true
 done | sort -u | while read -r lib; do cp -L "$lib" build-carry/lib/; done
+# One xz archive (the stripped binaries are ~68 MB, more than a call's 64 MiB `carry` allows next
+# to .carry/): device_bench.sh's prebuilt phase unpacks it in place.
+tar -C build-carry -cf - colossal tests bench lib | xz -6 -T2 > build-carry.tar.xz
+rm -rf build-carry/*
+mv build-carry.tar.xz build-carry/binaries.tar.xz
 du -sh build-carry
