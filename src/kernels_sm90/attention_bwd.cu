@@ -409,9 +409,7 @@ __global__ void attention_bwd_convert_kernel(const float* __restrict__ acc,
 }
 
 void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string("attention_sm90_bwd: ") + what + ": " +
-                             cudaGetErrorString(err));
+  sm90::check(err, "attention_sm90_bwd", what);
 }
 
 template <int kD, bool kCausal, bool kDeterministic, bool kDqTma>

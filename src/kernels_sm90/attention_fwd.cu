@@ -372,17 +372,14 @@ void launch_fwd(const AttentionFwdArgs& a, Stream stream) {
   auto* kernel = &attention_fwd_kernel<T, kCausal, kOverlap, kPingpong, decltype(tma_q),
                                        decltype(tma_k), decltype(tma_v)>;
   const int smem = int(sizeof(typename T::Smem));
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string("attention_sm90_fwd: ") + cudaGetErrorString(err));
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+        "attention_sm90_fwd", "shared memory");
   static_assert(T::kBlockM == kAttentionFwdBlockM && kBlockN == kAttentionFwdBlockN,
                 "the host's work list is cut in other tiles");
   dim3 grid(unsigned(a.tile_count * a.heads));
   kernel<<<grid, T::kThreads, smem, reinterpret_cast<cudaStream_t>(stream)>>>(p, tma_q, tma_k,
                                                                               tma_v);
-  err = cudaGetLastError();
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string("attention_sm90_fwd: ") + cudaGetErrorString(err));
+  check(cudaGetLastError(), "attention_sm90_fwd", "launch");
 }
 
 template <int kD, bool kCausal>
@@ -448,6 +445,8 @@ std::string attention_sm90_hang_report() {
                                 "full_stat",
                                 "empty",
                                 "the dQ order counter"};
+  static_assert(sizeof(waits) / sizeof(waits[0]) == sm90::kWaitDqOrder + 1,
+                "a name for every HangWait");
   const int w = r->wait;
   const std::string what = w >= 0 && w < int(sizeof(waits) / sizeof(waits[0]))
                                ? std::string(waits[w])

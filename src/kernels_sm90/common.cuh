@@ -6,6 +6,8 @@
 #include <cute/tensor.hpp>
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 namespace colossal::kernels::cuda::sm90 {
 
@@ -77,6 +79,12 @@ __device__ __forceinline__ void watched_wait(const uint64_t* bar, uint32_t phase
                                              int kernel, int wait, int index) {
   for (uint32_t tries = 0; !cutlass::arch::ClusterBarrier::try_wait(bar, phase);)
     if (++tries == kHangTries) report_hang(rec, kernel, wait, index, phase);
+}
+
+// Host: a CUDA error of a launcher as the exception the kernels' callers catch ("op: what: ...").
+inline void check(cudaError_t err, const char* op, const char* what) {
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string(op) + ": " + what + ": " + cudaGetErrorString(err));
 }
 
 // The device address of the process's hang record (mapped pinned memory, allocated once; null

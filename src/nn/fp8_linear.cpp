@@ -160,17 +160,13 @@ struct Fp8LinearFn : torch::autograd::Function<Fp8LinearFn> {
     if (!rowwise) {
       // dy in e5m2 (gradients need range more than precision), with its transpose for dW; a
       // split dy (column parallel) with the group's scale.
-      const bool dy_split =
-          ctx->saved_data.count("tp") > 0 &&
-          c10::static_intrusive_pointer_cast<Fp8TpScales>(ctx->saved_data["tp"].toCapsule())
-              ->dy_split;
-      kernels::Fp8Tensor dq =
-          dy_split ? kernels::cast_to_fp8_with_amax(
-                         dy, at::kFloat8_e5m2, need_dw,
-                         group_amax(dy, c10::static_intrusive_pointer_cast<Fp8TpScales>(
-                                            ctx->saved_data["tp"].toCapsule())
-                                            ->group))
-                   : kernels::cast_to_fp8(dy, at::kFloat8_e5m2, false, need_dw);
+      c10::intrusive_ptr<Fp8TpScales> tp;
+      if (ctx->saved_data.count("tp") > 0)
+        tp = c10::static_intrusive_pointer_cast<Fp8TpScales>(ctx->saved_data["tp"].toCapsule());
+      kernels::Fp8Tensor dq = tp && tp->dy_split
+                                  ? kernels::cast_to_fp8_with_amax(dy, at::kFloat8_e5m2, need_dw,
+                                                                   group_amax(dy, tp->group))
+                                  : kernels::cast_to_fp8(dy, at::kFloat8_e5m2, false, need_dw);
       dx = scaled_mm(dq.data, dq.inv_scale, saved[2], saved[3], dy.scalar_type(), false);
       if (need_dw) dw = scaled_mm(dq.data_t, dq.inv_scale, saved[0], saved[1], w_dtype, false);
     } else {

@@ -65,11 +65,11 @@ void for_each_schedule(const std::vector<AttentionSchedule>& schedules, F&& body
   set_attention_schedule(saved);
 }
 
+// The forward's schedules (the dQ path is the backward's).
 std::vector<AttentionSchedule> forward_schedules() {
   std::vector<AttentionSchedule> v;
-  for (auto f : {AttentionSchedule::Forward::plain, AttentionSchedule::Forward::overlap,
-                 AttentionSchedule::Forward::pingpong})
-    v.push_back({f, false});
+  for (const AttentionSchedule& s : attention_schedules())
+    if (!s.dq_tma) v.push_back(s);
   return v;
 }
 
