@@ -81,20 +81,8 @@ std::shared_ptr<OptimizerWrapper> wrap_optimizer(
 }  // namespace
 
 DDPPlugin::DDPPlugin(DDPOptions options, dist::Communicator comm)
-    : options_(std::move(options)),
-      precision_(precision_from_string(options_.precision)),
-      comm_(plugins::default_dp_comm(std::move(comm), "ddp")) {
+    : DataParallelPlugin(std::move(options), plugins::default_dp_comm(std::move(comm), "ddp")) {
   validate();
-}
-
-std::vector<Precision> DDPPlugin::supported_precisions() const {
-  return {Precision::FP32, Precision::BF16, Precision::FP16};
-}
-int DDPPlugin::dp_rank() const {
-  return comm_.rank();
-}
-int DDPPlugin::dp_size() const {
-  return comm_.size();
 }
 
 std::shared_ptr<ModelWrapper> DDPPlugin::configure_model(std::shared_ptr<torch::nn::Module> model) {

@@ -91,16 +91,10 @@ class GeminiModel : public ModelWrapper {
 }  // namespace
 
 GeminiPlugin::GeminiPlugin(GeminiPluginOptions options, dist::Communicator comm)
-    : options_(std::move(options)),
-      precision_(precision_from_string(options_.precision)),
-      comm_(plugins::default_dp_comm(std::move(comm), "gemini")) {
+    : DataParallelPlugin(std::move(options), plugins::default_dp_comm(std::move(comm), "gemini")) {
   COLOSSAL_CHECK_INPUT(options_.max_norm >= 0, "gemini: max_norm must be >= 0, got ",
                        options_.max_norm);
   validate();
-}
-
-std::vector<Precision> GeminiPlugin::supported_precisions() const {
-  return {Precision::FP32, Precision::BF16, Precision::FP16};
 }
 
 std::shared_ptr<ModelWrapper> GeminiPlugin::configure_model(

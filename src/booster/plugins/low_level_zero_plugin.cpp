@@ -113,9 +113,8 @@ void plan_gathers(zero::LowLevelZeroOptimizer& zopt, ZeroModel& zm,
 }  // namespace
 
 LowLevelZeroPlugin::LowLevelZeroPlugin(ZeroOptions options, dist::Communicator comm)
-    : options_(std::move(options)),
-      precision_(precision_from_string(options_.precision)),
-      comm_(plugins::default_dp_comm(std::move(comm), "low_level_zero")) {
+    : DataParallelPlugin(std::move(options),
+                         plugins::default_dp_comm(std::move(comm), "low_level_zero")) {
   COLOSSAL_CHECK_INPUT(options_.stage == 1 || options_.stage == 2,
                        "low_level_zero: stage must be 1 or 2, got ", options_.stage);
   COLOSSAL_CHECK_INPUT(options_.reduce_bucket_size_in_m > 0,
@@ -127,10 +126,6 @@ LowLevelZeroPlugin::LowLevelZeroPlugin(ZeroOptions options, dist::Communicator c
   COLOSSAL_CHECK_INPUT(options_.max_norm >= 0, "low_level_zero: max_norm must be >= 0, got ",
                        options_.max_norm);
   validate();
-}
-
-std::vector<Precision> LowLevelZeroPlugin::supported_precisions() const {
-  return {Precision::FP32, Precision::BF16, Precision::FP16};
 }
 
 std::shared_ptr<ModelWrapper> LowLevelZeroPlugin::configure_model(

@@ -12,6 +12,7 @@
 
 #include "colossal/booster/checkpoint_io.h"
 #include "colossal/booster/plugin.h"
+#include "colossal/booster/plugins/data_parallel_plugin.h"
 #include "colossal/booster/wrappers.h"
 
 namespace colossal {
@@ -37,32 +38,14 @@ struct DDPOptions {
   void register_options(OptionSet& set);
 };
 
-class DDPPlugin : public Plugin {
+class DDPPlugin : public DataParallelPlugin<DDPOptions> {
  public:
   // comm: the data-parallel group (default: the world communicator of dist::init()).
   explicit DDPPlugin(DDPOptions options = {}, dist::Communicator comm = {});
   std::string name() const override { return "ddp"; }
-  std::vector<Precision> supported_precisions() const override;
-  std::vector<std::string> supported_devices() const override { return {"cpu", "cuda"}; }
-  bool support_no_sync() const override { return true; }
-  bool support_lora() const override { return true; }
-  Precision precision() const override { return precision_; }
-  std::string device() const override { return options_.device; }
-  int dp_rank() const override;
-  int dp_size() const override;
-  bool control_checkpoint_io() const override { return true; }
-  std::shared_ptr<CheckpointIO> checkpoint_io() override {
-    return std::make_shared<DataParallelCheckpointIO>();
-  }
   std::shared_ptr<ModelWrapper> configure_model(std::shared_ptr<torch::nn::Module> model) override;
   std::shared_ptr<OptimizerWrapper> configure_optimizer(std::shared_ptr<optim::Optimizer> optimizer,
                                                         ModelWrapper& model) override;
-  const DDPOptions& options() const { return options_; }
-
- private:
-  DDPOptions options_;
-  Precision precision_;
-  dist::Communicator comm_;
 };
 
 // Single process: no communication. Refuses to run with more than one rank (use ddp).

@@ -23,6 +23,7 @@
 
 #include "colossal/booster/checkpoint_io.h"
 #include "colossal/booster/plugin.h"
+#include "colossal/booster/plugins/data_parallel_plugin.h"
 #include "colossal/booster/wrappers.h"
 #include "colossal/core/json.h"
 #include "colossal/zero/gemini/options.h"
@@ -54,33 +55,15 @@ struct GeminiPluginOptions : zero::gemini::GeminiOptions {
   void register_options(OptionSet& set);
 };
 
-class GeminiPlugin : public Plugin {
+// Checkpoints: the model gathered from the chunks (GeminiModel::wait_weights) and full-shape
+// optimizer states.
+class GeminiPlugin : public DataParallelPlugin<GeminiPluginOptions> {
  public:
   explicit GeminiPlugin(GeminiPluginOptions options = {}, dist::Communicator comm = {});
   std::string name() const override { return "gemini"; }
-  std::vector<Precision> supported_precisions() const override;
-  std::vector<std::string> supported_devices() const override { return {"cpu", "cuda"}; }
-  bool support_no_sync() const override { return true; }
-  bool support_lora() const override { return true; }
-  Precision precision() const override { return precision_; }
-  std::string device() const override { return options_.device; }
-  int dp_rank() const override { return comm_.rank(); }
-  int dp_size() const override { return comm_.size(); }
-  // The model gathered from the chunks (GeminiModel::wait_weights), full-shape optimizer states:
-  // DataParallelCheckpointIO.
-  bool control_checkpoint_io() const override { return true; }
-  std::shared_ptr<CheckpointIO> checkpoint_io() override {
-    return std::make_shared<DataParallelCheckpointIO>();
-  }
   std::shared_ptr<ModelWrapper> configure_model(std::shared_ptr<torch::nn::Module> model) override;
   std::shared_ptr<OptimizerWrapper> configure_optimizer(std::shared_ptr<optim::Optimizer> optimizer,
                                                         ModelWrapper& model) override;
-  const GeminiPluginOptions& options() const { return options_; }
-
- private:
-  GeminiPluginOptions options_;
-  Precision precision_;
-  dist::Communicator comm_;
 };
 
 // What configure_optimizer returns: norm, clipping, loss scaling and the update run on chunks.

@@ -32,6 +32,7 @@
 
 #include "colossal/booster/checkpoint_io.h"
 #include "colossal/booster/plugin.h"
+#include "colossal/booster/plugins/data_parallel_plugin.h"
 #include "colossal/booster/wrappers.h"
 
 namespace colossal {
@@ -73,32 +74,14 @@ struct ZeroOptions {
   void register_options(OptionSet& set);
 };
 
-class LowLevelZeroPlugin : public Plugin {
+// Checkpoints: the HF model and full-shape optimizer states gathered from the shards.
+class LowLevelZeroPlugin : public DataParallelPlugin<ZeroOptions> {
  public:
   explicit LowLevelZeroPlugin(ZeroOptions options = {}, dist::Communicator comm = {});
   std::string name() const override { return "low_level_zero"; }
-  std::vector<Precision> supported_precisions() const override;
-  std::vector<std::string> supported_devices() const override { return {"cpu", "cuda"}; }
-  bool support_no_sync() const override { return true; }
-  bool support_lora() const override { return true; }
-  Precision precision() const override { return precision_; }
-  std::string device() const override { return options_.device; }
-  int dp_rank() const override { return comm_.rank(); }
-  int dp_size() const override { return comm_.size(); }
-  // Full-shape optimizer states (gathered from the shards), HF model: DataParallelCheckpointIO.
-  bool control_checkpoint_io() const override { return true; }
-  std::shared_ptr<CheckpointIO> checkpoint_io() override {
-    return std::make_shared<DataParallelCheckpointIO>();
-  }
   std::shared_ptr<ModelWrapper> configure_model(std::shared_ptr<torch::nn::Module> model) override;
   std::shared_ptr<OptimizerWrapper> configure_optimizer(std::shared_ptr<optim::Optimizer> optimizer,
                                                         ModelWrapper& model) override;
-  const ZeroOptions& options() const { return options_; }
-
- private:
-  ZeroOptions options_;
-  Precision precision_;
-  dist::Communicator comm_;
 };
 
 // What configure_optimizer returns: an OptimizerWrapper whose step, norm, zero_grad and
