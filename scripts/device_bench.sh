@@ -78,6 +78,15 @@ for phase in "$@"; do
     fi
     grep -c "warning" "$LOGS/build.log" | xargs echo "build warnings:"
     $C check 2>&1 | tail -5 ;;
+  attntest)
+    # Only our attention kernels' GPU test (a device call that re-checks a fix to them).
+    step "attention kernel test"
+    if timeout 150 "$BUILD/tests/kernels/test_attention_cuda" > "$LOGS/test_attention_cuda.log" 2>&1; then
+      note "PASS test_attention_cuda: $(grep -E 'PASSED|SKIPPED' "$LOGS/test_attention_cuda.log" | tr '\n' ' ')"
+    else
+      note "FAIL test_attention_cuda (rc $?)"; grep -E -A6 "Failure" "$LOGS/test_attention_cuda.log" | head -60
+      touch "$LOGS/own_attention_failed"; tail -5 "$LOGS/test_attention_cuda.log"
+    fi ;;
   kernels|ktests)
     step kernel tests
     # Our attention kernels first run here: when their test fails or hangs (cut at 150 s; its log
