@@ -47,6 +47,16 @@ base() {  # base NAME baseline-args... (NAME hf_peft_*: the PEFT LoRA baseline)
     note "base $name: FAILED ($*): $(grep -v '^\s*$' "$LOGS/$name.log" | tail -2 | tr '\n' ' ' | cut -c1-300)"
   fi
 }
+kernel_test() {  # kernel_test NAME: one of tests/kernels' GPU tests, its verdict in the summary
+  local t=$1 to=300 filter=""
+  [ $t = test_attention_cuda ] && to=150
+  [ $t = test_model_cuda ] && [ -f "$LOGS/own_attention_failed" ] && filter="--gtest_filter=-*OwnAttention*"
+  if timeout $to "$BUILD/tests/kernels/$t" $filter > "$LOGS/$t.log" 2>&1; then note "PASS $t: $(grep -E 'PASSED|SKIPPED' "$LOGS/$t.log" | tr '\n' ' ')"
+  else
+    note "FAIL $t (rc $?)"; grep -E -A6 "Failure" "$LOGS/$t.log" | head -60
+    [ $t = test_attention_cuda ] && { touch "$LOGS/own_attention_failed"; tail -5 "$LOGS/$t.log"; }
+  fi
+}
 for phase in "$@"; do
   case $phase in
   prebuilt)
@@ -81,26 +91,14 @@ for phase in "$@"; do
   attntest)
     # Only our attention kernels' GPU test (a device call that re-checks a fix to them).
     step "attention kernel test"
-    if timeout 150 "$BUILD/tests/kernels/test_attention_cuda" > "$LOGS/test_attention_cuda.log" 2>&1; then
-      note "PASS test_attention_cuda: $(grep -E 'PASSED|SKIPPED' "$LOGS/test_attention_cuda.log" | tr '\n' ' ')"
-    else
-      note "FAIL test_attention_cuda (rc $?)"; grep -E -A6 "Failure" "$LOGS/test_attention_cuda.log" | head -60
-      touch "$LOGS/own_attention_failed"; tail -5 "$LOGS/test_attention_cuda.log"
-    fi ;;
+    kernel_test test_attention_cuda ;;
   kernels|ktests)
     step kernel tests
     # Our attention kernels first run here: when their test fails or hangs (cut at 150 s; its log
     # shows how far the cases got), the model test skips OwnAttention and the attn / ownattn
     # phases leave our kernels out, so a hang costs one timeout, not several.
     for t in test_kernels test_kernels_cuda test_attention_cuda test_model_cuda test_vocab_ce_cuda; do
-      to=300; [ $t = test_attention_cuda ] && to=150
-      filter=""
-      [ $t = test_model_cuda ] && [ -f "$LOGS/own_attention_failed" ] && filter="--gtest_filter=-*OwnAttention*"
-      if timeout $to "$BUILD/tests/kernels/$t" $filter > "$LOGS/$t.log" 2>&1; then note "PASS $t: $(grep -E 'PASSED|SKIPPED' "$LOGS/$t.log" | tr '\n' ' ')"
-      else
-        note "FAIL $t (rc $?)"; grep -E -A6 "Failure" "$LOGS/$t.log" | head -60
-        [ $t = test_attention_cuda ] && { touch "$LOGS/own_attention_failed"; tail -5 "$LOGS/$t.log"; }
-      fi
+      kernel_test $t
     done
     # Gemini on the GPU (one rank under the launcher): half the chunks offloaded trains as ddp.
     if timeout 300 "$C" run --nproc_per_node 1 --master_port 0 "$BUILD/tests/zero/test_gemini_1rank" \
