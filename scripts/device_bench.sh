@@ -158,6 +158,26 @@ for phase in "$@"; do
       grep -E "^(sdpa|attention)" "$LOGS/bk_$op.log" | tee -a "$SUMMARY"
       tail -2 "$LOGS/bk_$op.log"
     done ;;
+  attnab)
+    # Issue 25: our kernels' speed A/B in one call (bench_kernels --op attention): another packed
+    # build ($ATTNAB_OLD, e.g. build-old from scripts/device_pack.sh of an earlier commit, passed
+    # in `carry`) and this one under each COLOSSAL_ATTENTION_L2_MB of $ATTNAB_L2 (default "0 24":
+    # no head sections, the default). The summary keeps the rows matching $ATTNAB_ROWS.
+    step "attention A/B: ${ATTNAB_OLD:+$ATTNAB_OLD, }this build at L2 budgets ${ATTNAB_L2:-0 24} MiB"
+    DI=""; [ -f .carry/fp8text/stdlib.bin.docs ] && DI="--doc_index .carry/fp8text/stdlib.bin.docs"
+    if [ -f "$LOGS/own_attention_failed" ]; then note "attnab: skipped (our kernels failed their test)"; continue; fi
+    if [ -n "${ATTNAB_OLD:-}" ] && [ -f "$ATTNAB_OLD/binaries.tar.xz" ] && [ ! -x "$ATTNAB_OLD/colossal" ]; then
+      tar -C "$ATTNAB_OLD" -xJf "$ATTNAB_OLD/binaries.tar.xz" || note "attnab: $ATTNAB_OLD does not unpack"
+    fi
+    for v in ${ATTNAB_OLD:+old} $(for l in ${ATTNAB_L2:-0 24}; do echo "l2_$l"; done); do
+      if [ "$v" = old ]; then
+        LD_LIBRARY_PATH="$PWD/$ATTNAB_OLD/lib:$LD_LIBRARY_PATH" timeout 300 "$ATTNAB_OLD/bench/bench_kernels" --op attention --reps 10 $DI > "$LOGS/bk_attn_$v.log" 2>&1 &
+      else
+        COLOSSAL_ATTENTION_L2_MB=${v#l2_} timeout 300 "$BUILD/bench/bench_kernels" --op attention --reps 10 $DI > "$LOGS/bk_attn_$v.log" 2>&1 &
+      fi
+      wait $! || note "attnab $v: FAILED: $(tail -2 "$LOGS/bk_attn_$v.log" | tr '\n' ' ' | cut -c1-300)"
+      grep -E "^attention" "$LOGS/bk_attn_$v.log" | grep -E "${ATTNAB_ROWS:-pingpong|sdpa cudnn}" | sed "s/^attention/$v/" | tee -a "$SUMMARY"
+    done ;;
   fp8prof)
     # Issue 20: where the W2 step goes with FP8 linears, next to bf16 (kernel tables).
     # FP8PROF_WORKLOADS="w2 w1" profiles W1 (1b, seq 2048, batch 8) too.
@@ -183,10 +203,10 @@ for phase in "$@"; do
     # skips it on a card without its memory). The report's "attention kernels" line says which
     # kernel served the calls.
     # OWNATTN_SCHEDULE picks the kernels' schedule (COLOSSAL_ATTENTION_SCHEDULE: plain, overlap,
-    # pingpong, each with an optional +dq_tma) for the own runs.
+    # pingpong, each with an optional +dq_tma) for the own runs; unset, the kernels' default.
     if [ -f "$LOGS/own_attention_failed" ]; then note "ownattn: skipped (our kernels failed their test)"; continue; fi
-    step "our attention in the model: W1 / W2, auto vs own (${OWNATTN_SCHEDULE:-plain})"
-    export COLOSSAL_ATTENTION_SCHEDULE="${OWNATTN_SCHEDULE:-plain}"
+    step "our attention in the model: W1 / W2, auto vs own (${OWNATTN_SCHEDULE:-default schedule})"
+    export COLOSSAL_ATTENTION_SCHEDULE="${OWNATTN_SCHEDULE:-}"
     for mode in auto own own auto; do
       n=$(ls "$LOGS" | grep -c "^own_w1_${mode}" || true)
       ours own_w1_${mode}$n -c 1b -p ddp -b 8 -l 2048 -s 12 -i 3 --attn_backend $mode

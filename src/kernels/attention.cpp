@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <mutex>
@@ -97,7 +98,7 @@ AttentionSchedule attention_schedule() {
   const std::lock_guard<std::mutex> lock(schedule_mutex);
   if (!schedule_set) {
     const char* env = std::getenv("COLOSSAL_ATTENTION_SCHEDULE");
-    AttentionSchedule s;
+    AttentionSchedule s = kDefaultAttentionSchedule;
     if (env != nullptr && *env != '\0') {
       try {
         s = parse_attention_schedule(env);
@@ -113,6 +114,51 @@ AttentionSchedule attention_schedule() {
 void set_attention_schedule(const AttentionSchedule& schedule) {
   const std::lock_guard<std::mutex> lock(schedule_mutex);
   schedule_set = schedule;
+}
+
+AttentionSections attention_sections(int64_t tokens, int64_t heads, int64_t kv_heads,
+                                     int64_t head_dim, int64_t l2_bytes) {
+  COLOSSAL_CHECK_INPUT(tokens >= 0 && kv_heads > 0 && heads > 0 && heads % kv_heads == 0 &&
+                           head_dim > 0 && l2_bytes >= 0,
+                       "attention_sections: ", tokens, " tokens, ", heads, " heads, ", kv_heads,
+                       " kv heads, head dim ", head_dim, ", ", l2_bytes, " bytes");
+  const int64_t group = heads / kv_heads;
+  if (l2_bytes == 0 || tokens == 0) return {heads, kv_heads};
+  auto fit = [&](int64_t per_kv_head) {
+    return std::clamp<int64_t>(l2_bytes / std::max<int64_t>(per_kv_head, 1), 1, kv_heads);
+  };
+  const int64_t fwd_kv = fit(tokens * head_dim * 2 * 2);                // K, V
+  const int64_t bwd_kv = fit(group * tokens * head_dim * (2 + 2 + 4));  // Q, dO, dQ (fp32)
+  return {fwd_kv * group, bwd_kv};
+}
+
+namespace {
+std::optional<int64_t> l2_budget_set;  // under schedule_mutex
+}  // namespace
+
+int64_t attention_l2_budget() {
+  const std::lock_guard<std::mutex> lock(schedule_mutex);
+  if (!l2_budget_set) {
+    const char* env = std::getenv("COLOSSAL_ATTENTION_L2_MB");
+    int64_t budget = int64_t(24) << 20;
+    if (env != nullptr && *env != '\0') {
+      char* end = nullptr;
+      errno = 0;
+      const long long mb = std::strtoll(env, &end, 10);
+      COLOSSAL_CHECK_INPUT(errno == 0 && end != env && *end == '\0' && mb >= 0 && mb <= 4096,
+                           "COLOSSAL_ATTENTION_L2_MB '", env,
+                           "': expected a whole number of MiB from 0 (no head sections) to 4096");
+      budget = static_cast<int64_t>(mb) << 20;
+    }
+    l2_budget_set = budget;
+  }
+  return *l2_budget_set;
+}
+
+void set_attention_l2_budget(int64_t bytes) {
+  COLOSSAL_CHECK_INPUT(bytes >= 0, "set_attention_l2_budget: ", bytes, " bytes");
+  const std::lock_guard<std::mutex> lock(schedule_mutex);
+  l2_budget_set = bytes;
 }
 
 std::vector<AttentionSchedule> attention_schedules() {
@@ -308,6 +354,9 @@ void fill_args(const Prepared& p, bool causal, cuda::AttentionFwdArgs& a) {
   a.cu_seqlens = p.cu();
   a.tiles = p.fwd();
   a.tile_count = p.fwd_tiles;
+  const AttentionSections sections =
+      attention_sections(p.T, p.H, p.Hkv, p.D, attention_l2_budget());
+  a.head_section = sections.fwd_heads;
   a.total = p.T;
   a.sequences = p.sequences;
   a.max_seqlen = p.longest;
@@ -407,6 +456,7 @@ AttentionGrads backward_prepared(const Prepared& p, const at::Tensor& out, const
   a.dq_tma = attention_schedule().dq_tma && !deterministic;
   a.bwd_tiles = p.bwd();
   a.bwd_tile_count = p.bwd_tiles;
+  a.kv_head_section = attention_sections(p.T, p.H, p.Hkv, p.D, attention_l2_budget()).bwd_kv_heads;
   if (p.T > 0) cuda::attention_sm90_bwd(a, stream_of(p.q));
 #else
   (void)causal;

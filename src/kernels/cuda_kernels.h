@@ -157,6 +157,10 @@ struct AttentionFwdArgs {
   // forward's query tiles; the backward's key tiles, per kv head, in bwd_tiles).
   const int* tiles = nullptr;
   int64_t tile_count = 0;
+  // CTAs run the heads in sections of this many (query heads, a multiple of heads / kv_heads;
+  // 0: all heads in one): within a section tile by tile, the section's heads adjacent, so the
+  // CTAs on the GPU at one time share their keys and values in L2 (kernels::attention_sections).
+  int64_t head_section = 0;
   AttentionFwdSchedule schedule = AttentionFwdSchedule::plain;
 };
 // Whether this build holds the sm_90a kernels (the CUTLASS headers were found at configure time).
@@ -185,6 +189,7 @@ struct AttentionBwdArgs : AttentionFwdArgs {
   bool dq_tma = false;
   const int* bwd_tiles = nullptr;
   int64_t bwd_tile_count = 0;
+  int64_t kv_head_section = 0;  // as head_section, in kv heads, for the backward's CTAs
 };
 int64_t attention_sm90_dq_accum_elements(int64_t total, int64_t heads, int64_t head_dim);
 // "" or what a hung wait of the kernels recorded before it stopped the launch (a trap): kernel,

@@ -64,7 +64,7 @@ struct BwdParams {
   const int* cu_seqlens;
   const int* tiles;  // (sequence, key tile) pairs
   HangRecord* hang;
-  int heads, kv_heads, total, m_blocks_max;
+  int heads, kv_heads, total, m_blocks_max, tile_count, head_section;
   int64_t dq_rows;  // rows of one head in dq_accum (total + 64)
   float scale, scale_log2;
 };
@@ -82,7 +82,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];  // 128-byte swizzles need 1024
   auto& s = *reinterpret_cast<typename T::Smem*>(smem_raw);
 
-  const int tile = int(blockIdx.x) / p.kv_heads, kv_head = int(blockIdx.x) % p.kv_heads;
+  const TileHead th = tile_and_head(int(blockIdx.x), p.tile_count, p.kv_heads, p.head_section);
+  const int tile = th.tile, kv_head = th.head;
   const int seq = p.tiles[2 * tile], n_block = p.tiles[2 * tile + 1];
   const int start = p.cu_seqlens[seq];
   const int len = p.cu_seqlens[seq + 1] - start;
@@ -257,7 +258,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     CUTE_UNROLL
     for (int j = 0; j < size(accS); ++j) {
       const int kr = get<0>(tScS(j)), qc = get<1>(tScS(j));
-      float e = exp2f(accS(j) * p.scale_log2 - s.lse2[stage][qc]);
+      float e = sm90::exp2_approx(accS(j) * p.scale_log2 - s.lse2[stage][qc]);
       if (need_mask) {
         const int key = k_row0 + kr, query = q_row0 + qc;
         if (key >= len || query >= len || (kCausal && key > query)) e = 0.f;
@@ -467,6 +468,8 @@ void launch_bwd(const AttentionBwdArgs& a, Stream stream) {
   p.total = total;
   p.m_blocks_max = int((a.max_seqlen + T::kBlockM - 1) / T::kBlockM);
   p.tiles = a.bwd_tiles;
+  p.tile_count = int(a.bwd_tile_count);
+  p.head_section = int(a.kv_head_section);
   p.hang = hang_record_device();
   p.dq_rows = a.total + T::kBlockM;
   p.scale = float(a.scale);

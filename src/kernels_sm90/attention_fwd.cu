@@ -51,7 +51,7 @@ struct FwdParams {
   const int* cu_seqlens;
   const int* tiles;  // (sequence, query tile) pairs
   HangRecord* hang;
-  int heads, kv_heads, total;
+  int heads, kv_heads, total, tile_count, head_section;
   float scale_log2;  // softmax scale * log2(e)
   float scale;
 };
@@ -67,7 +67,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];  // 128-byte swizzles need 1024
   auto& s = *reinterpret_cast<typename T::Smem*>(smem_raw);
 
-  const int tile = int(blockIdx.x) / p.heads, head = int(blockIdx.x) % p.heads;
+  const TileHead th = tile_and_head(int(blockIdx.x), p.tile_count, p.heads, p.head_section);
+  const int tile = th.tile, head = th.head;
   const int seq = p.tiles[2 * tile], m_block = p.tiles[2 * tile + 1];
   const int start = p.cu_seqlens[seq];
   const int len = p.cu_seqlens[seq + 1] - start;
@@ -184,14 +185,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       new_max[r] = fmaxf(new_max[r], __shfl_xor_sync(0xffffffff, new_max[r], 2));
       // A row with every key masked so far keeps max -inf: its exponentials are exp2(-inf) = 0.
       scaled_max[r] = new_max[r] == -INFINITY ? 0.f : new_max[r] * p.scale_log2;
-      corr[r] = exp2f(row_max[r] * p.scale_log2 - scaled_max[r]);
+      corr[r] = sm90::exp2_approx(row_max[r] * p.scale_log2 - scaled_max[r]);
       row_max[r] = new_max[r];
       row_sum[r] *= corr[r];
     }
     CUTE_UNROLL
     for (int j = 0; j < size(accS); ++j) {
       const int r = (j >> 1) & 1;
-      const float e = exp2f(accS(j) * p.scale_log2 - scaled_max[r]);
+      const float e = sm90::exp2_approx(accS(j) * p.scale_log2 - scaled_max[r]);
       row_sum[r] += e;
       rp(j) = Bf16(e);
     }
@@ -366,6 +367,8 @@ void launch_fwd(const AttentionFwdArgs& a, Stream stream) {
   p.kv_heads = int(a.kv_heads);
   p.total = int(total);
   p.tiles = a.tiles;
+  p.tile_count = int(a.tile_count);
+  p.head_section = int(a.head_section);
   p.hang = hang_record_device();
   p.scale = float(a.scale);
   p.scale_log2 = float(a.scale * M_LOG2E);

@@ -28,6 +28,31 @@ __device__ __forceinline__ void gemm_batch(TiledMma& mma, const TA& a, const TB&
   warpgroup_commit_batch();
 }
 
+// 2^x as one MUFU.EX2 (PTX ex2.approx.ftz, relative error about 2^-22). exp2f compiles to the
+// same instruction wrapped in a range check and two multiplies, there so that results below
+// 2^-126 keep their denormal value: three extra FP32 instructions per softmax element, which the
+// H100 run of 2026-12-05 14:19Z showed in the forward's inner loop. A probability that small is
+// 0 to any sum or bf16 rounding that follows; exp2(-inf) is still 0.
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// CTA b of a launch over `tiles` work-list entries times `heads` heads, run in sections of
+// `section` heads (0: one section; the last section may be smaller): within a section entry by
+// entry, the section's heads adjacent. Entry and head of b.
+struct TileHead {
+  int tile, head;
+};
+__host__ __device__ __forceinline__ TileHead tile_and_head(int b, int tiles, int heads,
+                                                           int section) {
+  if (section <= 0 || section >= heads) return {b / heads, b % heads};
+  const int per = tiles * section, sec = b / per, rest = b - sec * per;
+  const int n = section < heads - sec * section ? section : heads - sec * section;
+  return {rest / n, sec * section + rest % n};
+}
+
 // ---- Hangs --------------------------------------------------------------------------------
 // A wait that does not end is a protocol bug (a barrier's phase, an arrival count). Instead of
 // a process hung until something kills it, the waiting thread writes what it waited for into a

@@ -175,7 +175,9 @@ at::Tensor OwnAttention::forward(const at::Tensor& q, const at::Tensor& k, const
 
 std::pair<std::shared_ptr<OwnAttention>, int64_t> use_own_attention(torch::nn::Module& root,
                                                                     bool deterministic) {
-  (void)kernels::attention_schedule();  // a bad COLOSSAL_ATTENTION_SCHEDULE fails here, not later
+  // A bad COLOSSAL_ATTENTION_SCHEDULE or COLOSSAL_ATTENTION_L2_MB fails here, not later.
+  (void)kernels::attention_schedule();
+  (void)kernels::attention_l2_budget();
   auto own = std::make_shared<OwnAttention>(deterministic);
   std::vector<std::string> paths;
   for (const auto& item : root.named_modules("", false)) {

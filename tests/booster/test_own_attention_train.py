@@ -1,7 +1,7 @@
 """`colossal train --attn_backend own` (our sm_90a attention kernels in every core-attention slot).
 On the CPU every call goes to SDPA, so the curve is the SDPA run's bit for bit and the run says
 how many calls took which kernel and why; `--deterministic` without `own`, and a bad
-COLOSSAL_ATTENTION_SCHEDULE, are named errors. The
+COLOSSAL_ATTENTION_SCHEDULE or COLOSSAL_ATTENTION_L2_MB, are named errors. The
 kernels themselves are tested on the GPU (tests/kernels/test_attention_cuda.cpp and the model
 test in test_model_cuda.cpp).
 """
@@ -29,7 +29,7 @@ def test_own_backend_falls_back_to_sdpa_on_the_cpu_and_says_so(work):
     sdpa, _ = train(work, "sdpa", [])
     own, log = train(work, "own", ["--attn_backend", "own"])
     assert own == sdpa
-    assert "attention kernels: own 0 calls (schedule plain), SDPA" in log, log[-2000:]
+    assert "attention kernels: own 0 calls (schedule pingpong+dq_tma), SDPA" in log, log[-2000:]
     assert "not on a CUDA device" in log or "no sm_90a attention kernels" in log, log[-2000:]
 
 
@@ -42,4 +42,10 @@ def test_deterministic_needs_the_own_backend(work):
 def test_a_bad_schedule_is_a_named_error_before_training(work):
     p = train(work, "badsched", ["--attn_backend", "own"], ok=False, env={"COLOSSAL_ATTENTION_SCHEDULE": "fastest"})
     assert p.returncode == 2 and "COLOSSAL_ATTENTION_SCHEDULE" in p.stderr and "'fastest'" in p.stderr, p.stderr[-2000:]
+    assert "Exception raised from" not in p.stderr and "step 1" not in p.stdout
+
+
+def test_a_bad_l2_budget_is_a_named_error_before_training(work):
+    p = train(work, "badl2", ["--attn_backend", "own"], ok=False, env={"COLOSSAL_ATTENTION_L2_MB": "24M"})
+    assert p.returncode == 2 and "COLOSSAL_ATTENTION_L2_MB '24M'" in p.stderr, p.stderr[-2000:]
     assert "Exception raised from" not in p.stderr and "step 1" not in p.stdout

@@ -53,16 +53,22 @@ bool usable(std::string* why) {
   return why->empty();
 }
 
-// Runs body under each schedule in turn, then restores the process's schedule.
+// Runs body under each schedule in turn, each in two launch orders: the process's L2 budget
+// (these small cases: all heads in one section) and a 1-byte budget (sections of one kv head:
+// the CTAs of tile_and_head's other branch); then restores the process's schedule and budget.
 template <class F>
 void for_each_schedule(const std::vector<AttentionSchedule>& schedules, F&& body) {
   const AttentionSchedule saved = attention_schedule();
-  for (const AttentionSchedule& s : schedules) {
-    set_attention_schedule(s);
-    SCOPED_TRACE("schedule " + to_string(s));
-    body(s);
-  }
+  const int64_t saved_budget = attention_l2_budget();
+  for (const AttentionSchedule& s : schedules)
+    for (int64_t budget : {saved_budget, int64_t(1)}) {
+      set_attention_schedule(s);
+      set_attention_l2_budget(budget);
+      SCOPED_TRACE("schedule " + to_string(s) + ", L2 budget " + std::to_string(budget));
+      body(s);
+    }
   set_attention_schedule(saved);
+  set_attention_l2_budget(saved_budget);
 }
 
 // The forward's schedules (the dQ path is the backward's).
@@ -297,6 +303,35 @@ TEST(AttentionCuda, SchedulesParseAndNameTheBadPart) {
   set_attention_schedule({AttentionSchedule::Forward::overlap, true});
   EXPECT_EQ(to_string(attention_schedule()), "overlap+dq_tma");
   set_attention_schedule(saved);
+}
+
+// Runs everywhere: the head sections for the benchmark's shapes (W1: 8 x 2048 tokens, 32 / 4
+// heads, dim 64; W2: 4096 tokens, 32 / 32, dim 128) under the default 24 MiB, whole kv head
+// groups, the clamps, and a bad budget named.
+TEST(AttentionCuda, HeadSectionsFitTheL2Budget) {
+  const int64_t mib = int64_t(1) << 20;
+  // W2: K and V are 2 MiB a kv head (12 fit), Q, dO and dQ 4 MiB (6 fit).
+  AttentionSections w2 = attention_sections(4096, 32, 32, 128, 24 * mib);
+  EXPECT_EQ(w2.fwd_heads, 12);
+  EXPECT_EQ(w2.bwd_kv_heads, 6);
+  // W1: K and V 4 MiB a kv head (all 4 fit: 32 query heads); a group's Q, dO, dQ 64 MiB (1).
+  AttentionSections w1 = attention_sections(8 * 2048, 32, 4, 64, 24 * mib);
+  EXPECT_EQ(w1.fwd_heads, 32);
+  EXPECT_EQ(w1.bwd_kv_heads, 1);
+  // Sections of whole groups: 3 kv heads of group 8 are 24 query heads.
+  EXPECT_EQ(attention_sections(8 * 2048, 64, 8, 64, 12 * mib).fwd_heads, 24);
+  // Budget 0 or no tokens: one section; a budget under one kv head: one kv head.
+  for (const AttentionSections s :
+       {attention_sections(4096, 32, 8, 128, 0), attention_sections(0, 32, 8, 128, 24 * mib)}) {
+    EXPECT_EQ(s.fwd_heads, 32);
+    EXPECT_EQ(s.bwd_kv_heads, 8);
+  }
+  AttentionSections tiny = attention_sections(4096, 32, 8, 128, 1);
+  EXPECT_EQ(tiny.fwd_heads, 4);
+  EXPECT_EQ(tiny.bwd_kv_heads, 1);
+  EXPECT_THROW(attention_sections(4096, 32, 5, 128, mib), InputError);  // 32 % 5 != 0
+  EXPECT_THROW(attention_sections(4096, 32, 8, 128, -1), InputError);
+  EXPECT_THROW(set_attention_l2_budget(-1), InputError);
 }
 
 // Runs everywhere: the work lists hold every tile with work exactly once, with the work a

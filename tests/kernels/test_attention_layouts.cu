@@ -12,7 +12,9 @@
 //    a thread's dQ rows are equal mod 8 (one swizzle per thread) and a half-warp's dQ stores
 //    hit each shared-memory bank once; dq_index is a permutation of each row's columns that
 //    keeps 16-byte chunks whole;
-//  - every tile element is held by exactly one thread.
+//  - every tile element is held by exactly one thread;
+//  - the launch order (tile_and_head, common.cuh): every (work-list entry, head) pair exactly once,
+//    section after section, entries in list order within a section and its heads adjacent.
 #include <cstdio>
 #include <map>
 #include <set>
@@ -21,6 +23,7 @@
 #include <vector>
 
 #include "kernels_sm90/attention_traits.cuh"
+#include "kernels_sm90/common.cuh"
 
 namespace {
 
@@ -206,7 +209,42 @@ void backward() {
 
 }  // namespace
 
+void launch_order() {
+  for (int tiles : {1, 5, 33})
+    for (int heads : {1, 4, 32, 40})
+      for (int section : {0, 1, 3, 8, 12, 32, 64}) {
+        std::set<std::pair<int, int>> seen;
+        int prev_tile = -1, prev_head = -1;
+        for (int b = 0; b < tiles * heads; ++b) {
+          const TileHead t = tile_and_head(b, tiles, heads, section);
+          EXPECT(t.tile >= 0 && t.tile < tiles && t.head >= 0 && t.head < heads,
+                 "tiles %d heads %d section %d: CTA %d -> (%d, %d)", tiles, heads, section, b,
+                 t.tile, t.head);
+          EXPECT(seen.insert({t.tile, t.head}).second,
+                 "tiles %d heads %d section %d: (%d, %d) twice", tiles, heads, section, t.tile,
+                 t.head);
+          const int s = section <= 0 || section >= heads ? heads : section;
+          if (b > 0) {
+            const bool same_section = t.head / s == prev_head / s;
+            // Within a section: the same entry with the next head, or the next entry from the
+            // section's first head; else the next section's first entry and first head.
+            const bool ok = same_section ? (t.tile == prev_tile && t.head == prev_head + 1) ||
+                                               (t.tile == prev_tile + 1 && t.head == t.head / s * s)
+                                         : t.head / s == prev_head / s + 1 && t.tile == 0 &&
+                                               t.head == t.head / s * s;
+            EXPECT(ok, "tiles %d heads %d section %d: CTA %d -> (%d, %d) after (%d, %d)", tiles,
+                   heads, section, b, t.tile, t.head, prev_tile, prev_head);
+          }
+          prev_tile = t.tile;
+          prev_head = t.head;
+        }
+        EXPECT(int(seen.size()) == tiles * heads, "tiles %d heads %d section %d: %zu pairs", tiles,
+               heads, section, seen.size());
+      }
+}
+
 int main() {
+  launch_order();
   forward<64>();
   forward<128>();
   backward<64>();
@@ -216,6 +254,7 @@ int main() {
     return 1;
   }
   std::printf(
-      "attention layouts: all checks passed (forward and backward, head dims 64 and 128)\n");
+      "attention layouts: all checks passed (forward and backward, head dims 64 and 128; the "
+      "launch order)\n");
   return 0;
 }

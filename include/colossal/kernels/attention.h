@@ -71,12 +71,17 @@ struct AttentionSchedule {
   bool dq_tma = false;
   bool operator==(const AttentionSchedule&) const = default;
 };
+// The schedule the kernels run unless told otherwise: the fastest measured (H100, 2026-12-05
+// 14:19Z, docs/benchmarks.md: pingpong's forward at both head dims, dq_tma's backward about
+// twice the atomics').
+inline constexpr AttentionSchedule kDefaultAttentionSchedule{AttentionSchedule::Forward::pingpong,
+                                                             true};
 // "plain", "overlap" or "pingpong", optionally followed by "+dq_tma" (also "dq_tma" alone:
 // plain+dq_tma). InputError naming the bad part.
 AttentionSchedule parse_attention_schedule(const std::string& text);
 std::string to_string(const AttentionSchedule& schedule);
 // The schedule the kernels run: set_attention_schedule's, else COLOSSAL_ATTENTION_SCHEDULE's
-// (read at the first call; a bad value is an InputError then), else plain.
+// (read at the first call; a bad value is an InputError then), else kDefaultAttentionSchedule.
 AttentionSchedule attention_schedule();
 void set_attention_schedule(const AttentionSchedule& schedule);
 // Every schedule, for the benchmarks and the GPU tests.
@@ -102,6 +107,25 @@ std::vector<AttentionTile> attention_forward_tiles(const std::vector<int64_t>& c
                                                    bool causal);
 std::vector<AttentionTile> attention_backward_tiles(const std::vector<int64_t>& cu_seqlens,
                                                     bool causal);
+
+// How many heads the CTAs of one launch run together (tile by tile, those heads adjacent)
+// before the next heads, so that the CTAs on the GPU at one time share what they read in L2
+// instead of streaming every head's keys and values from memory at once. A section holds as
+// many kv heads as fit l2_bytes: the forward counts each kv head's K and V (tokens x head_dim,
+// bf16), the backward each kv head group's Q, dO (bf16) and fp32 dQ accumulator; at least one
+// kv head, at most all. fwd_heads counts query heads (whole kv head groups), bwd_kv_heads kv
+// heads. l2_bytes 0: one section (heads fastest over the whole list).
+struct AttentionSections {
+  int64_t fwd_heads = 0, bwd_kv_heads = 0;
+};
+AttentionSections attention_sections(int64_t tokens, int64_t heads, int64_t kv_heads,
+                                     int64_t head_dim, int64_t l2_bytes);
+// The budget the kernels use: COLOSSAL_ATTENTION_L2_MB's (MiB; read at the first call, 0 turns
+// the sections off, anything but a whole number from 0 to 4096 is an InputError), else 24 MiB
+// (about half of an H100's or H200's 50 MB L2). set_attention_l2_budget overrides it (bytes;
+// the benchmarks and the GPU tests).
+int64_t attention_l2_budget();
+void set_attention_l2_budget(int64_t bytes);
 
 // attention_forward's output with autograd (q, k, v differentiable; the backward above).
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
