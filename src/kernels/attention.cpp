@@ -405,6 +405,8 @@ AttentionResult forward_prepared(const Prepared& p, bool causal,
   // FP8 known amax (kernels/fp8.h): the output is an FP8 o_proj's input.
   at::Tensor amax = p.T > 0 ? fp8_amax_slot(p.q) : at::Tensor();
   if (amax.defined()) a.out_amax = amax.data_ptr<float>();
+  const at::Tensor counter = at::zeros({1}, p.q.options().dtype(at::kInt));
+  a.work_counter = counter.data_ptr<int>();
   if (p.T > 0) cuda::attention_sm90_fwd(a, stream_of(p.q));
   if (amax.defined()) record_fp8_amax(o, amax);
 #else

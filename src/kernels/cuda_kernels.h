@@ -161,6 +161,8 @@ struct AttentionFwdArgs {
   // 0: all heads in one): within a section tile by tile, the section's heads adjacent, so the
   // CTAs on the GPU at one time share their keys and values in L2 (kernels::attention_sections).
   int64_t head_section = 0;
+  // Forward: int32 [1], zero at launch (the persistent CTAs' item counter).
+  int* work_counter = nullptr;
   AttentionFwdSchedule schedule = AttentionFwdSchedule::plain;
 };
 // Whether this build holds the sm_90a kernels (the CUTLASS headers were found at configure time).

@@ -5,12 +5,15 @@
 //
 // Built on CuTe (CUTLASS's headers, scripts/fetch_cutlass.sh), not on FlashAttention's code; the
 // structure follows the FlashAttention-3 paper (Shah et al., 2024):
-//  - one CTA per (128-query tile of a sequence, head), taken from a host-built work list that
-//    holds only tiles with work, heaviest first (the causal tiles with the most keys; long
-//    documents before short ones), the heads of one tile adjacent; three warpgroups: the first only
-//    issues TMA loads (Q once, then K and V tiles into a two-stage ring guarded by mbarriers), the
-//    other two each own 64 query rows and run the two GEMMs as wgmma (S = Q K^T from shared memory,
-//    O += P V with P from registers, never written to shared memory);
+//  - items (128-query tile of a sequence, head) from a host-built work list that holds only
+//    tiles with work, heaviest first (the causal tiles with the most keys; long documents before
+//    short ones), the heads of a section adjacent (tile_and_head); persistent CTAs, one per SM,
+//    each drawing the list's next item when it is ready for one (an atomic counter), so one
+//    item's output is written while the next item's Q and first key tiles load; three
+//    warpgroups: the first only issues TMA loads (Q per item, then K and V tiles into a
+//    two-stage ring guarded by mbarriers), the other two each own 64 query rows and run the two
+//    GEMMs as wgmma (S = Q K^T from shared memory, O += P V with P from registers, never written
+//    to shared memory);
 //  - online softmax in base 2 on the fp32 S fragment (a row's four threads reduce by shuffles);
 //  - the key tiles run from the last to the first, so only the first tiles need the causal and
 //    sequence-end masks;
@@ -23,11 +26,13 @@
 #include <cute/tensor.hpp>
 #include <cutlass/cluster_launch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "kernels/cuda_kernels.h"
 #include "kernels_sm90/attention_traits.cuh"
@@ -50,6 +55,7 @@ struct FwdParams {
   float* amax;  // null, or max |o| as stored (zeroed by the caller)
   const int* cu_seqlens;
   const int* tiles;  // (sequence, query tile) pairs
+  int* next_item;    // the persistent CTAs' counter of items drawn after their first (zero)
   HangRecord* hang;
   int heads, kv_heads, total, tile_count, head_section;
   float scale_log2;  // softmax scale * log2(e)
@@ -67,21 +73,36 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];  // 128-byte swizzles need 1024
   auto& s = *reinterpret_cast<typename T::Smem*>(smem_raw);
 
-  const TileHead th = tile_and_head(int(blockIdx.x), p.tile_count, p.heads, p.head_section);
-  const int tile = th.tile, head = th.head;
-  const int seq = p.tiles[2 * tile], m_block = p.tiles[2 * tile + 1];
-  const int start = p.cu_seqlens[seq];
-  const int len = p.cu_seqlens[seq + 1] - start;
-  if (m_block * kBlockM >= len) return;  // the whole CTA, before any barrier
-  const int kv_head = head / (p.heads / p.kv_heads);
-  int n_blocks = (len + kBlockN - 1) / kBlockN;
-  if constexpr (kCausal)
-    n_blocks = min(n_blocks, ((m_block + 1) * kBlockM + kBlockN - 1) / kBlockN);
+  // Persistent: CTA b runs item (work-list entry, head) b first, then whichever item is next in
+  // the list when it is ready for one (a counter in global memory, zero at launch): the list's
+  // order is the order items start in, as with one CTA per item, and a CTA that drew light
+  // items draws more. The producer draws; the consumers read the item from shared memory.
+  const int items = p.tile_count * p.heads;
+  // One item's coordinates (the same in every role).
+  struct Item {
+    int head, kv_head, m_block, start, len, n_blocks;
+  };
+  auto decode = [&](int w) {
+    const TileHead th = tile_and_head(w, p.tile_count, p.heads, p.head_section);
+    Item it;
+    it.head = th.head;
+    it.kv_head = th.head / (p.heads / p.kv_heads);
+    const int seq = p.tiles[2 * th.tile];
+    it.m_block = p.tiles[2 * th.tile + 1];
+    it.start = p.cu_seqlens[seq];
+    it.len = p.cu_seqlens[seq + 1] - it.start;
+    // The work list holds tiles with work only (m_block * kBlockM < len).
+    it.n_blocks = (it.len + kBlockN - 1) / kBlockN;
+    if constexpr (kCausal)
+      it.n_blocks = min(it.n_blocks, ((it.m_block + 1) * kBlockM + kBlockN - 1) / kBlockN);
+    return it;
+  };
 
   const int warp = threadIdx.x / 32;
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     FullBarrier::init(&s.bar_q, 1);
+    EmptyBarrier::init(&s.empty_q, T::kConsumerThreads);
     for (int i = 0; i < kStages; ++i) {
       FullBarrier::init(&s.full_k[i], 1);
       FullBarrier::init(&s.full_v[i], 1);
@@ -98,34 +119,53 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   if (warpgroup == 0) {
     // Producer: one thread issues every load; the warpgroup gives its registers to the others.
+    // The K / V ring's position (it) runs on across items; Q is loaded once the consumers have
+    // released the previous item's (after its last S GEMM), so the next item's Q and first
+    // key tiles arrive while the consumers finish the last tile and write the output.
     cutlass::arch::warpgroup_reg_dealloc<24>();
     if (warp == 0 && cute::elect_one_sync()) {
       Tensor mQ = tma_q.get_tma_tensor(make_shape(p.total, typename T::D{}, p.heads));
       Tensor mK = tma_k.get_tma_tensor(make_shape(p.total, typename T::D{}, p.kv_heads));
       Tensor mV = tma_v.get_tma_tensor(make_shape(typename T::D{}, p.total, p.kv_heads));
-      Tensor gQ = local_tile(domain_offset(make_coord(start, _0{}), mQ(_, _, head)),
-                             Shape<typename T::BM, typename T::D>{}, make_coord(m_block, _0{}));
-      Tensor gK = local_tile(domain_offset(make_coord(start, _0{}), mK(_, _, kv_head)),
-                             Shape<typename T::BN, typename T::D>{}, make_coord(_, _0{}));
-      Tensor gV = local_tile(domain_offset(make_coord(_0{}, start), mV(_, _, kv_head)),
-                             Shape<typename T::D, typename T::BN>{}, make_coord(_0{}, _));
-      auto [tQg, tQs] = tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                      group_modes<0, 2>(gQ));
-      auto [tKg, tKs] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
-                                      group_modes<0, 2>(gK));
-      auto [tVg, tVs] = tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                                      group_modes<0, 2>(gV));
-      FullBarrier::arrive_and_expect_tx(&s.bar_q, T::kBytesQ);
-      copy(tma_q.with(s.bar_q), tQg, tQs);
-      for (int i = 0; i < n_blocks; ++i) {
-        const int n = n_blocks - 1 - i, stage = i % kStages;
-        const uint32_t phase = (i / kStages) & 1;
-        watched_wait(&s.empty_k[stage], phase ^ 1, p.hang, kHangFwd, kWaitEmptyK, stage);
-        FullBarrier::arrive_and_expect_tx(&s.full_k[stage], T::kBytesKV);
-        copy(tma_k.with(s.full_k[stage]), tKg(_, n), tKs(_, stage));
-        watched_wait(&s.empty_v[stage], phase ^ 1, p.hang, kHangFwd, kWaitEmptyV, stage);
-        FullBarrier::arrive_and_expect_tx(&s.full_v[stage], T::kBytesKV);
-        copy(tma_v.with(s.full_v[stage]), tVg(_, n), tVs(_, stage));
+      int it = 0;
+      int w = int(blockIdx.x);
+      for (int k = 0;; ++k) {
+        // The consumers have read the previous item (and released its Q): hand them this one,
+        // or items (none left: they stop).
+        watched_wait(&s.empty_q, (k & 1) ^ 1, p.hang, kHangFwd, kWaitEmptyQ, 0);
+        // Volatile: the barrier's asm carries no memory clobber, so only a volatile access keeps
+        // its place before the arrive (and, below, after the wait).
+        *reinterpret_cast<volatile int*>(&s.item) = min(w, items);
+        if (w >= items) {
+          FullBarrier::arrive(&s.bar_q);  // completes the phase with no bytes: release s.item
+          break;
+        }
+        const Item c = decode(w);
+        w = int(gridDim.x) + atomicAdd(p.next_item, 1);  // the next, drawn early
+        Tensor gQ = local_tile(domain_offset(make_coord(c.start, _0{}), mQ(_, _, c.head)),
+                               Shape<typename T::BM, typename T::D>{}, make_coord(c.m_block, _0{}));
+        Tensor gK = local_tile(domain_offset(make_coord(c.start, _0{}), mK(_, _, c.kv_head)),
+                               Shape<typename T::BN, typename T::D>{}, make_coord(_, _0{}));
+        Tensor gV = local_tile(domain_offset(make_coord(_0{}, c.start), mV(_, _, c.kv_head)),
+                               Shape<typename T::D, typename T::BN>{}, make_coord(_0{}, _));
+        auto [tQg, tQs] = tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                        group_modes<0, 2>(gQ));
+        auto [tKg, tKs] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                        group_modes<0, 2>(gK));
+        auto [tVg, tVs] = tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                        group_modes<0, 2>(gV));
+        FullBarrier::arrive_and_expect_tx(&s.bar_q, T::kBytesQ);  // releases s.item too
+        copy(tma_q.with(s.bar_q), tQg, tQs);
+        for (int i = 0; i < c.n_blocks; ++i, ++it) {
+          const int n = c.n_blocks - 1 - i, stage = it % kStages;
+          const uint32_t phase = (it / kStages) & 1;
+          watched_wait(&s.empty_k[stage], phase ^ 1, p.hang, kHangFwd, kWaitEmptyK, stage);
+          FullBarrier::arrive_and_expect_tx(&s.full_k[stage], T::kBytesKV);
+          copy(tma_k.with(s.full_k[stage]), tKg(_, n), tKs(_, stage));
+          watched_wait(&s.empty_v[stage], phase ^ 1, p.hang, kHangFwd, kWaitEmptyV, stage);
+          FullBarrier::arrive_and_expect_tx(&s.full_v[stage], T::kBytesKV);
+          copy(tma_v.with(s.full_v[stage]), tVg(_, n), tVs(_, stage));
+        }
       }
     }
     return;
@@ -151,12 +191,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                   make_layout(Shape<typename T::BM, typename T::BN>{}, LayoutRight{}))));
   static_assert(std::is_same_v<typename FragA::layout_type, typename T::LayoutP>,
                 "the S accumulator does not read as the P V wgmma's A fragment");
-  clear(accO);
 
   // Row statistics of this thread's two rows (r = 0, 1: rows i and i + 8 of its warp's 16).
-  float row_max[2] = {-INFINITY, -INFINITY};
-  float row_sum[2] = {0.f, 0.f};
-  const int q_row0 = m_block * kBlockM;  // the tile's first query, within the sequence
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+  int len = 0, q_row0 = 0;  // the current item's sequence length and first query
 
   // Mask key tile n's scores in accS, fold them into the row statistics, write P (bf16) into rp
   // and the factor the output accumulated so far must take into corr (the caller applies it
@@ -205,9 +243,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   // Ping-pong (kPingpong): the two consumer warpgroups take turns issuing their GEMMs, so that
   // one's softmax runs while the other's GEMMs hold the tensor cores. Warpgroup w waits on
-  // barrier kTurn + w before it issues and hands the turn over after; the second warpgroup hands
-  // the first its first turn, and the first takes the second's last hand-over at the end (every
-  // arrival is matched).
+  // barrier kTurn + w before it issues and hands the turn over after. The turns alternate
+  // across items too (both warpgroups take the same number per item): the second warpgroup
+  // hands the first its first turn before the first item, and the first takes the second's
+  // last hand-over after the last, so every arrival is matched and neither warpgroup ever has
+  // two arrivals pending on one barrier.
   const int cw = warpgroup - 1;
   auto turn_begin = [&] {
     if constexpr (kPingpong) NamedBarrier::sync(T::kConsumerThreads, kTurn + cw);
@@ -218,126 +258,159 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if constexpr (kPingpong)
     if (cw == 1) NamedBarrier::arrive(T::kConsumerThreads, kTurn);
 
-  watched_wait(&s.bar_q, 0, p.hang, kHangFwd, kWaitBarQ, 0);
-  if constexpr (!kOverlap) {
-    // One key tile at a time: S = Q K^T, its softmax, then O += P V.
-    for (int i = 0; i < n_blocks; ++i) {
-      const int stage = i % kStages;
-      const uint32_t phase = (i / kStages) & 1;
-      Tensor accS = partition_fragment_C(mma_qk, Shape<typename T::BM, typename T::BN>{});
-      watched_wait(&s.full_k[stage], phase, p.hang, kHangFwd, kWaitFullK, stage);
-      sm90::gemm_batch<true>(mma_qk, tSrQ, tSrK(_, _, _, stage), accS);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(accS);
-      EmptyBarrier::arrive(&s.empty_k[stage]);
+  int it = 0;  // the K / V ring's position, as the producer's
+  for (int k = 0;; ++k) {
+    watched_wait(&s.bar_q, k & 1, p.hang, kHangFwd, kWaitBarQ, 0);
+    const int w = *reinterpret_cast<volatile int*>(&s.item);
+    if (w >= items) break;
+    const Item c = decode(w);
+    const int n_blocks = c.n_blocks;
+    len = c.len;
+    q_row0 = c.m_block * kBlockM;  // the tile's first query, within the sequence
+    clear(accO);
+    row_max[0] = row_max[1] = -INFINITY;
+    row_sum[0] = row_sum[1] = 0.f;
+    if constexpr (!kOverlap) {
+      // One key tile at a time: S = Q K^T, its softmax, then O += P V.
+      for (int i = 0; i < n_blocks; ++i) {
+        const int stage = (it + i) % kStages;
+        const uint32_t phase = ((it + i) / kStages) & 1;
+        Tensor accS = partition_fragment_C(mma_qk, Shape<typename T::BM, typename T::BN>{});
+        watched_wait(&s.full_k[stage], phase, p.hang, kHangFwd, kWaitFullK, stage);
+        sm90::gemm_batch<true>(mma_qk, tSrQ, tSrK(_, _, _, stage), accS);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(accS);
+        EmptyBarrier::arrive(&s.empty_k[stage]);
+        if (i == n_blocks - 1) EmptyBarrier::arrive(&s.empty_q);  // the last read of Q
+        Tensor rP = make_tensor<Bf16>(typename FragS::layout_type{});
+        float corr[2];
+        softmax_step(accS, n_blocks - 1 - i, rP, corr);
+        rescale_o(corr);
+        Tensor tOrP = make_tensor(rP.data(), typename T::LayoutP{});
+        watched_wait(&s.full_v[stage], phase, p.hang, kHangFwd, kWaitFullV, stage);
+        warpgroup_fence_operand(tOrP);
+        sm90::gemm_batch<false>(mma_pv, tOrP, tOrV(_, _, _, stage), accO);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(accO);
+        EmptyBarrier::arrive(&s.empty_v[stage]);
+      }
+    } else {
+      // FlashAttention-3's intra-warpgroup pipelining: S_i is issued, then P_{i-1} V_{i-1}; once
+      // S_i is done its softmax runs while P V still computes; the accumulator is rescaled after
+      // that GEMM has finished (it reads and writes accO), and P_{i-1}'s registers are reused
+      // only then (the GEMM reads them).
       Tensor rP = make_tensor<Bf16>(typename FragS::layout_type{});
       float corr[2];
-      softmax_step(accS, n_blocks - 1 - i, rP, corr);
-      rescale_o(corr);
-      Tensor tOrP = make_tensor(rP.data(), typename T::LayoutP{});
-      watched_wait(&s.full_v[stage], phase, p.hang, kHangFwd, kWaitFullV, stage);
-      warpgroup_fence_operand(tOrP);
-      sm90::gemm_batch<false>(mma_pv, tOrP, tOrV(_, _, _, stage), accO);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(accO);
-      EmptyBarrier::arrive(&s.empty_v[stage]);
+      {
+        const int stage = it % kStages;
+        const uint32_t phase = (it / kStages) & 1;
+        Tensor accS = partition_fragment_C(mma_qk, Shape<typename T::BM, typename T::BN>{});
+        turn_begin();
+        watched_wait(&s.full_k[stage], phase, p.hang, kHangFwd, kWaitFullK, stage);
+        sm90::gemm_batch<true>(mma_qk, tSrQ, tSrK(_, _, _, stage), accS);
+        turn_end();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(accS);
+        EmptyBarrier::arrive(&s.empty_k[stage]);
+        if (n_blocks == 1) EmptyBarrier::arrive(&s.empty_q);  // the last read of Q
+        softmax_step(accS, n_blocks - 1, rP, corr);  // accO is still zero: nothing to rescale
+      }
+      for (int i = 1; i < n_blocks; ++i) {
+        const int stage = (it + i) % kStages, prev = (it + i - 1) % kStages;
+        const uint32_t phase = ((it + i) / kStages) & 1, prev_phase = ((it + i - 1) / kStages) & 1;
+        Tensor accS = partition_fragment_C(mma_qk, Shape<typename T::BM, typename T::BN>{});
+        Tensor tOrP = make_tensor(rP.data(), typename T::LayoutP{});
+        turn_begin();
+        watched_wait(&s.full_k[stage], phase, p.hang, kHangFwd, kWaitFullK, stage);
+        sm90::gemm_batch<true>(mma_qk, tSrQ, tSrK(_, _, _, stage), accS);
+        watched_wait(&s.full_v[prev], prev_phase, p.hang, kHangFwd, kWaitFullV, prev);
+        warpgroup_fence_operand(tOrP);
+        sm90::gemm_batch<false>(mma_pv, tOrP, tOrV(_, _, _, prev), accO);
+        turn_end();
+        warpgroup_wait<1>();  // S_i done; P_{i-1} V_{i-1} may still run
+        warpgroup_fence_operand(accS);
+        EmptyBarrier::arrive(&s.empty_k[stage]);
+        if (i == n_blocks - 1) EmptyBarrier::arrive(&s.empty_q);  // the last read of Q
+        Tensor rP_next = make_tensor<Bf16>(typename FragS::layout_type{});
+        softmax_step(accS, n_blocks - 1 - i, rP_next, corr);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrP);  // P_{i-1}'s registers stay live until the GEMM read them
+        warpgroup_fence_operand(accO);
+        EmptyBarrier::arrive(&s.empty_v[prev]);
+        rescale_o(corr);
+        CUTE_UNROLL
+        for (int j = 0; j < size(rP); ++j) rP(j) = rP_next(j);
+      }
+      {
+        const int stage = (it + n_blocks - 1) % kStages;
+        const uint32_t phase = ((it + n_blocks - 1) / kStages) & 1;
+        Tensor tOrP = make_tensor(rP.data(), typename T::LayoutP{});
+        turn_begin();
+        watched_wait(&s.full_v[stage], phase, p.hang, kHangFwd, kWaitFullV, stage);
+        warpgroup_fence_operand(tOrP);
+        sm90::gemm_batch<false>(mma_pv, tOrP, tOrV(_, _, _, stage), accO);
+        turn_end();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(accO);
+        EmptyBarrier::arrive(&s.empty_v[stage]);
+      }
     }
-  } else {
-    // FlashAttention-3's intra-warpgroup pipelining: S_i is issued, then P_{i-1} V_{i-1}; once
-    // S_i is done its softmax runs while P V still computes; the accumulator is rescaled after
-    // that GEMM has finished (it reads and writes accO), and P_{i-1}'s registers are reused
-    // only then (the GEMM reads them).
-    Tensor rP = make_tensor<Bf16>(typename FragS::layout_type{});
-    float corr[2];
-    {
-      Tensor accS = partition_fragment_C(mma_qk, Shape<typename T::BM, typename T::BN>{});
-      turn_begin();
-      watched_wait(&s.full_k[0], 0, p.hang, kHangFwd, kWaitFullK, 0);
-      sm90::gemm_batch<true>(mma_qk, tSrQ, tSrK(_, _, _, 0), accS);
-      turn_end();
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(accS);
-      EmptyBarrier::arrive(&s.empty_k[0]);
-      softmax_step(accS, n_blocks - 1, rP, corr);  // accO is still zero: nothing to rescale
-    }
-    for (int i = 1; i < n_blocks; ++i) {
-      const int stage = i % kStages, prev = (i - 1) % kStages;
-      const uint32_t phase = (i / kStages) & 1, prev_phase = ((i - 1) / kStages) & 1;
-      Tensor accS = partition_fragment_C(mma_qk, Shape<typename T::BM, typename T::BN>{});
-      Tensor tOrP = make_tensor(rP.data(), typename T::LayoutP{});
-      turn_begin();
-      watched_wait(&s.full_k[stage], phase, p.hang, kHangFwd, kWaitFullK, stage);
-      sm90::gemm_batch<true>(mma_qk, tSrQ, tSrK(_, _, _, stage), accS);
-      watched_wait(&s.full_v[prev], prev_phase, p.hang, kHangFwd, kWaitFullV, prev);
-      warpgroup_fence_operand(tOrP);
-      sm90::gemm_batch<false>(mma_pv, tOrP, tOrV(_, _, _, prev), accO);
-      turn_end();
-      warpgroup_wait<1>();  // S_i done; P_{i-1} V_{i-1} may still run
-      warpgroup_fence_operand(accS);
-      EmptyBarrier::arrive(&s.empty_k[stage]);
-      Tensor rP_next = make_tensor<Bf16>(typename FragS::layout_type{});
-      softmax_step(accS, n_blocks - 1 - i, rP_next, corr);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tOrP);  // P_{i-1}'s registers stay live until the GEMM read them
-      warpgroup_fence_operand(accO);
-      EmptyBarrier::arrive(&s.empty_v[prev]);
-      rescale_o(corr);
-      CUTE_UNROLL
-      for (int j = 0; j < size(rP); ++j) rP(j) = rP_next(j);
-    }
-    {
-      const int last = n_blocks - 1, stage = last % kStages;
-      const uint32_t phase = (last / kStages) & 1;
-      Tensor tOrP = make_tensor(rP.data(), typename T::LayoutP{});
-      turn_begin();
-      watched_wait(&s.full_v[stage], phase, p.hang, kHangFwd, kWaitFullV, stage);
-      warpgroup_fence_operand(tOrP);
-      sm90::gemm_batch<false>(mma_pv, tOrP, tOrV(_, _, _, stage), accO);
-      turn_end();
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(accO);
-      EmptyBarrier::arrive(&s.empty_v[stage]);
-    }
-    if constexpr (kPingpong)
-      if (cw == 0) NamedBarrier::sync(T::kConsumerThreads, kTurn);  // the second's last hand-over
-  }
+    it += n_blocks;
 
-  // Epilogue: the row sums over the row's four threads, O / sum in bf16, the log-sum-exp.
-  float inv[2], lse[2];
-  CUTE_UNROLL
-  for (int r = 0; r < 2; ++r) {
-    float sum = row_sum[r];
-    sum += __shfl_xor_sync(0xffffffff, sum, 1);
-    sum += __shfl_xor_sync(0xffffffff, sum, 2);
-    inv[r] = sum > 0.f ? 1.f / sum : 0.f;
-    lse[r] = sum > 0.f ? row_max[r] * p.scale + logf(sum) : -INFINITY;
-  }
-  const int64_t ld = int64_t(p.heads) * T::D::value;
-  float amax = 0.f;  // of the stored values (FP8 known amax, p.amax)
-  CUTE_UNROLL
-  for (int j = 0; j < size(accO); j += 2) {
-    const int r = (j >> 1) & 1;
-    const int row = q_row0 + get<0>(tOcO(j)), col = get<1>(tOcO(j));
-    if (row < len) {
-      __nv_bfloat162 v = __floats2bfloat162_rn(accO(j) * inv[r], accO(j + 1) * inv[r]);
-      *reinterpret_cast<__nv_bfloat162*>(p.o + (start + row) * ld + head * T::D::value + col) = v;
-      amax = fmaxf(amax, fmaxf(fabsf(__low2float(v)), fabsf(__high2float(v))));
-    }
-  }
-  if (p.amax) {  // a warp's max, one atomic per warp (|x| >= 0 orders as its fp32 bits)
-    CUTE_UNROLL
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
-    if ((threadIdx.x & 31) == 0)
-      atomicMax(reinterpret_cast<unsigned int*>(p.amax), __float_as_uint(amax));
-  }
-  if ((threadIdx.x & 3) == 0) {
+    // Epilogue: the row sums over the row's four threads, O / sum in bf16, the log-sum-exp.
+    float inv[2], lse[2];
     CUTE_UNROLL
     for (int r = 0; r < 2; ++r) {
-      const int row = q_row0 + get<0>(tOcO(2 * r));
-      if (row < len) p.lse[int64_t(head) * p.total + start + row] = lse[r];
+      float sum = row_sum[r];
+      sum += __shfl_xor_sync(0xffffffff, sum, 1);
+      sum += __shfl_xor_sync(0xffffffff, sum, 2);
+      inv[r] = sum > 0.f ? 1.f / sum : 0.f;
+      lse[r] = sum > 0.f ? row_max[r] * p.scale + logf(sum) : -INFINITY;
+    }
+    const int64_t ld = int64_t(p.heads) * T::D::value;
+    float amax = 0.f;  // of the stored values (FP8 known amax, p.amax)
+    CUTE_UNROLL
+    for (int j = 0; j < size(accO); j += 2) {
+      const int r = (j >> 1) & 1;
+      const int row = q_row0 + get<0>(tOcO(j)), col = get<1>(tOcO(j));
+      if (row < len) {
+        __nv_bfloat162 v = __floats2bfloat162_rn(accO(j) * inv[r], accO(j + 1) * inv[r]);
+        *reinterpret_cast<__nv_bfloat162*>(p.o + (c.start + row) * ld + c.head * T::D::value +
+                                           col) = v;
+        amax = fmaxf(amax, fmaxf(fabsf(__low2float(v)), fabsf(__high2float(v))));
+      }
+    }
+    if (p.amax) {  // a warp's max, one atomic per warp (|x| >= 0 orders as its fp32 bits)
+      CUTE_UNROLL
+      for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+      if ((threadIdx.x & 31) == 0)
+        atomicMax(reinterpret_cast<unsigned int*>(p.amax), __float_as_uint(amax));
+    }
+    if ((threadIdx.x & 3) == 0) {
+      CUTE_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        const int row = q_row0 + get<0>(tOcO(2 * r));
+        if (row < len) p.lse[int64_t(c.head) * p.total + c.start + row] = lse[r];
+      }
     }
   }
+  if constexpr (kPingpong)
+    if (cw == 0) NamedBarrier::sync(T::kConsumerThreads, kTurn);  // the second's last hand-over
 #endif
+}
+
+// The current device's SM count (the persistent grid), asked once per device.
+int sm_count() {
+  static std::mutex mutex;
+  static std::vector<int> counts;
+  int device = 0;
+  check(cudaGetDevice(&device), "attention_sm90_fwd", "current device");
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (int(counts.size()) <= device) counts.resize(size_t(device) + 1, 0);
+  if (counts[size_t(device)] == 0)
+    check(cudaDeviceGetAttribute(&counts[size_t(device)], cudaDevAttrMultiProcessorCount, device),
+          "attention_sm90_fwd", "SM count");
+  return counts[size_t(device)];
 }
 
 template <int kD, int kBlockN, int kStages, bool kCausal, bool kOverlap, bool kPingpong>
@@ -369,9 +442,13 @@ void launch_fwd(const AttentionFwdArgs& a, Stream stream) {
   p.tiles = a.tiles;
   p.tile_count = int(a.tile_count);
   p.head_section = int(a.head_section);
+  p.next_item = a.work_counter;
   p.hang = hang_record_device();
   p.scale = float(a.scale);
   p.scale_log2 = float(a.scale * M_LOG2E);
+  if (a.work_counter == nullptr)
+    throw std::runtime_error(
+        "attention_sm90_fwd: no work counter (AttentionFwdArgs::work_counter)");
   auto* kernel = &attention_fwd_kernel<T, kCausal, kOverlap, kPingpong, decltype(tma_q),
                                        decltype(tma_k), decltype(tma_v)>;
   const int smem = int(sizeof(typename T::Smem));
@@ -379,7 +456,9 @@ void launch_fwd(const AttentionFwdArgs& a, Stream stream) {
         "attention_sm90_fwd", "shared memory");
   static_assert(T::kBlockM == kAttentionFwdBlockM && kBlockN == kAttentionFwdBlockN,
                 "the host's work list is cut in other tiles");
-  dim3 grid(unsigned(a.tile_count * a.heads));
+  // Persistent CTAs: one per SM (the kernel keeps one resident: its registers), at most one per
+  // item.
+  dim3 grid(unsigned(std::min<int64_t>(a.tile_count * a.heads, sm_count())));
   kernel<<<grid, T::kThreads, smem, reinterpret_cast<cudaStream_t>(stream)>>>(p, tma_q, tma_k,
                                                                               tma_v);
   check(cudaGetLastError(), "attention_sm90_fwd", "launch");
@@ -447,8 +526,9 @@ std::string attention_sm90_hang_report() {
                                 "full_do",
                                 "full_stat",
                                 "empty",
-                                "the dQ order counter"};
-  static_assert(sizeof(waits) / sizeof(waits[0]) == sm90::kWaitDqOrder + 1,
+                                "the dQ order counter",
+                                "empty_q"};
+  static_assert(sizeof(waits) / sizeof(waits[0]) == sm90::kWaitEmptyQ + 1,
                 "a name for every HangWait");
   const int w = r->wait;
   const std::string what = w >= 0 && w < int(sizeof(waits) / sizeof(waits[0]))

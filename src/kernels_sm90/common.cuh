@@ -71,6 +71,7 @@ enum HangWait : int {
   kWaitFullStat,
   kWaitEmpty,
   kWaitDqOrder,
+  kWaitEmptyQ,
 };
 struct HangRecord {
   int set, kernel, wait, index, block, thread;

@@ -168,6 +168,7 @@ TEST(AttentionCuda, ForwardEqualsTheFp64Reference) {
       check_case({{127, 1, 300}, 8, 2, dim, causal});        // documents of length 1 and odd, GQA 4
       check_case({{1}, 8, 1, dim, causal});                  // one token, MQA 8
       check_case({{256, 128, 513, 7}, 16, 2, dim, causal});  // GQA 8, tile-aligned and not
+      check_case({{2049, 1000}, 16, 2, dim, causal});  // 400 items: several per persistent CTA
     }
 }
 
