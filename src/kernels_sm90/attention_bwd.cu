@@ -11,9 +11,11 @@
 //    producer warpgroup streams Q and dO (TMA) and the tile's log-sum-exp and delta (plain
 //    loads) through a two-stage ring; two consumer warpgroups (64 keys each) compute
 //      S^T = K Q^T and dP^T = V dO^T (wgmma from shared memory),
-//      P^T = exp2(S^T * scale * log2 e - lse * log2 e), dS^T = P^T (dP^T - delta),
-//      dV += P^T dO and dK += dS^T Q (wgmma with P^T / dS^T from registers),
-//    then write dS^T to shared memory for dQ = dS K (each warpgroup half of the head dim),
+//      P^T = exp2(S^T * scale * log2 e - lse * log2 e), then dV += P^T dO issued at once
+//      (wgmma with P^T from registers) while dS^T = P^T (dP^T - delta) is computed,
+//      dK += dS^T Q,
+//    writing dS^T into one of two shared-memory buffers (alternate steps: no barrier before
+//    the store) for dQ = dS K (each warpgroup half of the head dim),
 //    added to the fp32 accumulator with atomics, or (dq_tma) written to shared memory and
 //    added by a TMA reduce-add that the producer warpgroup's last warp issues. dK and dV stay
 //    in registers for the whole walk (no atomics: the CTA owns its keys for every head of the
@@ -52,7 +54,7 @@ using NamedBarrier = cutlass::arch::NamedBarrier;
 
 // Named barriers of the backward: the dS^T buffer's reuse (1) and fill (2), the deterministic
 // order (3), the dQ tile's fill (4) and reuse (5).
-enum : int { kDsFree = 1, kDsFull = 2, kDqOrder = 3, kDqFull = 4, kDqFree = 5 };
+enum : int { kDsFull = 2, kDqOrder = 3, kDqFull = 4, kDqFree = 5 };
 
 struct BwdParams {
   const float* lse;    // [H, T]
@@ -115,8 +117,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor sQt = make_tensor(make_smem_ptr(s.q.data()), typename T::SmemLayoutQt{});
   Tensor sdOt = make_tensor(make_smem_ptr(s.dout.data()), typename T::SmemLayoutQt{});
   Tensor sKt = make_tensor(make_smem_ptr(s.k.data()), typename T::SmemLayoutKt{});
-  Tensor sdS = make_tensor(make_smem_ptr(s.ds.data()), typename T::SmemLayoutDS{});
-  Tensor sdSt = make_tensor(make_smem_ptr(s.ds.data()), typename T::SmemLayoutDSt{});
+  constexpr int kDsElems = cosize_v<typename T::SmemLayoutDS>;  // one of the two dS^T buffers
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<24>();
@@ -217,7 +218,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor tSrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO));  // (MMA, 1, D/16, S)
   Tensor tKVrdO = thr_kv.make_fragment_B(thr_kv.partition_B(sdOt));  // (MMA, 1, BM/16, S)
   Tensor tKVrQ = thr_kv.make_fragment_B(thr_kv.partition_B(sQt));    // (MMA, 1, BM/16, S)
-  Tensor tQrdS = thr_q.make_fragment_A(thr_q.partition_A(sdSt));     // (MMA, 1, BN/16)
   Tensor tQrK = thr_q.make_fragment_B(thr_q.partition_B(sKt));       // (MMA, 1, BN/16)
   Tensor accdV = partition_fragment_C(mma_kv, Shape<typename T::BN, typename T::D>{});
   Tensor accdK = partition_fragment_C(mma_kv, Shape<typename T::BN, typename T::D>{});
@@ -265,42 +265,51 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
       accS(j) = e;
     }
-    warpgroup_wait<0>();
+    // dV += P^T dO goes to the tensor cores at once (it needs P only), so they have work while
+    // dS^T is computed and stored.
+    Tensor rP = make_tensor<Bf16>(accS.layout());
+    CUTE_UNROLL
+    for (int j = 0; j < size(accS); ++j) rP(j) = Bf16(accS(j));
+    Tensor tP = make_tensor(rP.data(), typename T::LayoutP{});
+    warpgroup_fence_operand(tP);
+    sm90::gemm_batch<false>(mma_kv, tP, tKVrdO(_, _, _, stage), accdV);
+    warpgroup_wait<1>();  // dP^T done (dV may still run)
     warpgroup_fence_operand(accdP);
     // dS^T = P^T (dP^T - delta), kept in accdP.
     CUTE_UNROLL
     for (int j = 0; j < size(accdP); ++j)
       accdP(j) = accS(j) * (accdP(j) - s.delta[stage][get<1>(tScS(j))]);
-
-    Tensor rP = make_tensor<Bf16>(accS.layout());
     Tensor rdS = make_tensor<Bf16>(accdP.layout());
     CUTE_UNROLL
-    for (int j = 0; j < size(accS); ++j) {
-      rP(j) = Bf16(accS(j));
-      rdS(j) = Bf16(accdP(j));
-    }
-    // The other warpgroup may still read the previous step's dS^T (its dQ GEMM).
-    NamedBarrier::sync(T::kConsumers, kDsFree);
+    for (int j = 0; j < size(accdP); ++j) rdS(j) = Bf16(accdP(j));
+    // dS^T into this step's buffer (of two). No wait for the other warpgroup: its last reader,
+    // the dQ GEMM two steps back, finished before that warpgroup reached the previous step's
+    // kDsFull barrier, which this one passed.
+    Bf16* ds_buf = s.ds.data() + (i & 1) * kDsElems;
     {
       // stmatrix through the accumulator's own partition (element-wise swizzled stores
       // would cost a register per address and spill).
+      Tensor sdS = make_tensor(make_smem_ptr(ds_buf), typename T::SmemLayoutDS{});
       auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Bf16>{}, mma_sdp);
       auto thr_r2s = r2s.get_thread_slice(ct);
       cute::copy(r2s, thr_r2s.retile_S(rdS), thr_r2s.partition_D(sdS));
     }
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read by wgmma
 
-    Tensor tP = make_tensor(rP.data(), typename T::LayoutP{});
     Tensor tdS = make_tensor(rdS.data(), typename T::LayoutP{});
-    warpgroup_fence_operand(tP);
     warpgroup_fence_operand(tdS);
-    sm90::gemm_batch<false>(mma_kv, tP, tKVrdO(_, _, _, stage), accdV);
     sm90::gemm_batch<false>(mma_kv, tdS, tKVrQ(_, _, _, stage), accdK);
 
     NamedBarrier::sync(T::kConsumers, kDsFull);  // all of dS^T written
     Tensor accdQ = partition_fragment_C(mma_q, Shape<typename T::BM, typename T::D>{});
+    Tensor sdSt = make_tensor(make_smem_ptr(ds_buf), typename T::SmemLayoutDSt{});
+    Tensor tQrdS = thr_q.make_fragment_A(thr_q.partition_A(sdSt));  // (MMA, 1, BN/16)
     sm90::gemm_batch<true>(mma_q, tQrdS, tQrK, accdQ);
     warpgroup_wait<0>();
+    // P^T's and dS^T's registers stay live until the dV / dK GEMMs have read them (issued
+    // before the dS^T work and the barrier, during which the allocator could reuse them).
+    warpgroup_fence_operand(tP);
+    warpgroup_fence_operand(tdS);
     warpgroup_fence_operand(accdV);
     warpgroup_fence_operand(accdK);
     warpgroup_fence_operand(accdQ);

@@ -99,7 +99,7 @@ struct BwdTraits {
     alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutK>> v;
     alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutQ>> dout;
-    alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutDS>> ds;
+    alignas(1024) cute::array_aligned<Bf16, 2 * cosize_v<SmemLayoutDS>> ds;  // two steps' dS^T
     alignas(128) float dq[kBlockM * kD];  // dq_tma: one query tile's dQ sum (dq_index order)
     float lse2[kStages][kBlockM];         // lse * log2(e); +inf past the sequence's end
     float delta[kStages][kBlockM];        // rowsum(dO * O)
