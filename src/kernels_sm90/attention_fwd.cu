@@ -76,27 +76,34 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // Persistent: CTA b runs item (work-list entry, head) b first, then whichever item is next in
   // the list when it is ready for one (a counter in global memory, zero at launch): the list's
   // order is the order items start in, as with one CTA per item, and a CTA that drew light
-  // items draws more. The producer draws; the consumers read the item from shared memory.
+  // items draws more. The producer draws and decodes; the consumers read the decoded item from
+  // shared memory (no dependent global loads between the Q barrier and their first GEMM).
   const int items = p.tile_count * p.heads;
   // One item's coordinates (the same in every role).
   struct Item {
     int head, kv_head, m_block, start, len, n_blocks;
   };
-  auto decode = [&](int w) {
-    const TileHead th = tile_and_head(w, p.tile_count, p.heads, p.head_section);
+  auto make_item = [&](int head, int m_block, int start, int len) {
     Item it;
-    it.head = th.head;
-    it.kv_head = th.head / (p.heads / p.kv_heads);
-    const int seq = p.tiles[2 * th.tile];
-    it.m_block = p.tiles[2 * th.tile + 1];
-    it.start = p.cu_seqlens[seq];
-    it.len = p.cu_seqlens[seq + 1] - it.start;
+    it.head = head;
+    it.kv_head = head / (p.heads / p.kv_heads);
+    it.m_block = m_block;
+    it.start = start;
+    it.len = len;
     // The work list holds tiles with work only (m_block * kBlockM < len).
-    it.n_blocks = (it.len + kBlockN - 1) / kBlockN;
+    it.n_blocks = (len + kBlockN - 1) / kBlockN;
     if constexpr (kCausal)
-      it.n_blocks = min(it.n_blocks, ((it.m_block + 1) * kBlockM + kBlockN - 1) / kBlockN);
+      it.n_blocks = min(it.n_blocks, ((m_block + 1) * kBlockM + kBlockN - 1) / kBlockN);
     return it;
   };
+  auto decode = [&](int w) {
+    const TileHead th = tile_and_head(w, p.tile_count, p.heads, p.head_section);
+    const int seq = p.tiles[2 * th.tile], start = p.cu_seqlens[seq];
+    return make_item(th.head, p.tiles[2 * th.tile + 1], start, p.cu_seqlens[seq + 1] - start);
+  };
+  // Volatile: the barriers' asm carries no memory clobber, so only volatile accesses keep their
+  // place before the producer's arrive and after the consumers' wait.
+  volatile int* handed = s.item;  // head (-1: no items left), m_block, start, len
 
   const int warp = threadIdx.x / 32;
   const int warpgroup = threadIdx.x / 128;
@@ -131,16 +138,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       int w = int(blockIdx.x);
       for (int k = 0;; ++k) {
         // The consumers have read the previous item (and released its Q): hand them this one,
-        // or items (none left: they stop).
+        // or head -1 (none left: they stop).
+        const Item c = w < items ? decode(w) : Item{-1, 0, 0, 0, 0, 0};
         watched_wait(&s.empty_q, (k & 1) ^ 1, p.hang, kHangFwd, kWaitEmptyQ, 0);
-        // Volatile: the barrier's asm carries no memory clobber, so only a volatile access keeps
-        // its place before the arrive (and, below, after the wait).
-        *reinterpret_cast<volatile int*>(&s.item) = min(w, items);
+        handed[0] = c.head;
+        handed[1] = c.m_block;
+        handed[2] = c.start;
+        handed[3] = c.len;
         if (w >= items) {
-          FullBarrier::arrive(&s.bar_q);  // completes the phase with no bytes: release s.item
+          FullBarrier::arrive(&s.bar_q);  // completes the phase with no bytes: releases it
           break;
         }
-        const Item c = decode(w);
         w = int(gridDim.x) + atomicAdd(p.next_item, 1);  // the next, drawn early
         Tensor gQ = local_tile(domain_offset(make_coord(c.start, _0{}), mQ(_, _, c.head)),
                                Shape<typename T::BM, typename T::D>{}, make_coord(c.m_block, _0{}));
@@ -154,7 +162,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                                         group_modes<0, 2>(gK));
         auto [tVg, tVs] = tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
                                         group_modes<0, 2>(gV));
-        FullBarrier::arrive_and_expect_tx(&s.bar_q, T::kBytesQ);  // releases s.item too
+        FullBarrier::arrive_and_expect_tx(&s.bar_q, T::kBytesQ);  // releases the item too
         copy(tma_q.with(s.bar_q), tQg, tQs);
         for (int i = 0; i < c.n_blocks; ++i, ++it) {
           const int n = c.n_blocks - 1 - i, stage = it % kStages;
@@ -261,9 +269,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   int it = 0;  // the K / V ring's position, as the producer's
   for (int k = 0;; ++k) {
     watched_wait(&s.bar_q, k & 1, p.hang, kHangFwd, kWaitBarQ, 0);
-    const int w = *reinterpret_cast<volatile int*>(&s.item);
-    if (w >= items) break;
-    const Item c = decode(w);
+    if (handed[0] < 0) break;
+    const Item c = make_item(handed[0], handed[1], handed[2], handed[3]);
     const int n_blocks = c.n_blocks;
     len = c.len;
     q_row0 = c.m_block * kBlockM;  // the tile's first query, within the sequence

@@ -46,7 +46,7 @@ struct FwdTraits {
     alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutK>> k;
     alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutV>> v;
     alignas(8) uint64_t bar_q, empty_q;
-    int item;  // the item the producer handed the consumers (attention_fwd.cu)
+    int item[4];  // the item the producer handed the consumers (attention_fwd.cu)
     uint64_t full_k[kStages], empty_k[kStages], full_v[kStages], empty_v[kStages];
   };
   static constexpr int kBytesQ = kBlockM * kD * 2;
