@@ -57,6 +57,15 @@ kernel_test() {  # kernel_test NAME: one of tests/kernels' GPU tests, its verdic
     [ $t = test_attention_cuda ] && { touch "$LOGS/own_attention_failed"; tail -5 "$LOGS/$t.log"; }
   fi
 }
+# A packed build (scripts/device_pack.sh: one xz archive), unpacked once, in place.
+unpack_build() {  # unpack_build DIR
+  if [ -f "$1/binaries.tar.xz" ] && [ ! -x "$1/colossal" ]; then
+    tar -C "$1" -xJf "$1/binaries.tar.xz" || note "$1/binaries.tar.xz does not unpack"
+  fi
+}
+# With .carry/fp8text in `carry`, bench_kernels --op attention also packs the Python standard
+# library's real document lengths (its document index).
+DI=""; [ -f .carry/fp8text/stdlib.bin.docs ] && DI="--doc_index .carry/fp8text/stdlib.bin.docs"
 for phase in "$@"; do
   case $phase in
   prebuilt)
@@ -66,10 +75,7 @@ for phase in "$@"; do
     TL=$($PY -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
     NV=$(find "$(dirname "$TL")/.." /usr/local/cuda*/lib64 -maxdepth 4 -name 'libcudart.so.13*' 2>/dev/null | head -1)
     PB=${PREBUILT:-build-carry}  # another packed build (an A/B of two commits) by name
-    # device_pack.sh carries them as one xz archive: unpacked once, in place.
-    if [ -f "$PB/binaries.tar.xz" ] && [ ! -x "$PB/colossal" ]; then
-      tar -C "$PB" -xJf "$PB/binaries.tar.xz" || note "prebuilt: $PB/binaries.tar.xz does not unpack"
-    fi
+    unpack_build "$PB"
     # cuDNN from the nvidia-cudnn wheel next to torch (bench_kernels --op sdpa_fe links it).
     CD=$(find "$(dirname "$TL")/.." -maxdepth 4 -name 'libcudnn.so.9' 2>/dev/null | head -1)
     export LD_LIBRARY_PATH="$TL${NV:+:$(dirname "$NV")}${CD:+:$(dirname "$CD")}:$PWD/$PB/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -148,9 +154,6 @@ for phase in "$@"; do
     # Issue 25, first step: cuDNN's SDPA graphs through the cuDNN frontend (bench_kernels built
     # with scripts/fetch_cudnn_frontend.sh's headers) next to LibTorch's SDPA backends, same call.
     step "attention: LibTorch SDPA backends and cuDNN frontend graphs"
-    # With .carry/fp8text in `carry`, --op attention also packs the Python standard library's real
-    # document lengths (its document index).
-    DI=""; [ -f .carry/fp8text/stdlib.bin.docs ] && DI="--doc_index .carry/fp8text/stdlib.bin.docs"
     ops="${ATTN_OPS:-attention sdpa sdpa_fe}"
     [ -f "$LOGS/own_attention_failed" ] && ops="${ops//attention/}" && note "attn: our kernels failed their test; --op attention left out"
     for op in $ops; do
@@ -164,11 +167,8 @@ for phase in "$@"; do
     # in `carry`) and this one under each COLOSSAL_ATTENTION_L2_MB of $ATTNAB_L2 (default "0 24":
     # no head sections, the default). The summary keeps the rows matching $ATTNAB_ROWS.
     step "attention A/B: ${ATTNAB_OLD:+$ATTNAB_OLD, }this build at L2 budgets ${ATTNAB_L2:-0 24} MiB"
-    DI=""; [ -f .carry/fp8text/stdlib.bin.docs ] && DI="--doc_index .carry/fp8text/stdlib.bin.docs"
     if [ -f "$LOGS/own_attention_failed" ]; then note "attnab: skipped (our kernels failed their test)"; continue; fi
-    if [ -n "${ATTNAB_OLD:-}" ] && [ -f "$ATTNAB_OLD/binaries.tar.xz" ] && [ ! -x "$ATTNAB_OLD/colossal" ]; then
-      tar -C "$ATTNAB_OLD" -xJf "$ATTNAB_OLD/binaries.tar.xz" || note "attnab: $ATTNAB_OLD does not unpack"
-    fi
+    [ -n "${ATTNAB_OLD:-}" ] && unpack_build "$ATTNAB_OLD"
     for v in ${ATTNAB_OLD:+old} $(for l in ${ATTNAB_L2:-0 24}; do echo "l2_$l"; done); do
       if [ "$v" = old ]; then
         LD_LIBRARY_PATH="$PWD/$ATTNAB_OLD/lib:$LD_LIBRARY_PATH" timeout 300 "$ATTNAB_OLD/bench/bench_kernels" --op attention --reps 10 $DI > "$LOGS/bk_attn_$v.log" 2>&1 &

@@ -347,7 +347,8 @@ Prepared prepare(const char* op, const at::Tensor& q, const at::Tensor& k, const
 }
 
 #ifdef COLOSSAL_WITH_SM90_KERNELS
-void fill_args(const Prepared& p, bool causal, cuda::AttentionFwdArgs& a) {
+// The head sections it returns serve the backward too (AttentionBwdArgs::kv_head_section).
+AttentionSections fill_args(const Prepared& p, bool causal, cuda::AttentionFwdArgs& a) {
   a.q = p.q.const_data_ptr();
   a.k = p.k.const_data_ptr();
   a.v = p.v.const_data_ptr();
@@ -379,6 +380,7 @@ void fill_args(const Prepared& p, bool causal, cuda::AttentionFwdArgs& a) {
       a.schedule = cuda::AttentionFwdSchedule::pingpong;
       break;
   }
+  return sections;
 }
 #endif
 
@@ -442,7 +444,7 @@ AttentionGrads backward_prepared(const Prepared& p, const at::Tensor& out, const
       deterministic ? cuda::attention_sm90_bwd_semaphores(p.sequences, p.longest, p.H) : 0;
   at::Tensor sem = at::empty({std::max<int64_t>(sems, 1)}, p.q.options().dtype(at::kInt));
   cuda::AttentionBwdArgs a;
-  fill_args(p, causal, a);
+  const AttentionSections sections = fill_args(p, causal, a);
   a.out = const_cast<void*>(o.const_data_ptr());
   a.lse = const_cast<float*>(l.const_data_ptr<float>());
   a.dout = g.const_data_ptr();
@@ -458,7 +460,7 @@ AttentionGrads backward_prepared(const Prepared& p, const at::Tensor& out, const
   a.dq_tma = attention_schedule().dq_tma && !deterministic;
   a.bwd_tiles = p.bwd();
   a.bwd_tile_count = p.bwd_tiles;
-  a.kv_head_section = attention_sections(p.T, p.H, p.Hkv, p.D, attention_l2_budget()).bwd_kv_heads;
+  a.kv_head_section = sections.bwd_kv_heads;
   if (p.T > 0) cuda::attention_sm90_bwd(a, stream_of(p.q));
 #else
   (void)causal;

@@ -52,8 +52,8 @@ using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
 using EmptyBarrier = cutlass::arch::ClusterBarrier;
 using NamedBarrier = cutlass::arch::NamedBarrier;
 
-// Named barriers of the backward: the dS^T buffer's reuse (1) and fill (2), the deterministic
-// order (3), the dQ tile's fill (4) and reuse (5).
+// Named barriers of the backward: the dS^T buffer's fill (2; 1 was its reuse, gone with the
+// second buffer), the deterministic order (3), the dQ tile's fill (4) and reuse (5).
 enum : int { kDsFull = 2, kDqOrder = 3, kDqFull = 4, kDqFree = 5 };
 
 struct BwdParams {
