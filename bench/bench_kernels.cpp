@@ -59,6 +59,8 @@ struct Opts {
   // --doc_index FILE (a `colossal prepare` document index): --op attention's packed documents
   // take their lengths from it (a real corpus's), besides the log-normal stand-in.
   std::string doc_index;
+  // --attn_case W1 | W2 | W2-B4: --op attention runs that case only (a profiler's run).
+  std::string attn_case;
 };
 
 struct Row {
@@ -745,10 +747,13 @@ void attention_case(const std::string& name, int64_t b, int64_t h, int64_t kv, i
       qb, kb, vb);
 }
 
+const char* const kAttentionCases[] = {"W1", "W2", "W2-B4"};
+
 void attention_cases() {
-  attention_case("W1", 8, 32, 4, 2048, 64);
-  attention_case("W2", 1, 32, 32, 4096, 128);
-  attention_case("W2", 4, 32, 32, 4096, 128);
+  auto want = [](const char* c) { return g_opts.attn_case.empty() || g_opts.attn_case == c; };
+  if (want("W1")) attention_case("W1", 8, 32, 4, 2048, 64);
+  if (want("W2")) attention_case("W2", 1, 32, 32, 4096, 128);
+  if (want("W2-B4")) attention_case("W2", 4, 32, 32, 4096, 128);
 }
 
 void sdpa_cases() {
@@ -839,14 +844,23 @@ int main(int argc, char** argv) {
       g_opts.op = next();
     else if (a == "--doc_index")
       g_opts.doc_index = next();
-    else if (a == "--list") {
+    else if (a == "--attn_case") {
+      g_opts.attn_case = next();
+      bool known = false;
+      for (const char* c : kAttentionCases) known = known || g_opts.attn_case == c;
+      if (!known) {
+        std::fprintf(stderr, "bench_kernels: unknown --attn_case '%s'; valid: W1, W2, W2-B4\n",
+                     g_opts.attn_case.c_str());
+        return 2;
+      }
+    } else if (a == "--list") {
       for (const Op& o : ops())
         std::printf("%-19s %s%s\n", o.name, o.what, o.cuda_only ? " (CUDA only)" : "");
       return 0;
     } else {
       std::fprintf(stderr,
                    "usage: bench_kernels [--reps N] [--warmup N] [--json FILE] [--cpu] [--copies | "
-                   "--rows | --op NAME] [--doc_index FILE] | --list\n");
+                   "--rows | --op NAME] [--doc_index FILE] [--attn_case W1|W2|W2-B4] | --list\n");
       return 2;
     }
   }

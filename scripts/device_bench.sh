@@ -162,22 +162,52 @@ for phase in "$@"; do
       tail -2 "$LOGS/bk_$op.log"
     done ;;
   attnab)
-    # Issue 25: our kernels' speed A/B in one call (bench_kernels --op attention): another packed
-    # build ($ATTNAB_OLD, e.g. build-old from scripts/device_pack.sh of an earlier commit, passed
-    # in `carry`) and this one under each COLOSSAL_ATTENTION_L2_MB of $ATTNAB_L2 (default "0 24":
-    # no head sections, the default). The summary keeps the rows matching $ATTNAB_ROWS.
+    # Issue 25: our kernels' speed A/B in one call (bench_kernels --op attention): other packed
+    # builds ($ATTNAB_OLD, one or more folders such as build-old from scripts/device_pack.sh of
+    # an earlier commit, passed in `carry`; rows labelled by folder) and this one under each
+    # COLOSSAL_ATTENTION_L2_MB of $ATTNAB_L2 (default "0 24": no head sections, the default).
+    # The summary keeps the rows matching $ATTNAB_ROWS. ATTNAB_TEST=1 runs each other build's
+    # test_attention_cuda first (a variant that is measured must be correct too).
     step "attention A/B: ${ATTNAB_OLD:+$ATTNAB_OLD, }this build at L2 budgets ${ATTNAB_L2:-0 24} MiB"
     if [ -f "$LOGS/own_attention_failed" ]; then note "attnab: skipped (our kernels failed their test)"; continue; fi
-    [ -n "${ATTNAB_OLD:-}" ] && unpack_build "$ATTNAB_OLD"
-    for v in ${ATTNAB_OLD:+old} $(for l in ${ATTNAB_L2:-0 24}; do echo "l2_$l"; done); do
-      if [ "$v" = old ]; then
-        LD_LIBRARY_PATH="$PWD/$ATTNAB_OLD/lib:$LD_LIBRARY_PATH" timeout 300 "$ATTNAB_OLD/bench/bench_kernels" --op attention --reps 10 $DI > "$LOGS/bk_attn_$v.log" 2>&1 &
+    for d in ${ATTNAB_OLD:-}; do unpack_build "$d"; done
+    for v in ${ATTNAB_OLD:-} $(for l in ${ATTNAB_L2:-0 24}; do echo "l2_$l"; done); do
+      if [ -d "$v" ] && [ "${ATTNAB_TEST:-0}" = 1 ]; then
+        if LD_LIBRARY_PATH="$PWD/$v/lib:$LD_LIBRARY_PATH" timeout 150 "$v/tests/kernels/test_attention_cuda" > "$LOGS/test_attention_cuda_$v.log" 2>&1
+        then note "PASS $v test_attention_cuda: $(grep -E 'PASSED' "$LOGS/test_attention_cuda_$v.log" | tr '\n' ' ')"
+        else note "FAIL $v test_attention_cuda"; grep -E -A6 "Failure" "$LOGS/test_attention_cuda_$v.log" | head -30; fi
+      fi
+      if [ -d "$v" ]; then
+        LD_LIBRARY_PATH="$PWD/$v/lib:$LD_LIBRARY_PATH" timeout 300 "$v/bench/bench_kernels" --op attention --reps 10 $DI > "$LOGS/bk_attn_$v.log" 2>&1 &
       else
         COLOSSAL_ATTENTION_L2_MB=${v#l2_} timeout 300 "$BUILD/bench/bench_kernels" --op attention --reps 10 $DI > "$LOGS/bk_attn_$v.log" 2>&1 &
       fi
       wait $! || note "attnab $v: FAILED: $(tail -2 "$LOGS/bk_attn_$v.log" | tr '\n' ' ' | cut -c1-300)"
       grep -E "^attention" "$LOGS/bk_attn_$v.log" | grep -E "${ATTNAB_ROWS:-pingpong|sdpa cudnn}" | sed "s/^attention/$v/" | tee -a "$SUMMARY"
     done ;;
+  attnprof)
+    # Issue 25: Nsight Compute on our attention kernels (hardware counters: Firecracker machines
+    # only, clocks left alone): one launch each of W1's and W2's backward and W2's forward
+    # (causal, the default schedule), the full section set. Back as text: the details page and
+    # the SASS with its per-instruction stall samples (CSV).
+    step "attention kernels under ncu"
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    [ -n "$NCU" ] || { note "attnprof: no ncu here"; continue; }
+    while read -r c what re; do
+      n="ncu_${c}_$what"
+      timeout 240 "$NCU" --clock-control none --set full --import-source no --kernel-name-base mangled \
+        -k "regex:$re" --launch-skip 3 --launch-count 1 -f -o "/tmp/$n" \
+        "$BUILD/bench/bench_kernels" --op attention --reps 3 --attn_case "$c" > "$LOGS/$n.log" 2>&1 ||
+        note "attnprof $c $what: rc $? ($(tail -1 "$LOGS/$n.log" | cut -c1-200))"
+      "$NCU" -i "/tmp/$n.ncu-rep" --page details --print-details all > "$LOGS/${n}_details.txt" 2>&1
+      "$NCU" -i "/tmp/$n.ncu-rep" --page source --print-source sass --csv > "$LOGS/${n}_sass.csv" 2>&1
+      note "attnprof $c $what: $(grep -E '^ +(Duration|Compute \(SM\) Throughput|Memory Throughput)' "$LOGS/${n}_details.txt" | tr -s ' ' | tr '\n' ';' | cut -c1-300)"
+    done <<'SPECS'
+W1 bwd BwdTraitsILi64EEELb1ELb0ELb1E
+W2 bwd BwdTraitsILi128EEELb1ELb0ELb1E
+W2 fwd FwdTraitsILi128ELi128ELi2EEELb1ELb1ELb1E
+SPECS
+    ;;
   fp8prof)
     # Issue 20: where the W2 step goes with FP8 linears, next to bf16 (kernel tables).
     # FP8PROF_WORKLOADS="w2 w1" profiles W1 (1b, seq 2048, batch 8) too.

@@ -249,6 +249,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     watched_wait(&s.full_do[stage], phase, p.hang, kHangBwd, kWaitFullDO, stage);
     sm90::gemm_batch<true>(mma_sdp, tSrV, tSrdO(_, _, _, stage), accdP);
     watched_wait(&s.full_stat[stage], phase, p.hang, kHangBwd, kWaitFullStat, stage);
+    // The log-sum-exp of this thread's queries, read while S^T computes (read after the wait,
+    // ncu showed the loads' latency in the exponentials' first instructions). A thread's S^T
+    // registers j hold query column f(j & 1, j / 4) (test_attention_layouts checks it).
+    constexpr int kCols = decltype(size(accS))::value / 2;
+    float lse_col[kCols];
+    CUTE_UNROLL
+    for (int c = 0; c < kCols; ++c) lse_col[c] = s.lse2[stage][get<1>(tScS(4 * (c / 2) + c % 2))];
     warpgroup_wait<1>();  // S^T done (dP^T may still run)
     warpgroup_fence_operand(accS);
 
@@ -258,7 +265,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     CUTE_UNROLL
     for (int j = 0; j < size(accS); ++j) {
       const int kr = get<0>(tScS(j)), qc = get<1>(tScS(j));
-      float e = sm90::exp2_approx(accS(j) * p.scale_log2 - s.lse2[stage][qc]);
+      float e = sm90::exp2_approx(accS(j) * p.scale_log2 - lse_col[2 * (j / 4) + j % 2]);
       if (need_mask) {
         const int key = k_row0 + kr, query = q_row0 + qc;
         if (key >= len || query >= len || (kCausal && key > query)) e = 0.f;
@@ -273,12 +280,22 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     Tensor tP = make_tensor(rP.data(), typename T::LayoutP{});
     warpgroup_fence_operand(tP);
     sm90::gemm_batch<false>(mma_kv, tP, tKVrdO(_, _, _, stage), accdV);
+    // delta of this thread's queries, read before the wait as well where the registers allow
+    // (head dim 64; at 128 its 16 registers spill).
+    float delta_col[kCols];
+    if constexpr (kD == 64) {
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c)
+        delta_col[c] = s.delta[stage][get<1>(tScS(4 * (c / 2) + c % 2))];
+    }
     warpgroup_wait<1>();  // dP^T done (dV may still run)
     warpgroup_fence_operand(accdP);
     // dS^T = P^T (dP^T - delta), kept in accdP.
     CUTE_UNROLL
-    for (int j = 0; j < size(accdP); ++j)
-      accdP(j) = accS(j) * (accdP(j) - s.delta[stage][get<1>(tScS(j))]);
+    for (int j = 0; j < size(accdP); ++j) {
+      const float d = kD == 64 ? delta_col[2 * (j / 4) + j % 2] : s.delta[stage][get<1>(tScS(j))];
+      accdP(j) = accS(j) * (accdP(j) - d);
+    }
     Tensor rdS = make_tensor<Bf16>(accdP.layout());
     CUTE_UNROLL
     for (int j = 0; j < size(accdP); ++j) rdS(j) = Bf16(accdP(j));

@@ -14,6 +14,13 @@ namespace colossal::kernels::cuda::sm90 {
 using namespace cute;
 using Bf16 = cutlass::bfloat16_t;
 
+// Stages of the forward's K / V ring. Under ncu (H100, 2026-12-05) W2's consumers spent about a
+// tenth of their samples waiting for a K tile with two, but as many as shared memory holds (3 at
+// head dim 128, 4 at 64) moved the forward's time within run-to-run noise (docs/benchmarks.md),
+// so two it stays.
+template <int kD>
+constexpr int kFwdStages = 2;
+
 template <int kD, int kBlockN, int kStages>
 struct FwdTraits {
   static constexpr int kBlockM = 128;
