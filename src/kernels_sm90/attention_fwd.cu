@@ -32,8 +32,8 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
-#include <vector>
 
+#include "kernels/cuda_common.cuh"
 #include "kernels/cuda_kernels.h"
 #include "kernels_sm90/attention_traits.cuh"
 #include "kernels_sm90/common.cuh"
@@ -406,20 +406,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #endif
 }
 
-// The current device's SM count (the persistent grid), asked once per device.
-int sm_count() {
-  static std::mutex mutex;
-  static std::vector<int> counts;
-  int device = 0;
-  check(cudaGetDevice(&device), "attention_sm90_fwd", "current device");
-  const std::lock_guard<std::mutex> lock(mutex);
-  if (int(counts.size()) <= device) counts.resize(size_t(device) + 1, 0);
-  if (counts[size_t(device)] == 0)
-    check(cudaDeviceGetAttribute(&counts[size_t(device)], cudaDevAttrMultiProcessorCount, device),
-          "attention_sm90_fwd", "SM count");
-  return counts[size_t(device)];
-}
-
 template <int kD, int kBlockN, int kStages, bool kCausal, bool kOverlap, bool kPingpong>
 void launch_fwd(const AttentionFwdArgs& a, Stream stream) {
   static_assert(kOverlap || !kPingpong, "ping-pong is built on the overlapped schedule");
@@ -465,7 +451,7 @@ void launch_fwd(const AttentionFwdArgs& a, Stream stream) {
                 "the host's work list is cut in other tiles");
   // Persistent CTAs: one per SM (the kernel keeps one resident: its registers), at most one per
   // item.
-  dim3 grid(unsigned(std::min<int64_t>(a.tile_count * a.heads, sm_count())));
+  dim3 grid(unsigned(std::min<int64_t>(a.tile_count * a.heads, detail::sm_count())));
   kernel<<<grid, T::kThreads, smem, reinterpret_cast<cudaStream_t>(stream)>>>(p, tma_q, tma_k,
                                                                               tma_v);
   check(cudaGetLastError(), "attention_sm90_fwd", "launch");
