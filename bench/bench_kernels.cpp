@@ -847,10 +847,14 @@ int main(int argc, char** argv) {
     else if (a == "--attn_case") {
       g_opts.attn_case = next();
       bool known = false;
-      for (const char* c : kAttentionCases) known = known || g_opts.attn_case == c;
+      std::string valid;
+      for (const char* c : kAttentionCases) {
+        known = known || g_opts.attn_case == c;
+        valid += (valid.empty() ? "" : ", ") + std::string(c);
+      }
       if (!known) {
-        std::fprintf(stderr, "bench_kernels: unknown --attn_case '%s'; valid: W1, W2, W2-B4\n",
-                     g_opts.attn_case.c_str());
+        std::fprintf(stderr, "bench_kernels: unknown --attn_case '%s'; valid: %s\n",
+                     g_opts.attn_case.c_str(), valid.c_str());
         return 2;
       }
     } else if (a == "--list") {

@@ -249,13 +249,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     watched_wait(&s.full_do[stage], phase, p.hang, kHangBwd, kWaitFullDO, stage);
     sm90::gemm_batch<true>(mma_sdp, tSrV, tSrdO(_, _, _, stage), accdP);
     watched_wait(&s.full_stat[stage], phase, p.hang, kHangBwd, kWaitFullStat, stage);
-    // The log-sum-exp of this thread's queries, read while S^T computes (read after the wait,
-    // ncu showed the loads' latency in the exponentials' first instructions). A thread's S^T
-    // registers j hold query column f(j & 1, j / 4) (test_attention_layouts checks it).
+    // The log-sum-exp of this thread's queries, one per column slot (bwd_query_slot), read
+    // while S^T computes (read after the wait, ncu showed the loads' latency in the
+    // exponentials' first instructions).
     constexpr int kCols = decltype(size(accS))::value / 2;
     float lse_col[kCols];
     CUTE_UNROLL
-    for (int c = 0; c < kCols; ++c) lse_col[c] = s.lse2[stage][get<1>(tScS(4 * (c / 2) + c % 2))];
+    for (int c = 0; c < kCols; ++c) lse_col[c] = s.lse2[stage][get<1>(tScS(bwd_slot_register(c)))];
     warpgroup_wait<1>();  // S^T done (dP^T may still run)
     warpgroup_fence_operand(accS);
 
@@ -265,7 +265,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     CUTE_UNROLL
     for (int j = 0; j < size(accS); ++j) {
       const int kr = get<0>(tScS(j)), qc = get<1>(tScS(j));
-      float e = sm90::exp2_approx(accS(j) * p.scale_log2 - lse_col[2 * (j / 4) + j % 2]);
+      float e = sm90::exp2_approx(accS(j) * p.scale_log2 - lse_col[bwd_query_slot(j)]);
       if (need_mask) {
         const int key = k_row0 + kr, query = q_row0 + qc;
         if (key >= len || query >= len || (kCausal && key > query)) e = 0.f;
@@ -286,14 +286,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if constexpr (kD == 64) {
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c)
-        delta_col[c] = s.delta[stage][get<1>(tScS(4 * (c / 2) + c % 2))];
+        delta_col[c] = s.delta[stage][get<1>(tScS(bwd_slot_register(c)))];
     }
     warpgroup_wait<1>();  // dP^T done (dV may still run)
     warpgroup_fence_operand(accdP);
     // dS^T = P^T (dP^T - delta), kept in accdP.
     CUTE_UNROLL
     for (int j = 0; j < size(accdP); ++j) {
-      const float d = kD == 64 ? delta_col[2 * (j / 4) + j % 2] : s.delta[stage][get<1>(tScS(j))];
+      const float d = kD == 64 ? delta_col[bwd_query_slot(j)] : s.delta[stage][get<1>(tScS(j))];
       accdP(j) = accS(j) * (accdP(j) - d);
     }
     Tensor rdS = make_tensor<Bf16>(accdP.layout());

@@ -459,14 +459,13 @@ void launch_fwd(const AttentionFwdArgs& a, Stream stream) {
 
 template <int kD, bool kCausal>
 void dispatch_fwd(const AttentionFwdArgs& a, Stream stream) {
-  constexpr int kS = kFwdStages<kD>;
   switch (a.schedule) {
     case AttentionFwdSchedule::plain:
-      return launch_fwd<kD, 128, kS, kCausal, false, false>(a, stream);
+      return launch_fwd<kD, 128, kFwdStages, kCausal, false, false>(a, stream);
     case AttentionFwdSchedule::overlap:
-      return launch_fwd<kD, 128, kS, kCausal, true, false>(a, stream);
+      return launch_fwd<kD, 128, kFwdStages, kCausal, true, false>(a, stream);
     case AttentionFwdSchedule::pingpong:
-      return launch_fwd<kD, 128, kS, kCausal, true, true>(a, stream);
+      return launch_fwd<kD, 128, kFwdStages, kCausal, true, true>(a, stream);
   }
   throw std::runtime_error("attention_sm90_fwd: unknown schedule " +
                            std::to_string(static_cast<int>(a.schedule)));

@@ -18,8 +18,7 @@ using Bf16 = cutlass::bfloat16_t;
 // tenth of their samples waiting for a K tile with two, but as many as shared memory holds (3 at
 // head dim 128, 4 at 64) moved the forward's time within run-to-run noise (docs/benchmarks.md),
 // so two it stays.
-template <int kD>
-constexpr int kFwdStages = 2;
+inline constexpr int kFwdStages = 2;
 
 template <int kD, int kBlockN, int kStages>
 struct FwdTraits {
@@ -59,6 +58,17 @@ struct FwdTraits {
   static constexpr int kBytesQ = kBlockM * kD * 2;
   static constexpr int kBytesKV = kBlockN * kD * 2;
 };
+
+// The backward's S^T accumulator (keys x queries) holds, in each thread's registers j, the
+// query columns of ((2 columns, 2 rows, column blocks)): register j's column is the thread's
+// column slot bwd_query_slot(j), and slot c is first held by register bwd_slot_register(c).
+// The kernel reads each slot's log-sum-exp and delta once; test_attention_layouts checks the map.
+__host__ __device__ constexpr int bwd_query_slot(int j) {
+  return 2 * (j / 4) + j % 2;
+}
+__host__ __device__ constexpr int bwd_slot_register(int c) {
+  return 4 * (c / 2) + c % 2;
+}
 
 template <int kD>
 struct BwdTraits {

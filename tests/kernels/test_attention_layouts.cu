@@ -106,7 +106,7 @@ void check_registers_as_a(const std::vector<Coord>& acc, const AccLayout& acc_la
 
 template <int kD>
 void forward() {
-  using T = FwdTraits<kD, 128, kFwdStages<kD>>;
+  using T = FwdTraits<kD, 128, kFwdStages>;
   constexpr int BM = T::kBlockM, BN = T::BN::value;
   typename T::TiledMmaQK mma_qk;
   typename T::TiledMmaPV mma_pv;
@@ -154,12 +154,21 @@ void backward() {
     const auto kv = coords(thr_kv.partition_C(make_identity_tensor(Shape<Int<BN>, Int<kD>>{})));
     const auto q = coords(thr_q.partition_C(make_identity_tensor(Shape<Int<BM>, Int<kD>>{})));
     check_rows(s, "backward S^T", t);
-    // The log-sum-exp and delta read once per query column: register j's column is register
-    // 4 (j / 4) + j % 2's (the kernel's lse_col / delta_col).
-    for (int j = 0; j < int(s.size()); ++j)
-      EXPECT(s[j].second == s[4 * (j / 4) + j % 2].second,
+    // The log-sum-exp and delta read once per column slot: register j's query is that of the
+    // register its slot is read from (the kernel's lse_col / delta_col), and the slots cover
+    // exactly the thread's distinct queries.
+    std::set<int> slots, queries;
+    for (int j = 0; j < int(s.size()); ++j) {
+      const int first = bwd_slot_register(bwd_query_slot(j));
+      EXPECT(s[j].second == s[first].second,
              "backward S^T thread %d register %d: query %d, but register %d holds query %d", t, j,
-             s[j].second, 4 * (j / 4) + j % 2, s[4 * (j / 4) + j % 2].second);
+             s[j].second, first, s[first].second);
+      slots.insert(bwd_query_slot(j));
+      queries.insert(s[j].second);
+    }
+    EXPECT(slots.size() == queries.size() && int(slots.size()) == int(s.size()) / 2,
+           "backward S^T thread %d: %zu column slots for %zu queries", t, slots.size(),
+           queries.size());
     check_rows(kv, "backward dK/dV", t);
     // P^T and dS^T from S^T's registers as the dV / dK wgmma's A operand (keys x queries).
     auto acc = partition_fragment_C(mma_sdp, Shape<Int<BN>, Int<BM>>{});
