@@ -205,7 +205,7 @@ for phase in "$@"; do
     done <<'SPECS'
 W1 bwd BwdTraitsILi64EEELb1ELb0ELb1E
 W2 bwd BwdTraitsILi128EEELb1ELb0ELb1E
-W2 fwd FwdTraitsILi128ELi128ELi2EEELb1ELb1ELb1E
+W2 fwd FwdTraitsILi128ELi128ELi[0-9]+EEELb1ELb1ELb1E
 SPECS
     ;;
   fp8prof)
