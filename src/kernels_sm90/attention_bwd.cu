@@ -6,10 +6,10 @@
 //    accumulator zeroed;
 //  - main kernel: one CTA per (128-key tile of a sequence, kv head), from a host-built work list
 //    (tiles with work only, heaviest first, a sequence's key tiles in order), holds K and V in
-//    shared memory
-//    and walks every query head of its group and every 64-query tile that sees its keys; a
-//    producer warpgroup streams Q and dO (TMA) and the tile's log-sum-exp and delta (plain
-//    loads) through a two-stage ring; two consumer warpgroups (64 keys each) compute
+//    shared memory and walks every query head of its group and every query tile (64 or 128
+//    queries, bwd_block_m) that sees its keys; a producer warpgroup streams Q and dO (TMA) and
+//    the tile's log-sum-exp and delta (plain loads) through a two-stage ring; two consumer
+//    warpgroups (64 keys each) compute
 //      S^T = K Q^T and dP^T = V dO^T (wgmma from shared memory),
 //      P^T = exp2(S^T * scale * log2 e - lse * log2 e), then dV += P^T dO issued at once
 //      (wgmma with P^T from registers) while dS^T = P^T (dP^T - delta) is computed,
@@ -23,17 +23,18 @@
 //  - deterministic mode: the CTAs of one query tile add their dQ in key-tile order (a counter
 //    per (query tile, head) in global memory), so the sums are bitwise repeatable;
 //  - convert: dQ = bf16(accumulator).
-// The accumulator is [heads, total + 64, D] with the 16-byte chunks of row t XOR-swizzled
-// (dq_index, attention_traits.cuh): a 64-row tile of one head is one contiguous range for the
+// The accumulator is [heads, total + 128, D] with the 16-byte chunks of row t XOR-swizzled
+// (dq_index, attention_traits.cuh): a query tile of one head is one contiguous range for the
 // bulk reduce, and the consumers' stores of it into shared memory are free of bank conflicts. Rows
 // of a tile past its sequence's end add exact zeros (P is 0 there) to the next sequence's rows or
-// to the 64 rows of padding.
+// to the 128 rows of padding.
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/numeric_types.h>
 #include <cute/atom/copy_traits_sm90.hpp>
 #include <cute/tensor.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -59,7 +60,7 @@ enum : int { kDsFull = 2, kDqOrder = 3, kDqFull = 4, kDqFree = 5 };
 struct BwdParams {
   const float* lse;    // [H, T]
   const float* delta;  // [H, T]
-  float* dq_accum;     // [H, T + 64, D] in dq_index order
+  float* dq_accum;     // [H, T + 128, D] in dq_index order
   Bf16* dk;            // [T, Hkv, D]
   Bf16* dv;
   int* dq_semaphore;  // [sequences, m_blocks, H] (deterministic), else null
@@ -67,7 +68,7 @@ struct BwdParams {
   const int* tiles;  // (sequence, key tile) pairs
   HangRecord* hang;
   int heads, kv_heads, total, m_blocks_max, tile_count, head_section;
-  int64_t dq_rows;  // rows of one head in dq_accum (total + 64)
+  int64_t dq_rows;  // rows of one head in dq_accum (total + 128)
   float scale, scale_log2;
 };
 
@@ -81,6 +82,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   using T = Traits;
   constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kStages = T::kStages;
   constexpr int kD = T::D::value;
+  // Each thread's log-sum-exp (and at head dim 64 delta) read once per query slot into
+  // registers: at 64 queries a step; at 128 those registers would spill, so each element reads
+  // its own from shared memory.
+  constexpr bool kHoist = kBlockM == 64;
   extern __shared__ __align__(1024) char smem_raw[];  // 128-byte swizzles need 1024
   auto& s = *reinterpret_cast<typename T::Smem*>(smem_raw);
 
@@ -159,20 +164,29 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     } else if (warp == 1 || warp == 2) {
       // The step's log-sum-exp (times log2 e) and delta, one query per thread.
+      constexpr int kRows = kBlockM / T::kStatThreads;
       const int t = threadIdx.x - 32;
       for (int i = 0; i < steps; ++i) {
         const int head = kv_head * group + i / m_count, m = m_begin + i % m_count;
         const int stage = i % kStages;
         const uint32_t phase = (i / kStages) & 1;
-        const int row = m * kBlockM + t;
-        float l = INFINITY, d = 0.f;
-        if (row < len) {
-          l = p.lse[int64_t(head) * p.total + start + row] * float(M_LOG2E);
-          d = p.delta[int64_t(head) * p.total + start + row];
+        float l[kRows], d[kRows];
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          const int row = m * kBlockM + t + r * T::kStatThreads;
+          l[r] = INFINITY;
+          d[r] = 0.f;
+          if (row < len) {
+            l[r] = p.lse[int64_t(head) * p.total + start + row] * float(M_LOG2E);
+            d[r] = p.delta[int64_t(head) * p.total + start + row];
+          }
         }
         watched_wait(&s.empty[stage], phase ^ 1, p.hang, kHangBwd, kWaitEmpty, stage);
-        s.lse2[stage][t] = l;
-        s.delta[stage][t] = d;
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          s.lse2[stage][t + r * T::kStatThreads] = l[r];
+          s.delta[stage][t + r * T::kStatThreads] = d[r];
+        }
         FullBarrier::arrive(&s.full_stat[stage]);
       }
     } else if (kDqTma) {
@@ -255,7 +269,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     constexpr int kCols = decltype(size(accS))::value / 2;
     float lse_col[kCols];
     CUTE_UNROLL
-    for (int c = 0; c < kCols; ++c) lse_col[c] = s.lse2[stage][get<1>(tScS(bwd_slot_register(c)))];
+    for (int c = 0; c < kCols; ++c)
+      if constexpr (kHoist) lse_col[c] = s.lse2[stage][get<1>(tScS(bwd_slot_register(c)))];
     warpgroup_wait<1>();  // S^T done (dP^T may still run)
     warpgroup_fence_operand(accS);
 
@@ -265,7 +280,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     CUTE_UNROLL
     for (int j = 0; j < size(accS); ++j) {
       const int kr = get<0>(tScS(j)), qc = get<1>(tScS(j));
-      float e = sm90::exp2_approx(accS(j) * p.scale_log2 - lse_col[bwd_query_slot(j)]);
+      const float l = kHoist ? lse_col[bwd_query_slot(j)] : s.lse2[stage][get<1>(tScS(j))];
+      float e = sm90::exp2_approx(accS(j) * p.scale_log2 - l);
       if (need_mask) {
         const int key = k_row0 + kr, query = q_row0 + qc;
         if (key >= len || query >= len || (kCausal && key > query)) e = 0.f;
@@ -283,7 +299,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // delta of this thread's queries, read before the wait as well where the registers allow
     // (head dim 64; at 128 its 16 registers spill).
     float delta_col[kCols];
-    if constexpr (kD == 64) {
+    if constexpr (kD == 64 && kHoist) {
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c)
         delta_col[c] = s.delta[stage][get<1>(tScS(bwd_slot_register(c)))];
@@ -293,7 +309,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // dS^T = P^T (dP^T - delta), kept in accdP.
     CUTE_UNROLL
     for (int j = 0; j < size(accdP); ++j) {
-      const float d = kD == 64 ? delta_col[bwd_query_slot(j)] : s.delta[stage][get<1>(tScS(j))];
+      const float d =
+          kD == 64 && kHoist ? delta_col[bwd_query_slot(j)] : s.delta[stage][get<1>(tScS(j))];
       accdP(j) = accS(j) * (accdP(j) - d);
     }
     Tensor rdS = make_tensor<Bf16>(accdP.layout());
@@ -442,7 +459,7 @@ void check(cudaError_t err, const char* what) {
 template <int kD, bool kCausal, bool kDeterministic, bool kDqTma>
 void launch_bwd(const AttentionBwdArgs& a, Stream stream) {
   static_assert(!(kDeterministic && kDqTma), "the deterministic order runs on atomics");
-  using T = BwdTraits<kD>;
+  using T = BwdTraits<kD, bwd_block_m(kD, kDeterministic)>;
   using D = typename T::D;
   auto st = reinterpret_cast<cudaStream_t>(stream);
   const int total = int(a.total);
@@ -497,7 +514,7 @@ void launch_bwd(const AttentionBwdArgs& a, Stream stream) {
   p.tile_count = int(a.bwd_tile_count);
   p.head_section = int(a.kv_head_section);
   p.hang = hang_record_device();
-  p.dq_rows = a.total + T::kBlockM;
+  p.dq_rows = attention_sm90_dq_accum_elements(a.total, 1, 1);  // the allocation's rows
   p.scale = float(a.scale);
   p.scale_log2 = float(a.scale * M_LOG2E);
   auto* kernel = &attention_bwd_kernel<T, kCausal, kDeterministic, kDqTma, decltype(tma_q),
@@ -505,7 +522,7 @@ void launch_bwd(const AttentionBwdArgs& a, Stream stream) {
   const int smem = int(sizeof(typename T::Smem));
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
         "shared memory");
-  static_assert(T::kBlockM == kAttentionBwdBlockM && T::kBlockN == kAttentionBwdBlockN,
+  static_assert(T::kBlockM % kAttentionBwdBlockM == 0 && T::kBlockN == kAttentionBwdBlockN,
                 "the host's work list is cut in other tiles");
   dim3 grid(unsigned(a.bwd_tile_count * a.kv_heads));
   kernel<<<grid, T::kThreads, smem, st>>>(p, tma_q, tma_do, tma_k, tma_v);
@@ -535,11 +552,17 @@ void dispatch_bwd(const AttentionBwdArgs& a, Stream stream) {
 }  // namespace
 
 int64_t attention_sm90_bwd_semaphores(int64_t sequences, int64_t max_seqlen, int64_t heads) {
-  return sequences * ((max_seqlen + BwdTraits<64>::kBlockM - 1) / BwdTraits<64>::kBlockM) * heads;
+  // Deterministic mode's query tiles, the same at both head dims.
+  constexpr int64_t bm = bwd_block_m(64, true);
+  static_assert(bwd_block_m(128, true) == bm);
+  return sequences * ((max_seqlen + bm - 1) / bm) * heads;
 }
 
 int64_t attention_sm90_dq_accum_elements(int64_t total, int64_t heads, int64_t head_dim) {
-  return heads * (total + BwdTraits<64>::kBlockM) * head_dim;
+  // Padding for the largest query tile (a last tile's rows past the end add zeros there).
+  constexpr int64_t bm = std::max({bwd_block_m(64, false), bwd_block_m(64, true),
+                                   bwd_block_m(128, false), bwd_block_m(128, true)});
+  return heads * (total + bm) * head_dim;
 }
 
 void attention_sm90_bwd(const AttentionBwdArgs& a, Stream stream) {

@@ -70,10 +70,19 @@ __host__ __device__ constexpr int bwd_slot_register(int c) {
   return 4 * (c / 2) + c % 2;
 }
 
-template <int kD>
+// Queries per backward step. 128 at head dim 64: half the steps, so each step's fixed costs
+// (the pipeline's waits, the dS^T barrier, one dQ reduce-add) are spread over twice the work
+// (H100, 2026-12-05: W1's forward+backward 8-10 % faster than with 64). 64 at head dim 128,
+// whose accumulators leave no registers for 128, and in deterministic mode, whose ordered dQ
+// adds were 40 % slower with 128 (a key tile waits for its predecessor a longer step).
+__host__ __device__ constexpr int bwd_block_m(int head_dim, bool deterministic) {
+  return head_dim == 64 && !deterministic ? 128 : 64;
+}
+
+template <int kD, int kBlockM_ = bwd_block_m(kD, false)>
 struct BwdTraits {
-  static constexpr int kBlockM = 64;   // queries per step
-  static constexpr int kBlockN = 128;  // keys per CTA (64 per consumer warpgroup)
+  static constexpr int kBlockM = kBlockM_;  // queries per step
+  static constexpr int kBlockN = 128;       // keys per CTA (64 per consumer warpgroup)
   static constexpr int kStages = 2;
   static constexpr int kThreads = 384;
   static constexpr int kConsumers = 256;
@@ -128,7 +137,7 @@ struct BwdTraits {
 };
 
 // Where row t (of the whole batch), column c of one head's dQ sum lives within that head's
-// [total + 64, D] slab: the row's 16-byte chunks XOR-swizzled by 2 * (t % 4). A warp's store of
+// [total + 128, D] slab: the row's 16-byte chunks XOR-swizzled by 2 * (t % 4). A warp's store of
 // one accumulator register pair writes 8 rows x 32 bytes (two chunks 2q, 2q + 1 of each row);
 // the swizzle sends any 4 consecutive rows to 4 different chunk pairs (the pair index becomes
 // q ^ (t % 4)), so each half-warp's 128 bytes fill the 32 banks once: no bank conflict.

@@ -137,9 +137,9 @@ void forward() {
   check_cover(o_all, BM, kD, "forward O");
 }
 
-template <int kD>
+template <int kD, int kBlockM>
 void backward() {
-  using T = BwdTraits<kD>;
+  using T = BwdTraits<kD, kBlockM>;
   constexpr int BM = T::kBlockM, BN = T::kBlockN;
   typename T::TiledMmaSdP mma_sdp;
   typename T::TiledMmaKV mma_kv;
@@ -262,8 +262,11 @@ int main() {
   launch_order();
   forward<64>();
   forward<128>();
-  backward<64>();
-  backward<128>();
+  // Every query tile the kernels instantiate (bwd_block_m: with and without deterministic mode).
+  backward<64, bwd_block_m(64, false)>();
+  backward<64, bwd_block_m(64, true)>();
+  backward<128, bwd_block_m(128, false)>();
+  static_assert(bwd_block_m(128, true) == bwd_block_m(128, false));
   if (failures > 0) {
     std::printf("%d failed checks\n", failures);
     return 1;
