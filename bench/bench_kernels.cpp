@@ -747,13 +747,19 @@ void attention_case(const std::string& name, int64_t b, int64_t h, int64_t kv, i
       qb, kb, vb);
 }
 
-const char* const kAttentionCases[] = {"W1", "W2", "W2-B4"};
+// --attn_case's names, each with its row label and shape (batch, heads, kv heads, seq, head dim).
+struct AttentionCase {
+  const char *name, *label;
+  int64_t b, h, kv, s, d;
+};
+const AttentionCase kAttentionCases[] = {{"W1", "W1", 8, 32, 4, 2048, 64},
+                                         {"W2", "W2", 1, 32, 32, 4096, 128},
+                                         {"W2-B4", "W2", 4, 32, 32, 4096, 128}};
 
 void attention_cases() {
-  auto want = [](const char* c) { return g_opts.attn_case.empty() || g_opts.attn_case == c; };
-  if (want("W1")) attention_case("W1", 8, 32, 4, 2048, 64);
-  if (want("W2")) attention_case("W2", 1, 32, 32, 4096, 128);
-  if (want("W2-B4")) attention_case("W2", 4, 32, 32, 4096, 128);
+  for (const AttentionCase& c : kAttentionCases)
+    if (g_opts.attn_case.empty() || g_opts.attn_case == c.name)
+      attention_case(c.label, c.b, c.h, c.kv, c.s, c.d);
 }
 
 void sdpa_cases() {
@@ -848,9 +854,9 @@ int main(int argc, char** argv) {
       g_opts.attn_case = next();
       bool known = false;
       std::string valid;
-      for (const char* c : kAttentionCases) {
-        known = known || g_opts.attn_case == c;
-        valid += (valid.empty() ? "" : ", ") + std::string(c);
+      for (const AttentionCase& c : kAttentionCases) {
+        known = known || g_opts.attn_case == c.name;
+        valid += (valid.empty() ? "" : ", ") + std::string(c.name);
       }
       if (!known) {
         std::fprintf(stderr, "bench_kernels: unknown --attn_case '%s'; valid: %s\n",

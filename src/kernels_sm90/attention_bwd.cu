@@ -68,9 +68,14 @@ struct BwdParams {
   const int* tiles;  // (sequence, key tile) pairs
   HangRecord* hang;
   int heads, kv_heads, total, m_blocks_max, tile_count, head_section;
-  int64_t dq_rows;  // rows of one head in dq_accum (total + 128)
+  int64_t dq_rows;  // rows of one head in dq_accum (total + kDqPadRows)
   float scale, scale_log2;
 };
+
+// Rows past the batch's end in each head's dQ slab: the largest query tile's (a last tile's
+// rows past the end add exact zeros there).
+constexpr int64_t kDqPadRows = std::max({bwd_block_m(64, false), bwd_block_m(64, true),
+                                         bwd_block_m(128, false), bwd_block_m(128, true)});
 
 template <class Traits, bool kCausal, bool kDeterministic, bool kDqTma, class TmaQ, class TmaDO,
           class TmaK, class TmaV>
@@ -84,8 +89,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kD = T::D::value;
   // Each thread's log-sum-exp (and at head dim 64 delta) read once per query slot into
   // registers: at 64 queries a step; at 128 those registers would spill, so each element reads
-  // its own from shared memory.
-  constexpr bool kHoist = kBlockM == 64;
+  // its own from shared memory. Delta at head dim 128 spilled 12 bytes even at 64 queries.
+  constexpr bool kHoistLse = kBlockM == 64, kHoistDelta = kHoistLse && kD == 64;
   extern __shared__ __align__(1024) char smem_raw[];  // 128-byte swizzles need 1024
   auto& s = *reinterpret_cast<typename T::Smem*>(smem_raw);
 
@@ -163,7 +168,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       }
     } else if (warp == 1 || warp == 2) {
-      // The step's log-sum-exp (times log2 e) and delta, one query per thread.
+      // The step's log-sum-exp (times log2 e) and delta, kBlockM / kStatThreads queries per
+      // thread.
       constexpr int kRows = kBlockM / T::kStatThreads;
       const int t = threadIdx.x - 32;
       for (int i = 0; i < steps; ++i) {
@@ -268,9 +274,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // exponentials' first instructions).
     constexpr int kCols = decltype(size(accS))::value / 2;
     float lse_col[kCols];
-    CUTE_UNROLL
-    for (int c = 0; c < kCols; ++c)
-      if constexpr (kHoist) lse_col[c] = s.lse2[stage][get<1>(tScS(bwd_slot_register(c)))];
+    if constexpr (kHoistLse) {
+      CUTE_UNROLL
+      for (int c = 0; c < kCols; ++c)
+        lse_col[c] = s.lse2[stage][get<1>(tScS(bwd_slot_register(c)))];
+    }
     warpgroup_wait<1>();  // S^T done (dP^T may still run)
     warpgroup_fence_operand(accS);
 
@@ -280,7 +288,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     CUTE_UNROLL
     for (int j = 0; j < size(accS); ++j) {
       const int kr = get<0>(tScS(j)), qc = get<1>(tScS(j));
-      const float l = kHoist ? lse_col[bwd_query_slot(j)] : s.lse2[stage][get<1>(tScS(j))];
+      const float l = kHoistLse ? lse_col[bwd_query_slot(j)] : s.lse2[stage][get<1>(tScS(j))];
       float e = sm90::exp2_approx(accS(j) * p.scale_log2 - l);
       if (need_mask) {
         const int key = k_row0 + kr, query = q_row0 + qc;
@@ -296,10 +304,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     Tensor tP = make_tensor(rP.data(), typename T::LayoutP{});
     warpgroup_fence_operand(tP);
     sm90::gemm_batch<false>(mma_kv, tP, tKVrdO(_, _, _, stage), accdV);
-    // delta of this thread's queries, read before the wait as well where the registers allow
-    // (head dim 64; at 128 its 16 registers spill).
+    // delta of this thread's queries, read before the wait as well where the registers allow.
     float delta_col[kCols];
-    if constexpr (kD == 64 && kHoist) {
+    if constexpr (kHoistDelta) {
       CUTE_UNROLL
       for (int c = 0; c < kCols; ++c)
         delta_col[c] = s.delta[stage][get<1>(tScS(bwd_slot_register(c)))];
@@ -309,8 +316,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // dS^T = P^T (dP^T - delta), kept in accdP.
     CUTE_UNROLL
     for (int j = 0; j < size(accdP); ++j) {
-      const float d =
-          kD == 64 && kHoist ? delta_col[bwd_query_slot(j)] : s.delta[stage][get<1>(tScS(j))];
+      const float d = kHoistDelta ? delta_col[bwd_query_slot(j)] : s.delta[stage][get<1>(tScS(j))];
       accdP(j) = accS(j) * (accdP(j) - d);
     }
     Tensor rdS = make_tensor<Bf16>(accdP.layout());
@@ -514,7 +520,7 @@ void launch_bwd(const AttentionBwdArgs& a, Stream stream) {
   p.tile_count = int(a.bwd_tile_count);
   p.head_section = int(a.kv_head_section);
   p.hang = hang_record_device();
-  p.dq_rows = attention_sm90_dq_accum_elements(a.total, 1, 1);  // the allocation's rows
+  p.dq_rows = a.total + kDqPadRows;
   p.scale = float(a.scale);
   p.scale_log2 = float(a.scale * M_LOG2E);
   auto* kernel = &attention_bwd_kernel<T, kCausal, kDeterministic, kDqTma, decltype(tma_q),
@@ -559,10 +565,7 @@ int64_t attention_sm90_bwd_semaphores(int64_t sequences, int64_t max_seqlen, int
 }
 
 int64_t attention_sm90_dq_accum_elements(int64_t total, int64_t heads, int64_t head_dim) {
-  // Padding for the largest query tile (a last tile's rows past the end add zeros there).
-  constexpr int64_t bm = std::max({bwd_block_m(64, false), bwd_block_m(64, true),
-                                   bwd_block_m(128, false), bwd_block_m(128, true)});
-  return heads * (total + bm) * head_dim;
+  return heads * (total + kDqPadRows) * head_dim;
 }
 
 void attention_sm90_bwd(const AttentionBwdArgs& a, Stream stream) {

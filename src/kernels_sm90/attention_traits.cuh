@@ -72,7 +72,7 @@ __host__ __device__ constexpr int bwd_slot_register(int c) {
 
 // Queries per backward step. 128 at head dim 64: half the steps, so each step's fixed costs
 // (the pipeline's waits, the dS^T barrier, one dQ reduce-add) are spread over twice the work
-// (H100, 2026-12-05: W1's forward+backward 8-10 % faster than with 64). 64 at head dim 128,
+// (H100, 2026-12-05: W1's forward+backward 9-10 % faster than with 64). 64 at head dim 128,
 // whose accumulators leave no registers for 128, and in deterministic mode, whose ordered dQ
 // adds were 40 % slower with 128 (a key tile waits for its predecessor a longer step).
 __host__ __device__ constexpr int bwd_block_m(int head_dim, bool deterministic) {
