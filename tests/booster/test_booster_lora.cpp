@@ -216,8 +216,11 @@ TEST(BoosterLora, PluginsWriteTheSingleProcessAdapter) {
     const auto got = read_adapter(dir);
     // The hybrid plugin's tensor-parallel GEMMs sum in other partial products than one process:
     // AdamW moves entries whose gradient is near zero by about lr * sign(gradient), which carries
-    // that rounding at full size (tests/booster/test_hybrid.cpp's final weights: 5e-5).
-    const double tol = name.rfind("hybrid", 0) == 0 ? 5e-5 : 1e-5;
+    // that rounding at full size. Which entries that hits depends on the CPU's GEMM kernels: on
+    // one Xeon a single entry of layer 1's q_proj lora_B (256 entries, norm 0.31) ended 2.2e-5
+    // (0.2 % of lr) from the single process's, 7.2e-5 norm-wise, where CI's machine stayed
+    // under 5e-5. 2e-4 allows a few such entries; a wrong shard or scale is off by 1e-2 or more.
+    const double tol = name.rfind("hybrid", 0) == 0 ? 2e-4 : 1e-5;
     ASSERT_EQ(got.size(), one.size()) << name;
     double worst = 0;
     for (const auto& [k, t] : one) {
