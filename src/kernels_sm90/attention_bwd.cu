@@ -15,7 +15,8 @@
 //      (wgmma with P^T from registers) while dS^T = P^T (dP^T - delta) is computed,
 //      dK += dS^T Q,
 //    writing dS^T into one of two shared-memory buffers (alternate steps: no barrier before
-//    the store) for dQ = dS K (each warpgroup half of the head dim),
+//    the store) for dQ = dS K (each warpgroup half of the queries at 128 a step, else half of
+//    the head dim),
 //    added to the fp32 accumulator with atomics, or (dq_tma) written to shared memory and
 //    added by a TMA reduce-add that the producer warpgroup's last warp issues. dK and dV stay
 //    in registers for the whole walk (no atomics: the CTA owns its keys for every head of the

@@ -109,13 +109,17 @@ struct BwdTraits {
   // dV += P^T dO, dK += dS^T Q: [BN, D], A from registers, B = dO^T / Q^T MN-major.
   using MmaKV = decltype(GMMA::rs_op_selector<Bf16, Bf16, float, Shape<_64, D, BM>, GMMA::Major::K,
                                               GMMA::Major::MN>());
-  // dQ = dS K: [BM, D] split over the warpgroups along D; A = dS (MN-major view of dS^T),
-  // B = K^T (MN-major view of K).
-  using MmaQ = decltype(GMMA::ss_op_selector<Bf16, Bf16, float, Shape<_64, Int<kD / 2>, BN>,
+  // dQ = dS K: [BM, D] split over the warpgroups along the queries when a step has 128 (each
+  // 64 x D: half the wgmma instructions of a split along D, each twice as wide), else along D;
+  // A = dS (MN-major view of dS^T), B = K^T (MN-major view of K).
+  static constexpr bool kDqSplitM = kBlockM == 128;
+  using MmaQ = decltype(GMMA::ss_op_selector<Bf16, Bf16, float,
+                                             Shape<_64, Int<kDqSplitM ? kD : kD / 2>, BN>,
                                              GMMA::Major::MN, GMMA::Major::MN>());
   using TiledMmaSdP = decltype(make_tiled_mma(MmaSdP{}, Layout<Shape<_2, _1, _1>>{}));
   using TiledMmaKV = decltype(make_tiled_mma(MmaKV{}, Layout<Shape<_2, _1, _1>>{}));
-  using TiledMmaQ = decltype(make_tiled_mma(MmaQ{}, Layout<Shape<_1, _2, _1>>{}));
+  using TiledMmaQ = decltype(make_tiled_mma(
+      MmaQ{}, Layout<std::conditional_t<kDqSplitM, Shape<_2, _1, _1>, Shape<_1, _2, _1>>>{}));
   // The S^T accumulator ((2, 2, BM/8), 1, 1) read as the A fragment ((2, 2, 2), 1, BM/16).
   using LayoutP =
       Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockM / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
