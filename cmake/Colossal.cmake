@@ -81,11 +81,10 @@ function(colossal_add_test name)
     ENVIRONMENT "COLOSSAL_BUILD_DIR=${CMAKE_BINARY_DIR};COLOSSAL_BIN=$<TARGET_FILE:colossal_cli>;COLOSSAL_SOURCE_DIR=${CMAKE_SOURCE_DIR}")
 endfunction()
 
-# colossal_add_pytest(file.py [TIMEOUT s] [PROCESSORS n] [LABELS ...] [ENV "NAME=value" ...]): a
-# pytest file run with the project's Python (torch, transformers and safetensors from pip)
-# against the built binaries.
+# colossal_add_pytest(file.py [TIMEOUT s] [DEPENDS targets...]): a pytest file run with the
+# project's Python (torch, transformers and safetensors from pip) against the built binaries.
 function(colossal_add_pytest file)
-  cmake_parse_arguments(T "" "TIMEOUT;PROCESSORS" "LABELS;ENV" ${ARGN})
+  cmake_parse_arguments(T "" "TIMEOUT;PROCESSORS" "LABELS" ${ARGN})
   get_filename_component(base ${file} NAME_WE)
   get_filename_component(abs ${file} ABSOLUTE)
   if(NOT T_TIMEOUT)
@@ -97,5 +96,5 @@ function(colossal_add_pytest file)
   add_test(NAME py_${base} COMMAND ${COLOSSAL_PYTHON} -m pytest -q -x -p no:cacheprovider ${abs})
   set_tests_properties(py_${base} PROPERTIES TIMEOUT ${T_TIMEOUT} PROCESSORS ${T_PROCESSORS}
     LABELS "python;${T_LABELS}"
-    ENVIRONMENT "COLOSSAL_BUILD_DIR=${CMAKE_BINARY_DIR};COLOSSAL_BIN=$<TARGET_FILE:colossal_cli>;COLOSSAL_SOURCE_DIR=${CMAKE_SOURCE_DIR};PYTHONDONTWRITEBYTECODE=1;OMP_NUM_THREADS=1;${T_ENV}")
+    ENVIRONMENT "COLOSSAL_BUILD_DIR=${CMAKE_BINARY_DIR};COLOSSAL_BIN=$<TARGET_FILE:colossal_cli>;COLOSSAL_SOURCE_DIR=${CMAKE_SOURCE_DIR};PYTHONDONTWRITEBYTECODE=1;OMP_NUM_THREADS=1")
 endfunction()

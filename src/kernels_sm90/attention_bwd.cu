@@ -15,8 +15,8 @@
 //      (wgmma with P^T from registers) while dS^T = P^T (dP^T - delta) is computed,
 //      dK += dS^T Q,
 //    writing dS^T into one of two shared-memory buffers (alternate steps: no barrier before
-//    the store) for dQ = dS K (each warpgroup half of the queries at 128 a step, else half of
-//    the head dim),
+//    the store) for dQ = dS K (each warpgroup half of the queries at 128 a step with dq_tma,
+//    else half of the head dim),
 //    added to the fp32 accumulator with atomics, or (dq_tma) written to shared memory and
 //    added by a TMA reduce-add that the producer warpgroup's last warp issues. dK and dV stay
 //    in registers for the whole walk (no atomics: the CTA owns its keys for every head of the
@@ -288,18 +288,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                            (kCausal && k_row0 + kBlockN - 1 > q_row0);
     CUTE_UNROLL
     for (int j = 0; j < size(accS); ++j) {
+      const int kr = get<0>(tScS(j)), qc = get<1>(tScS(j));
       const float l = kHoistLse ? lse_col[bwd_query_slot(j)] : s.lse2[stage][get<1>(tScS(j))];
-      accS(j) = sm90::exp2_approx(accS(j) * p.scale_log2 - l);
-    }
-    // The masks in a loop of their own behind one branch: inside the loop above, the compiler
-    // turned them into predicated selects that every step ran (about 300 of a step's 1,100
-    // instructions at head dim 64, on steps that need no mask).
-    if (need_mask) {
-      CUTE_UNROLL
-      for (int j = 0; j < size(accS); ++j) {
-        const int key = k_row0 + get<0>(tScS(j)), query = q_row0 + get<1>(tScS(j));
-        if (key >= len || query >= len || (kCausal && key > query)) accS(j) = 0.f;
+      float e = sm90::exp2_approx(accS(j) * p.scale_log2 - l);
+      if (need_mask) {
+        const int key = k_row0 + kr, query = q_row0 + qc;
+        if (key >= len || query >= len || (kCausal && key > query)) e = 0.f;
       }
+      accS(j) = e;
     }
     // dV += P^T dO goes to the tensor cores at once (it needs P only), so they have work while
     // dS^T is computed and stored.
@@ -470,7 +466,7 @@ void check(cudaError_t err, const char* what) {
 template <int kD, bool kCausal, bool kDeterministic, bool kDqTma>
 void launch_bwd(const AttentionBwdArgs& a, Stream stream) {
   static_assert(!(kDeterministic && kDqTma), "the deterministic order runs on atomics");
-  using T = BwdTraits<kD, bwd_block_m(kD, kDeterministic)>;
+  using T = BwdTraits<kD, bwd_block_m(kD, kDeterministic), kDqTma>;
   using D = typename T::D;
   auto st = reinterpret_cast<cudaStream_t>(stream);
   const int total = int(a.total);

@@ -200,19 +200,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   static_assert(std::is_same_v<typename FragA::layout_type, typename T::LayoutP>,
                 "the S accumulator does not read as the P V wgmma's A fragment");
 
-  using FragS = decltype(partition_fragment_C(mma_qk, Shape<typename T::BM, typename T::BN>{}));
   // Row statistics of this thread's two rows (r = 0, 1: rows i and i + 8 of its warp's 16).
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
   int len = 0, q_row0 = 0;  // the current item's sequence length and first query
 
-  // Mask key tile n's scores in accS, fold them into the row statistics, overwrite accS with P
-  // (fp32) and write the factor the output accumulated so far must take into corr (the caller
-  // applies it once no P V GEMM that reads the accumulator is still running). P stays in S's
-  // registers; its bf16 copy goes into the P V GEMM's operand registers (convert_p) only after
-  // the previous P V GEMM has read them. A separate bf16 copy written during the softmax gets
-  // the operand's registers (the compiler drops the copy between them), and ptxas then waits
-  // for that GEMM before the softmax's first write.
-  auto softmax_step = [&](auto& accS, int n, float(&corr)[2]) {
+  // Mask key tile n's scores in accS, fold them into the row statistics, write P (bf16) into rp
+  // and the factor the output accumulated so far must take into corr (the caller applies it
+  // once no P V GEMM that reads the accumulator is still running).
+  auto softmax_step = [&](auto& accS, int n, auto& rp, float(&corr)[2]) {
     // Masks: keys past the sequence's end, and (causal) keys after the query.
     const int k_col0 = n * kBlockN;
     const bool need_mask = k_col0 + kBlockN > len || (kCausal && k_col0 + kBlockN - 1 > q_row0);
@@ -225,32 +220,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     // Online softmax in base 2. Register j of accS is column pair element j % 2, row (j / 2) % 2,
     // column block j / 4 (the wgmma accumulator's order).
-    // The row maxima as trees of independent fmaxf (kMaxLanes partial maxima a row, then
-    // halved): a chain through one register is 32 dependent instructions at head dim 64 before
-    // the first exponential can start; max is exact in any order.
-    constexpr int kMaxLanes = 8;
-    static_assert(size(FragS{}) % (4 * kMaxLanes) == 0, "S's registers split into the lanes");
-    float part[2][kMaxLanes];
+    float new_max[2] = {row_max[0], row_max[1]};
     CUTE_UNROLL
-    for (int r = 0; r < 2; ++r) {
-      CUTE_UNROLL
-      for (int l = 0; l < kMaxLanes; ++l) part[r][l] = row_max[r];
-    }
-    CUTE_UNROLL
-    for (int j = 0; j < size(accS); ++j) {
-      const int r = (j >> 1) & 1, l = ((j >> 2) * 2 + (j & 1)) % kMaxLanes;
-      part[r][l] = fmaxf(part[r][l], accS(j));
-    }
-    float new_max[2];
-    CUTE_UNROLL
-    for (int r = 0; r < 2; ++r) {
-      CUTE_UNROLL
-      for (int w = kMaxLanes / 2; w > 0; w /= 2) {
-        CUTE_UNROLL
-        for (int l = 0; l < w; ++l) part[r][l] = fmaxf(part[r][l], part[r][l + w]);
-      }
-      new_max[r] = part[r][0];
-    }
+    for (int j = 0; j < size(accS); ++j)
+      new_max[(j >> 1) & 1] = fmaxf(new_max[(j >> 1) & 1], accS(j));
     float scaled_max[2];
     CUTE_UNROLL
     for (int r = 0; r < 2; ++r) {
@@ -267,19 +240,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const int r = (j >> 1) & 1;
       const float e = sm90::exp2_approx(accS(j) * p.scale_log2 - scaled_max[r]);
       row_sum[r] += e;
-      accS(j) = e;
+      rp(j) = Bf16(e);
     }
-  };
-  // P (fp32, in S's registers) into the P V GEMM's bf16 operand registers (pairs of them
-  // compile to one F2FP.PACK_AB).
-  auto convert_p = [&](const auto& accS, auto& rp) {
-    CUTE_UNROLL
-    for (int j = 0; j < size(accS); ++j) rp(j) = Bf16(accS(j));
   };
   auto rescale_o = [&](const float(&corr)[2]) {
     CUTE_UNROLL
     for (int j = 0; j < size(accO); ++j) accO(j) *= corr[(j >> 1) & 1];
   };
+  using FragS = decltype(partition_fragment_C(mma_qk, Shape<typename T::BM, typename T::BN>{}));
+
   // Ping-pong (kPingpong): the two consumer warpgroups take turns issuing their GEMMs, so that
   // one's softmax runs while the other's GEMMs hold the tensor cores. Warpgroup w waits on
   // barrier kTurn + w before it issues and hands the turn over after. The turns alternate
@@ -322,8 +291,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (i == n_blocks - 1) EmptyBarrier::arrive(&s.empty_q);  // the last read of Q
         Tensor rP = make_tensor<Bf16>(typename FragS::layout_type{});
         float corr[2];
-        softmax_step(accS, n_blocks - 1 - i, corr);
-        convert_p(accS, rP);
+        softmax_step(accS, n_blocks - 1 - i, rP, corr);
         rescale_o(corr);
         Tensor tOrP = make_tensor(rP.data(), typename T::LayoutP{});
         watched_wait(&s.full_v[stage], phase, p.hang, kHangFwd, kWaitFullV, stage);
@@ -352,8 +320,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         warpgroup_fence_operand(accS);
         EmptyBarrier::arrive(&s.empty_k[stage]);
         if (n_blocks == 1) EmptyBarrier::arrive(&s.empty_q);  // the last read of Q
-        softmax_step(accS, n_blocks - 1, corr);  // accO is still zero: nothing to rescale
-        convert_p(accS, rP);
+        softmax_step(accS, n_blocks - 1, rP, corr);  // accO is still zero: nothing to rescale
       }
       for (int i = 1; i < n_blocks; ++i) {
         const int stage = (it + i) % kStages, prev = (it + i - 1) % kStages;
@@ -371,22 +338,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         warpgroup_fence_operand(accS);
         EmptyBarrier::arrive(&s.empty_k[stage]);
         if (i == n_blocks - 1) EmptyBarrier::arrive(&s.empty_q);  // the last read of Q
-        softmax_step(accS, n_blocks - 1 - i, corr);
-        // The wait for P_{i-1} V_{i-1} in a basic block of its own, after the softmax: in the
-        // same block ptxas put it above the softmax, so a warpgroup's softmax never ran under
-        // its own P V GEMM (SASS, CUDA 13.0; block_boundary). The token count is never
-        // negative (the host checks it); unlike the sequence's length, which the loop's bound
-        // tells it is positive, the compiler cannot prove that and drop the call.
-        block_boundary(p.total < 0);
+        Tensor rP_next = make_tensor<Bf16>(typename FragS::layout_type{});
+        softmax_step(accS, n_blocks - 1 - i, rP_next, corr);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrP);  // P_{i-1}'s registers stay live until the GEMM read them
         warpgroup_fence_operand(accO);
         EmptyBarrier::arrive(&s.empty_v[prev]);
         rescale_o(corr);
-        // P's fp32 values pass through the fence after the wait, so their conversion into
-        // P_{i-1}'s registers cannot be scheduled above it (it would be, as plain arithmetic).
-        warpgroup_fence_operand(accS);
-        convert_p(accS, rP);
+        CUTE_UNROLL
+        for (int j = 0; j < size(rP); ++j) rP(j) = rP_next(j);
       }
       {
         const int stage = (it + n_blocks - 1) % kStages;

@@ -79,7 +79,9 @@ __host__ __device__ constexpr int bwd_block_m(int head_dim, bool deterministic) 
   return head_dim == 64 && !deterministic ? 128 : 64;
 }
 
-template <int kD, int kBlockM_ = bwd_block_m(kD, false)>
+// kDqTma_: the dQ tile goes out through shared memory and a TMA reduce-add (else atomics from
+// the registers), which decides how the warpgroups split dQ's GEMM (kDqSplitM).
+template <int kD, int kBlockM_ = bwd_block_m(kD, false), bool kDqTma_ = true>
 struct BwdTraits {
   static constexpr int kBlockM = kBlockM_;  // queries per step
   static constexpr int kBlockN = 128;       // keys per CTA (64 per consumer warpgroup)
@@ -109,13 +111,15 @@ struct BwdTraits {
   // dV += P^T dO, dK += dS^T Q: [BN, D], A from registers, B = dO^T / Q^T MN-major.
   using MmaKV = decltype(GMMA::rs_op_selector<Bf16, Bf16, float, Shape<_64, D, BM>, GMMA::Major::K,
                                               GMMA::Major::MN>());
-  // dQ = dS K: [BM, D] split over the warpgroups along the queries when a step has 128 (each
-  // 64 x D: half the wgmma instructions of a split along D, each twice as wide), else along D;
-  // A = dS (MN-major view of dS^T), B = K^T (MN-major view of K).
-  static constexpr bool kDqSplitM = kBlockM == 128;
-  using MmaQ = decltype(GMMA::ss_op_selector<Bf16, Bf16, float,
-                                             Shape<_64, Int<kDqSplitM ? kD : kD / 2>, BN>,
-                                             GMMA::Major::MN, GMMA::Major::MN>());
+  // dQ = dS K: [BM, D] split over the warpgroups along the queries when a step has 128 and the
+  // tile goes out by TMA (each 64 x D: half the wgmma instructions of a split along D, each
+  // twice as wide; W1's forward+backward 2-4 % faster on the H100), else along D (with atomics
+  // the split along the queries was 26-45 % slower at W1); A = dS (MN-major view of dS^T),
+  // B = K^T (MN-major view of K).
+  static constexpr bool kDqSplitM = kBlockM == 128 && kDqTma_;
+  using MmaQ =
+      decltype(GMMA::ss_op_selector<Bf16, Bf16, float, Shape<_64, Int<kDqSplitM ? kD : kD / 2>, BN>,
+                                    GMMA::Major::MN, GMMA::Major::MN>());
   using TiledMmaSdP = decltype(make_tiled_mma(MmaSdP{}, Layout<Shape<_2, _1, _1>>{}));
   using TiledMmaKV = decltype(make_tiled_mma(MmaKV{}, Layout<Shape<_2, _1, _1>>{}));
   using TiledMmaQ = decltype(make_tiled_mma(

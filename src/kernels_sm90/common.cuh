@@ -39,21 +39,6 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
-// Ends a basic block for ptxas. ptxas puts a wgmma.wait_group (WARPGROUP.DEPBAR) at the top of
-// its basic block, above independent arithmetic written before it: in the forward's overlapped
-// loop the wait for the P V GEMM went above the whole softmax (ptxas of CUDA 13.0; the PTX had it
-// after the exponentials), so a warpgroup's softmax never ran under its own GEMM. Neither an
-// empty asm (gone before ptxas) nor a branch to a trap (ptxas joins a block that cannot return
-// to its successor) stops that; a call it cannot see through does. This call is never made:
-// `never` is false whenever the kernel's inputs are valid, which the compiler cannot know (and
-// if it were true the state is one to stop at).
-static __device__ __noinline__ void trap_invalid_state() {
-  __trap();
-}
-__device__ __forceinline__ void block_boundary(bool never) {
-  if (never) trap_invalid_state();
-}
-
 // CTA b of a launch over `tiles` work-list entries times `heads` heads, run in sections of
 // `section` heads (0: one section; the last section may be smaller): within a section entry by
 // entry, the section's heads adjacent. Entry and head of b.

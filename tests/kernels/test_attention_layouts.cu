@@ -137,9 +137,9 @@ void forward() {
   check_cover(o_all, BM, kD, "forward O");
 }
 
-template <int kD, int kBlockM>
+template <int kD, int kBlockM, bool kDqTma>
 void backward() {
-  using T = BwdTraits<kD, kBlockM>;
+  using T = BwdTraits<kD, kBlockM, kDqTma>;
   constexpr int BM = T::kBlockM, BN = T::kBlockN;
   typename T::TiledMmaSdP mma_sdp;
   typename T::TiledMmaKV mma_kv;
@@ -262,10 +262,13 @@ int main() {
   launch_order();
   forward<64>();
   forward<128>();
-  // Every query tile the kernels instantiate (bwd_block_m: with and without deterministic mode).
-  backward<64, bwd_block_m(64, false)>();
-  backward<64, bwd_block_m(64, true)>();
-  backward<128, bwd_block_m(128, false)>();
+  // Every query tile and dQ split the kernels instantiate (bwd_block_m: with and without
+  // deterministic mode; the dQ split by queries with dq_tma at 128 queries).
+  backward<64, bwd_block_m(64, false), true>();
+  backward<64, bwd_block_m(64, false), false>();
+  backward<64, bwd_block_m(64, true), false>();
+  backward<128, bwd_block_m(128, false), true>();
+  backward<128, bwd_block_m(128, false), false>();
   static_assert(bwd_block_m(128, true) == bwd_block_m(128, false));
   if (failures > 0) {
     std::printf("%d failed checks\n", failures);
