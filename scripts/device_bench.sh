@@ -203,8 +203,8 @@ for phase in "$@"; do
       "$NCU" -i "/tmp/$n.ncu-rep" --page source --print-source sass --csv > "$LOGS/${n}_sass.csv" 2>&1
       note "attnprof $c $what: $(grep -E '^ +(Duration|Compute \(SM\) Throughput|Memory Throughput)' "$LOGS/${n}_details.txt" | tr -s ' ' | tr '\n' ';' | cut -c1-300)"
     done <<'SPECS'
-W1 bwd BwdTraitsILi64ELi[0-9]+EEELb1ELb0ELb1E
-W2 bwd BwdTraitsILi128ELi[0-9]+EEELb1ELb0ELb1E
+W1 bwd BwdTraitsILi64ELi[0-9]+ELb[01]EEELb1ELb0ELb1E
+W2 bwd BwdTraitsILi128ELi[0-9]+ELb[01]EEELb1ELb0ELb1E
 W2 fwd FwdTraitsILi128ELi128ELi[0-9]+EEELb1ELb1ELb1E
 SPECS
     ;;

@@ -81,7 +81,7 @@ __host__ __device__ constexpr int bwd_block_m(int head_dim, bool deterministic) 
 
 // kDqTma_: the dQ tile goes out through shared memory and a TMA reduce-add (else atomics from
 // the registers), which decides how the warpgroups split dQ's GEMM (kDqSplitM).
-template <int kD, int kBlockM_ = bwd_block_m(kD, false), bool kDqTma_ = true>
+template <int kD, int kBlockM_, bool kDqTma_>
 struct BwdTraits {
   static constexpr int kBlockM = kBlockM_;  // queries per step
   static constexpr int kBlockN = 128;       // keys per CTA (64 per consumer warpgroup)
