@@ -187,7 +187,7 @@ for phase in "$@"; do
     done ;;
   attnprof)
     # Issue 25: Nsight Compute on our attention kernels (hardware counters: Firecracker machines
-    # only, clocks left alone): one launch each of W1's and W2's backward and W2's forward
+    # only, clocks left alone): one launch each of W1's and W2's backward and forward
     # (causal, the default schedule), the full section set. Back as text: the details page and
     # the SASS with its per-instruction stall samples (CSV).
     step "attention kernels under ncu"
@@ -206,6 +206,7 @@ for phase in "$@"; do
 W1 bwd BwdTraitsILi64ELi[0-9]+ELb[01]EEELb1ELb0ELb1E
 W2 bwd BwdTraitsILi128ELi[0-9]+ELb[01]EEELb1ELb0ELb1E
 W2 fwd FwdTraitsILi128ELi128ELi[0-9]+EEELb1ELb1ELb1E
+W1 fwd FwdTraitsILi64ELi128ELi[0-9]+EEELb1ELb1ELb1E
 SPECS
     ;;
   fp8prof)
