@@ -235,7 +235,7 @@ struct Fp8ConcatFn : torch::autograd::Function<Fp8ConcatFn> {
 
 }  // namespace
 
-const kernels::Fp8Tensor& Fp8Linear::group_weight_cast(const std::vector<Fp8Linear*>& group) {
+kernels::Fp8Tensor Fp8Linear::group_weight_cast(const std::vector<Fp8Linear*>& group) {
   std::vector<std::tuple<const void*, const void*, int64_t>> key;
   for (Fp8Linear* f : group) {
     const at::Tensor& w = f->weight();
@@ -252,8 +252,18 @@ const kernels::Fp8Tensor& Fp8Linear::group_weight_cast(const std::vector<Fp8Line
     ws.push_back(f->weight().detach());
     ++f->weight_casts_;
   }
-  group_cache_ = kernels::cast_to_fp8_concat(ws, at::kFloat8_e4m3fn, true);
-  group_key_ = cfg_.keep_weight_casts ? std::move(key) : decltype(key){};
+  kernels::Fp8Tensor cast = kernels::cast_to_fp8_concat(ws, at::kFloat8_e4m3fn, true);
+  if (!cfg_.keep_weight_casts) {
+    // Nothing kept: the step's graph holds the cast as long as backward needs it. (Kept in the
+    // layer, every layer's fused q/k/v and gate/up casts stayed on the device for the whole run:
+    // 2 bytes per weight of those projections, about 17.6 GB at 13b, which made Gemini's
+    // placement send more chunks to the host than it holds.)
+    group_cache_ = {};
+    group_key_.clear();
+    return cast;
+  }
+  group_cache_ = cast;
+  group_key_ = std::move(key);
   group_epoch_ = epoch;
   return group_cache_;
 }

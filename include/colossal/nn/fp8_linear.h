@@ -85,8 +85,9 @@ class Fp8Linear : public Linear {
   };
   // The tensorwise cast of the weights of `group` (this layer first) concatenated along the
   // output dimension, [sum out, in] with its transpose and one scale (fp8_fused_projections),
-  // cached in this layer as weight_casts_for caches one weight; counts a cast in each member.
-  const kernels::Fp8Tensor& group_weight_cast(const std::vector<Fp8Linear*>& group);
+  // cached in this layer as weight_casts_for caches one weight (only with keep_weight_casts:
+  // otherwise nothing of it stays in the layer); counts a cast in each member.
+  kernels::Fp8Tensor group_weight_cast(const std::vector<Fp8Linear*>& group);
 
  private:
   // x w^T + b in FP8 (tp: null, or the split operands of a sharded GEMM).
