@@ -411,8 +411,9 @@ PYEOF
         else ours "fp8_${w}_${mode}$n" -c 1b -p ddp -b 8 -l 2048 -s ${FP8_STEPS:-12} -i 3 $extra; fi
       done
     done
-    case " ${FP8_WORKLOADS-w2 w1} " in *" w2 "*) ;; *) FP8_ROWWISE=0 ;; esac
-    [ "${FP8_ROWWISE:-1}" = 0 ] || ours fp8_w2_rowwise -c 7b -p ddp -b 1 -l 4096 -s ${FP8_STEPS:-10} -i 3 --use_fp8 true --fp8_recipe rowwise
+    case " ${FP8_WORKLOADS-w2 w1} " in  # rowwise once, with W2
+      *" w2 "*) [ "${FP8_ROWWISE:-1}" = 0 ] || ours fp8_w2_rowwise -c 7b -p ddp -b 1 -l 4096 -s ${FP8_STEPS:-10} -i 3 --use_fp8 true --fp8_recipe rowwise ;;
+    esac
     # FP8_G13=1: 13b gemini_auto bf16 vs FP8, both in one call: each run takes about 4 minutes
     # (setup ~2 min, the first step and the move to the measured placement ~70 s, then
     # G13_STEPS timed steps of 7-10 s; docs/benchmarks.md, issue 7), so with FP8_WORKLOADS=""

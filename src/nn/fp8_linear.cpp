@@ -253,15 +253,11 @@ kernels::Fp8Tensor Fp8Linear::group_weight_cast(const std::vector<Fp8Linear*>& g
     ++f->weight_casts_;
   }
   kernels::Fp8Tensor cast = kernels::cast_to_fp8_concat(ws, at::kFloat8_e4m3fn, true);
-  if (!cfg_.keep_weight_casts) {
-    // Nothing kept: the step's graph holds the cast as long as backward needs it. (Kept in the
-    // layer, every layer's fused q/k/v and gate/up casts stayed on the device for the whole run:
-    // 2 bytes per weight of those projections, about 17.6 GB at 13b, which made Gemini's
-    // placement send more chunks to the host than it holds.)
-    group_cache_ = {};
-    group_key_.clear();
-    return cast;
-  }
+  // Nothing kept without keep_weight_casts: the step's graph holds the cast as long as backward
+  // needs it. (Kept in the layer, every layer's fused q/k/v and gate/up casts stayed on the
+  // device for the whole run: 2 bytes per weight of those projections, 17.6 GB at 13b by count,
+  // which made Gemini's placement send more chunks to the host than it holds.)
+  if (!cfg_.keep_weight_casts) return cast;
   group_cache_ = cast;
   group_key_ = std::move(key);
   group_epoch_ = epoch;

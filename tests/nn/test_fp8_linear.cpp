@@ -321,7 +321,8 @@ TEST(Fp8Linear, ProjectionsOfOneInputFuseAmongThemselves) {
 // A fused group's weight cast stays in its first layer only with keep_weight_casts (several
 // micro-batches a step share it). Without it nothing of the cast outlives the step's graph: a
 // kept cast per layer held 2 bytes per q/k/v and gate/up weight on the device for the whole run
-// (17.6 GB at 13b, measured on the H200 as Gemini's placement running out of host room).
+// (17.6 GB at 13b by count; on the H200 it showed as Gemini's placement running out of host
+// room).
 TEST(Fp8Linear, AFusedGroupKeepsItsWeightCastOnlyWhenAsked) {
   at::manual_seed(6);
   for (bool keep : {true, false}) {
