@@ -193,7 +193,9 @@ for phase in "$@"; do
     step "attention kernels under ncu"
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     [ -n "$NCU" ] || { note "attnprof: no ncu here"; continue; }
+    # ATTNPROF_ONLY: a regex on "case direction" (e.g. "fwd") picks some of them.
     while read -r c what re; do
+      [[ "$c $what" =~ ${ATTNPROF_ONLY:-.} ]] || continue
       n="ncu_${c}_$what"
       timeout 240 "$NCU" --clock-control none --set full --import-source no --kernel-name-base mangled \
         -k "regex:$re" --launch-skip 3 --launch-count 1 -f -o "/tmp/$n" \
