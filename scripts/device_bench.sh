@@ -175,22 +175,22 @@ for phase in "$@"; do
     # --attn_case (W1, W2 or W2-B4 alone).
     for d in ${ATTNAB_OLD:-}; do unpack_build "$d"; done
     for round in $(seq 1 "${ATTNAB_REPS:-1}"); do
-    [ "$round" -gt 1 ] && ATTNAB_TEST=0
-    for v in ${ATTNAB_OLD:-} $(for l in ${ATTNAB_L2:-0 24}; do echo "l2_$l"; done); do
-      if [ -d "$v" ] && [ "${ATTNAB_TEST:-0}" = 1 ]; then
-        if LD_LIBRARY_PATH="$PWD/$v/lib:$LD_LIBRARY_PATH" timeout 150 "$v/tests/kernels/test_attention_cuda" > "$LOGS/test_attention_cuda_$v.log" 2>&1
-        then note "PASS $v test_attention_cuda: $(grep -E 'PASSED' "$LOGS/test_attention_cuda_$v.log" | tr '\n' ' ')"
-        else note "FAIL $v test_attention_cuda"; grep -E -A6 "Failure" "$LOGS/test_attention_cuda_$v.log" | head -30; fi
-      fi
-      if [ -d "$v" ]; then
-        LD_LIBRARY_PATH="$PWD/$v/lib:$LD_LIBRARY_PATH" timeout 300 "$v/bench/bench_kernels" --op attention --reps 10 ${ATTNAB_CASE:+--attn_case $ATTNAB_CASE} $DI > "$LOGS/bk_attn_${v}_$round.log" 2>&1 &
-      else
-        COLOSSAL_ATTENTION_L2_MB=${v#l2_} timeout 300 "$BUILD/bench/bench_kernels" --op attention --reps 10 ${ATTNAB_CASE:+--attn_case $ATTNAB_CASE} $DI > "$LOGS/bk_attn_${v}_$round.log" 2>&1 &
-      fi
-      wait $! || note "attnab $v: FAILED: $(tail -2 "$LOGS/bk_attn_${v}_$round.log" | tr '\n' ' ' | cut -c1-300)"
-      lab=$v; [ "${ATTNAB_REPS:-1}" -gt 1 ] && lab="$v#$round"
-      grep -E "^attention" "$LOGS/bk_attn_${v}_$round.log" | grep -E "${ATTNAB_ROWS:-pingpong|sdpa cudnn}" | sed "s/^attention/$lab/" | tee -a "$SUMMARY"
-    done
+      [ "$round" -gt 1 ] && ATTNAB_TEST=0
+      for v in ${ATTNAB_OLD:-} $(for l in ${ATTNAB_L2:-0 24}; do echo "l2_$l"; done); do
+        if [ -d "$v" ] && [ "${ATTNAB_TEST:-0}" = 1 ]; then
+          if LD_LIBRARY_PATH="$PWD/$v/lib:$LD_LIBRARY_PATH" timeout 150 "$v/tests/kernels/test_attention_cuda" > "$LOGS/test_attention_cuda_$v.log" 2>&1
+          then note "PASS $v test_attention_cuda: $(grep -E 'PASSED' "$LOGS/test_attention_cuda_$v.log" | tr '\n' ' ')"
+          else note "FAIL $v test_attention_cuda"; grep -E -A6 "Failure" "$LOGS/test_attention_cuda_$v.log" | head -30; fi
+        fi
+        if [ -d "$v" ]; then
+          LD_LIBRARY_PATH="$PWD/$v/lib:$LD_LIBRARY_PATH" timeout 300 "$v/bench/bench_kernels" --op attention --reps 10 ${ATTNAB_CASE:+--attn_case $ATTNAB_CASE} $DI > "$LOGS/bk_attn_${v}_$round.log" 2>&1 &
+        else
+          COLOSSAL_ATTENTION_L2_MB=${v#l2_} timeout 300 "$BUILD/bench/bench_kernels" --op attention --reps 10 ${ATTNAB_CASE:+--attn_case $ATTNAB_CASE} $DI > "$LOGS/bk_attn_${v}_$round.log" 2>&1 &
+        fi
+        wait $! || note "attnab $v: FAILED: $(tail -2 "$LOGS/bk_attn_${v}_$round.log" | tr '\n' ' ' | cut -c1-300)"
+        lab=$v; [ "${ATTNAB_REPS:-1}" -gt 1 ] && lab="$v#$round"
+        grep -E "^attention" "$LOGS/bk_attn_${v}_$round.log" | grep -E "${ATTNAB_ROWS:-pingpong|sdpa cudnn}" | sed "s/^attention/$lab/" | tee -a "$SUMMARY"
+      done
     done ;;
   attnprof)
     # Issue 25: Nsight Compute on our attention kernels (hardware counters: Firecracker machines
