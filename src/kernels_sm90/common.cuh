@@ -39,6 +39,14 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
+// Two floats as one bf16 pair (lo in the low half, as in memory), one F2FP: building a
+// __nv_bfloat162 from __floats2bfloat162_rn added two byte permutes a pair.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
 // CTA b of a launch over `tiles` work-list entries times `heads` heads, run in sections of
 // `section` heads (0: one section; the last section may be smaller): within a section entry by
 // entry, the section's heads adjacent. Entry and head of b.

@@ -118,6 +118,14 @@ void forward() {
     const auto s = coords(thr_qk.partition_C(make_identity_tensor(Shape<Int<BM>, Int<BN>>{})));
     const auto o = coords(thr_pv.partition_C(make_identity_tensor(Shape<Int<BM>, Int<kD>>{})));
     rows[t] = check_rows(s, "forward S", t);
+    // The forward's epilogue stores register pair j at its row's first column + 8 (j / 4), the
+    // row being the first's + 8 ((j / 2) % 2).
+    for (int j = 0; j < int(o.size()); ++j)
+      EXPECT(o[j].first == o[0].first + 8 * ((j / 2) % 2) &&
+                 o[j].second == o[0].second + 8 * (j / 4) + j % 2,
+             "forward O thread %d register %d: (%d, %d), the epilogue stores it at (%d, %d)", t, j,
+             o[j].first, o[j].second, o[0].first + 8 * ((j / 2) % 2),
+             o[0].second + 8 * (j / 4) + j % 2);
     EXPECT(check_rows(o, "forward O", t) == rows[t], "forward thread %d: O rows differ from S rows",
            t);
     // P from S's registers as the P V wgmma's A operand.
