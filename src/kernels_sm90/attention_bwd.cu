@@ -339,22 +339,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     Tensor tdS = make_tensor(rdS.data(), typename T::LayoutP{});
     warpgroup_fence_operand(tdS);
-    sm90::gemm_batch<false>(mma_kv, tdS, tKVrQ(_, _, _, stage), accdK);
 
+    // dQ first, then dK: dQ's result is stored below while dK still computes.
     NamedBarrier::sync(T::kConsumers, kDsFull);  // all of dS^T written
     Tensor accdQ = partition_fragment_C(mma_q, Shape<typename T::BM, typename T::D>{});
     Tensor sdSt = make_tensor(make_smem_ptr(ds_buf), typename T::SmemLayoutDSt{});
     Tensor tQrdS = thr_q.make_fragment_A(thr_q.partition_A(sdSt));  // (MMA, 1, BN/16)
     sm90::gemm_batch<true>(mma_q, tQrdS, tQrK, accdQ);
-    warpgroup_wait<0>();
-    // P^T's and dS^T's registers stay live until the dV / dK GEMMs have read them (issued
-    // before the dS^T work and the barrier, during which the allocator could reuse them).
+    sm90::gemm_batch<false>(mma_kv, tdS, tKVrQ(_, _, _, stage), accdK);
+    warpgroup_wait<1>();  // dV and dQ done (dK may still run)
     warpgroup_fence_operand(tP);
-    warpgroup_fence_operand(tdS);
     warpgroup_fence_operand(accdV);
-    warpgroup_fence_operand(accdK);
     warpgroup_fence_operand(accdQ);
-    EmptyBarrier::arrive(&s.empty[stage]);  // Q, dO and the statistics of this stage are read
 
     if constexpr (kDqTma) {
       // The tile into shared memory (after the previous tile's reduce-add has read it), then
@@ -400,6 +396,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (ct == 0) atomicExch(sem, n_block + 1);
       }
     }
+    warpgroup_wait<0>();  // dK done
+    // dS^T's registers stay live until the dK GEMM has read them.
+    warpgroup_fence_operand(tdS);
+    warpgroup_fence_operand(accdK);
+    EmptyBarrier::arrive(&s.empty[stage]);  // Q, dO and the statistics of this stage are read
   }
 
   // dV and scale * dK, written once (the CTA owns these keys for every head of the group).
