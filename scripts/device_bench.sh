@@ -192,6 +192,23 @@ for phase in "$@"; do
         grep -E "^attention" "$LOGS/bk_attn_${v}_$round.log" | grep -E "${ATTNAB_ROWS:-pingpong|sdpa cudnn}" | sed "s/^attention/$lab/" | tee -a "$SUMMARY"
       done
     done ;;
+  attntrace)
+    # Issue 25: an event trace of the forward's CTA 0 (a build with
+    # docs/experiments/attention_fwd_trace.patch applied, e.g. PREBUILT=build-trace): each
+    # schedule's kernel appends its sixth launch's trace; the summary gets
+    # docs/experiments/attention_trace_report.py's shares.
+    step "attention forward traces"
+    for c in W1 W2; do
+      rm -f "$LOGS/trace_$c.txt"
+      COLOSSAL_ATTENTION_TRACE_FILE="$LOGS/trace_$c.txt" COLOSSAL_ATTENTION_TRACE_LAUNCH=5 \
+        timeout 120 "$BUILD/bench/bench_kernels" --op attention --reps 10 --attn_case $c > "$LOGS/bk_trace_$c.log" 2>&1 ||
+        note "attntrace $c: rc $? ($(tail -1 "$LOGS/bk_trace_$c.log" | cut -c1-200))"
+      if [ -s "$LOGS/trace_$c.txt" ]; then
+        $PY docs/experiments/attention_trace_report.py "$LOGS/trace_$c.txt" | tee -a "$SUMMARY"
+      else
+        note "attntrace $c: no trace (is the build from attention_fwd_trace.patch?)"
+      fi
+    done ;;
   attnprof)
     # Issue 25: Nsight Compute on our attention kernels (hardware counters: Firecracker machines
     # only, clocks left alone): one launch each of W1's and W2's backward and forward

@@ -2,7 +2,9 @@
 
 The trace comes from a build with docs/experiments/attention_fwd_trace.patch applied (not in the
 normal build): `git apply` it, build, `scripts/device_pack.sh build`, move build-carry to
-build-trace, and on the GPU machine (carry build-trace) unpack it and run
+build-trace, and run `PREBUILT=build-trace bash scripts/device_bench.sh prebuilt attntrace`
+(carry build-trace), which does the following for W1 and W2 and puts this script's report in
+the summary:
     COLOSSAL_ATTENTION_TRACE_FILE=$OUT/trace_W1.txt COLOSSAL_ATTENTION_TRACE_LAUNCH=5 \
         build-trace/bench/bench_kernels --op attention --reps 10 --attn_case W1
 (each schedule's kernel appends its sixth launch's trace). Then
