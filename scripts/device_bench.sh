@@ -191,7 +191,13 @@ for phase in "$@"; do
         lab=$v; [ "${ATTNAB_REPS:-1}" -gt 1 ] && lab="$v#$round"
         grep -E "^attention" "$LOGS/bk_attn_${v}_$round.log" | grep -E "${ATTNAB_ROWS:-pingpong|sdpa cudnn}" | sed "s/^attention/$lab/" | tee -a "$SUMMARY"
       done
-    done ;;
+    done
+    # With rounds: each build's median and its ratio to ATTNAB_REF's (default this build's
+    # l2_24 rows, else its first L2 budget's), and the rounds' spread.
+    if [ "${ATTNAB_REPS:-1}" -gt 1 ]; then
+      $PY scripts/attnab_medians.py "$SUMMARY" ${ATTNAB_REF:+--ref "$ATTNAB_REF"} > "$LOGS/attnab_medians.txt"
+      tee -a "$SUMMARY" < "$LOGS/attnab_medians.txt"
+    fi ;;
   attntrace)
     # Issue 25: an event trace of the forward's CTA 0 (a build with
     # docs/experiments/attention_fwd_trace.patch applied, e.g. PREBUILT=build-trace): each
