@@ -47,7 +47,8 @@ using namespace sm90;
 using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
 using EmptyBarrier = cutlass::arch::ClusterBarrier;
 using NamedBarrier = cutlass::arch::NamedBarrier;
-constexpr int kTurn = 1;  // named barriers kTurn, kTurn + 1: the ping-pong turns
+constexpr int kTurn = 1;    // named barriers kTurn, kTurn + 1: the ping-pong turns
+constexpr int kOStage = 3;  // kOStage + w: warpgroup w's output staging
 
 struct FwdParams {
   Bf16* o;
@@ -365,14 +366,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     it += n_blocks;
 
     // Epilogue: the row sums over the row's four threads, O / sum in bf16, the log-sum-exp.
-    // Each of this thread's two rows gets its address once (the columns are constant offsets
-    // from it) and its stores a predicate, not a branch each (every store had recomputed a
-    // 64-bit address inside a branch, about 27 instructions a store: 8 % of the stall samples of
-    // W1's forward under ncu).
+    // The rows go out through shared memory: stmatrix writes the warpgroup's 64 x D tile
+    // (fwd_o_chunk's swizzle: no bank conflicts), and each thread stores whole 16-byte chunks,
+    // a warp 512 contiguous bytes of rows. Stored from the accumulator's registers, each 4-byte
+    // store touched 8 rows: 16 (32 at head dim 128) such stores a thread took the traced CTA
+    // 1,100-1,700 cycles an item at W1 and 2,100-3,800 at W2 (H100, 2026-12-06).
+    constexpr int kD = T::D::value, kChunks = kD / 8;  // 16-byte chunks a row
     float inv[2], lse[2];
-    uint32_t* o_row[2];  // this thread's first column of each row (bf16 pairs)
-    bool live[2];
-    const int col0 = get<1>(tOcO(0));
     CUTE_UNROLL
     for (int r = 0; r < 2; ++r) {
       float sum = row_sum[r];
@@ -381,19 +381,41 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       inv[r] = sum > 0.f ? 1.f / sum : 0.f;
       // MUFU.LG2 (absolute error about 2^-22 here) rather than logf's polynomial.
       lse[r] = sum > 0.f ? row_max[r] * p.scale + __logf(sum) : -INFINITY;
-      const int row = q_row0 + get<0>(tOcO(2 * r));
-      live[r] = row < len;
-      o_row[r] = reinterpret_cast<uint32_t*>(
-          p.o + (int64_t(c.start) + row) * (int64_t(p.heads) * T::D::value) + c.head * T::D::value +
-          col0);
     }
+    Bf16* obuf = s.o.data() + cw * 64 * kD;
+    {
+      // The previous item's chunks are read (every warp of the warpgroup is past them).
+      NamedBarrier::sync(128, kOStage + cw);
+      const int lane = threadIdx.x & 31, wrow0 = (warp & 3) * 16;
+      const int mi = lane >> 3, mh = mi & 1;  // the matrix this lane addresses, its row half
+      const int mrow = wrow0 + 8 * mh + (lane & 7);
+      CUTE_UNROLL
+      for (int k = 0; k < kChunks / 2; ++k) {  // column blocks 2k and 2k + 1
+        uint32_t r4[4];
+        CUTE_UNROLL
+        for (int i = 0; i < 4; ++i) {
+          // Matrix i: row half i % 2, column block 2k + i / 2; accO's register j holds column
+          // pair element j % 2, row half (j / 2) % 2, column block j / 4.
+          const int h = i & 1, j = (2 * k + (i >> 1)) * 4 + 2 * h;
+          r4[i] = sm90::pack_bf16x2(accO(j) * inv[h], accO(j + 1) * inv[h]);
+        }
+        sm90::stmatrix_x4(obuf + mrow * kD + fwd_o_chunk(mrow, 2 * k + (mi >> 1)) * 8, r4);
+      }
+      NamedBarrier::sync(128, kOStage + cw);
+      asm volatile("" ::: "memory");  // the reads below stay after the barrier
+      const int t = threadIdx.x & 127;
+      const int64_t ld = int64_t(p.heads) * kD;
+      Bf16* o_tile = p.o + (int64_t(c.start) + q_row0 + cw * 64) * ld + c.head * kD;
+      CUTE_UNROLL
+      for (int k = 0; k < 64 * kChunks / 128; ++k) {
+        const int q = t + 128 * k, row = q / kChunks, ch = q % kChunks;
+        const uint4 v = *reinterpret_cast<const uint4*>(obuf + row * kD + fwd_o_chunk(row, ch) * 8);
+        if (q_row0 + cw * 64 + row < len) *reinterpret_cast<uint4*>(o_tile + row * ld + ch * 8) = v;
+      }
+    }
+    bool live[2];
     CUTE_UNROLL
-    for (int j = 0; j < size(accO); j += 2) {
-      const int r = (j >> 1) & 1;
-      // Column offsets from col0 are constants: register j's column block is j / 4.
-      const int pair = ((j >> 2) * 8) / 2;
-      if (live[r]) o_row[r][pair] = sm90::pack_bf16x2(accO(j) * inv[r], accO(j + 1) * inv[r]);
-    }
+    for (int r = 0; r < 2; ++r) live[r] = q_row0 + get<0>(tOcO(2 * r)) < len;
     if (p.amax) {        // a warp's max, one atomic per warp (|x| >= 0 orders as its fp32 bits)
       float amax = 0.f;  // of the stored values (FP8 known amax)
       CUTE_UNROLL

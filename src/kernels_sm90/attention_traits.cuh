@@ -52,6 +52,9 @@ struct FwdTraits {
     alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutK>> k;
     alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutV>> v;
+    // Each consumer warpgroup's output rows (64 x D bf16) on their way to global memory: written
+    // by stmatrix, read back as 16-byte chunks (fwd_o_chunk's swizzle), stored row by row.
+    alignas(128) cute::array_aligned<Bf16, 2 * 64 * kD> o;
     alignas(8) uint64_t bar_q, empty_q;
     int item[4];  // the item the producer handed the consumers (attention_fwd.cu)
     uint64_t full_k[kStages], empty_k[kStages], full_v[kStages], empty_v[kStages];
@@ -59,6 +62,14 @@ struct FwdTraits {
   static constexpr int kBytesQ = kBlockM * kD * 2;
   static constexpr int kBytesKV = kBlockN * kD * 2;
 };
+
+// The forward's output staging (FwdTraits::Smem::o): row r's 16-byte chunk c (columns 8c ..
+// 8c + 7) of a warpgroup's 64 x D tile sits at chunk c ^ (r % 8) of that row, so the 8 rows of
+// one stmatrix 8 x 8 matrix, and the 8 chunks a quarter-warp reads back, hit 8 different bank
+// groups (test_attention_layouts checks both).
+__host__ __device__ constexpr int fwd_o_chunk(int row, int c) {
+  return c ^ (row & 7);
+}
 
 // The backward's S^T accumulator (keys x queries) holds, in each thread's registers j, the
 // query columns of ((2 columns, 2 rows, column blocks)): register j's column is the thread's

@@ -47,6 +47,16 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return r;
 }
 
+// stmatrix .x4: four 8 x 8 bf16 matrices from the mma accumulator layout (lane l holds row l / 4,
+// columns 2 (l % 4) and 2 (l % 4) + 1 of matrix i in r[i], the low column in the low half);
+// lanes 8i .. 8i + 7 give the shared-memory addresses of matrix i's rows (16 bytes each).
+__device__ __forceinline__ void stmatrix_x4(const void* smem, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                   cute::cast_smem_ptr_to_uint(smem)),
+               "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
 // CTA b of a launch over `tiles` work-list entries times `heads` heads, run in sections of
 // `section` heads (0: one section; the last section may be smaller): within a section entry by
 // entry, the section's heads adjacent. Entry and head of b.

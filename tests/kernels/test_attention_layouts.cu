@@ -104,6 +104,68 @@ void check_registers_as_a(const std::vector<Coord>& acc, const AccLayout& acc_la
   }
 }
 
+// The forward's epilogue (attention_fwd.cu): each warp's stmatrix .x4 k writes matrix i (row half
+// i % 2, column block 2k + i / 2 of its 16 rows) from register i = pack(O(j), O(j + 1)),
+// j = (2k + i / 2) * 4 + 2 (i % 2), at the rows lanes 8i .. 8i + 7 address (chunk fwd_o_chunk);
+// then thread t of a warpgroup reads chunk q = t + 128 k (row q / (D / 8), column block
+// q % (D / 8)) and stores it there. Every element must land where the readback stores it,
+// each shared-memory slot written once, and neither the 8 rows of a matrix nor a quarter-warp's
+// 8 chunks may share a bank group (16 bytes of the 128-byte bank line).
+template <int kD>
+void forward_staging(const std::vector<std::vector<Coord>>& o_all) {
+  constexpr int kChunks = kD / 8;
+  for (int wg = 0; wg < 2; ++wg) {
+    std::map<int, Coord> slot;  // element offset in the warpgroup's buffer -> (row, col) of O
+    for (int w = 0; w < 4; ++w) {
+      auto mrow = [&](int lane) { return w * 16 + 8 * ((lane >> 3) & 1) + (lane & 7); };
+      for (int k = 0; k < kChunks / 2; ++k) {
+        for (int i = 0; i < 4; ++i) {
+          std::set<int> banks;
+          for (int rr = 0; rr < 8; ++rr) {
+            const int lane = 8 * i + rr, row = mrow(lane);
+            banks.insert((row * kD + fwd_o_chunk(row, 2 * k + (lane >> 4)) * 8) / 8 % 8);
+          }
+          EXPECT(banks.size() == 8,
+                 "forward staging D %d warp %d stmatrix %d matrix %d: %zu bank groups", kD, w, k, i,
+                 banks.size());
+          for (int lane = 0; lane < 32; ++lane) {
+            const int t = wg * 128 + w * 32 + lane;
+            const int j = (2 * k + (i >> 1)) * 4 + 2 * (i & 1);
+            const int src = 8 * i + lane / 4, row = mrow(src);  // the lane addressing this row
+            for (int e = 0; e < 2; ++e) {
+              const int off =
+                  row * kD + fwd_o_chunk(row, 2 * k + (i >> 1)) * 8 + 2 * (lane % 4) + e;
+              EXPECT(slot.count(off) == 0, "forward staging D %d: slot %d written twice", kD, off);
+              slot[off] = o_all[t][j + e];
+            }
+          }
+        }
+      }
+    }
+    EXPECT(int(slot.size()) == 64 * kD, "forward staging D %d: %zu slots written", kD, slot.size());
+    for (int t = 0; t < 128; ++t)
+      for (int k = 0; k < 64 * kChunks / 128; ++k) {
+        const int q = t + 128 * k, row = q / kChunks, ch = q % kChunks;
+        for (int e = 0; e < 8; ++e) {
+          const int off = row * kD + fwd_o_chunk(row, ch) * 8 + e;
+          const auto it = slot.find(off);
+          EXPECT(it != slot.end() && it->second == Coord(wg * 64 + row, ch * 8 + e),
+                 "forward staging D %d warpgroup %d: chunk %d element %d is stored at (%d, %d) but "
+                 "holds (%d, %d)",
+                 kD, wg, q, e, wg * 64 + row, ch * 8 + e, it == slot.end() ? -1 : it->second.first,
+                 it == slot.end() ? -1 : it->second.second);
+        }
+      }
+    for (int q0 = 0; q0 < 64 * kChunks; q0 += 8) {  // a quarter-warp's 16-byte reads
+      std::set<int> banks;
+      for (int q = q0; q < q0 + 8; ++q)
+        banks.insert(((q / kChunks) * kChunks + fwd_o_chunk(q / kChunks, q % kChunks)) % 8);
+      EXPECT(banks.size() == 8, "forward staging D %d: chunks %d..%d share bank groups", kD, q0,
+             q0 + 7);
+    }
+  }
+}
+
 template <int kD>
 void forward() {
   using T = FwdTraits<kD, 128, kFwdStages>;
@@ -143,6 +205,7 @@ void forward() {
     }
   check_cover(s_all, BM, BN, "forward S");
   check_cover(o_all, BM, kD, "forward O");
+  forward_staging<kD>(o_all);
 }
 
 template <int kD, int kBlockM, bool kDqTma>
