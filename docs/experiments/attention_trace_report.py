@@ -54,3 +54,38 @@ for tr in traces(sys.argv[1]):  # roles: 0 producer, 1 and 2 the consumer warpgr
     if lat:
         print('  K issued -> first consumer past its wait: median %d, p90 %d cycles (%d tiles)' % (
             st.median(lat), sorted(lat)[int(0.9 * len(lat))], len(lat)))
+    # Per tile (the loop's tiles 1..n-1, medians): the phases in order, so the chain one
+    # warpgroup runs a tile in reads left to right; and per item the boundary's parts: the wait
+    # for Q, Q to the first K tile in hand, the first S GEMM, the first softmax (no P V to
+    # overlap), and the epilogue (last P V done to output written).
+    for wg in (1, 2):
+        by_item = collections.defaultdict(dict)
+        for t, e, w, tile, item in ev:
+            if w == wg: by_item[item].setdefault((e, tile), t)
+        phase = collections.defaultdict(list)
+        bound = collections.defaultdict(list)
+        for d in by_item.values():
+            for tl in range(1, 1000):
+                keys = [(10, tl), (11, tl), (12, tl), (15, tl), (13, tl), (14, tl), (16, tl)]
+                if not all(k in d for k in keys): break
+                t = [d[k] for k in keys]
+                for name, a, b in (('turn', 0, 1), ('K', 1, 2), ('S issue + V', 2, 3), ('S done', 3, 4),
+                                   ('softmax', 4, 5), ('P V', 5, 6)):
+                    phase[name].append(t[b] - t[a])
+                if (10, tl + 1) in d: phase['to next turn'].append(d[(10, tl + 1)] - t[6])
+            need = [(20, 0), (21, 0), (12, 0), (13, 0), (14, 0)]
+            t17 = [t for (e, _), t in d.items() if e == 17]
+            t16 = [t for (e, _), t in d.items() if e == 16]
+            if all(k in d for k in need) and t17 and t16:
+                last16 = max(t16)
+                bound['Q wait'].append(d[(21, 0)] - d[(20, 0)])
+                bound['Q to K_0'].append(d[(12, 0)] - d[(21, 0)])
+                bound['S_0'].append(d[(13, 0)] - d[(12, 0)])
+                bound['softmax_0'].append(d[(14, 0)] - d[(13, 0)])
+                bound['epilogue'].append(min(t17) - last16)
+        if phase:
+            print('  warpgroup %d, a tile (median cycles): %s' % (wg, ', '.join(
+                '%s %d' % (k, st.median(v)) for k, v in phase.items())))
+        if bound:
+            print('  warpgroup %d, an item boundary (median cycles): %s' % (wg, ', '.join(
+                '%s %d' % (k, st.median(v)) for k, v in bound.items())))
