@@ -15,10 +15,11 @@ using namespace cute;
 using Bf16 = cutlass::bfloat16_t;
 
 // Stages of the forward's K / V ring. Under ncu (H100, 2026-12-05) W2's consumers spent about a
-// tenth of their samples waiting for a K tile with two, but as many as shared memory holds (3 at
-// head dim 128, 4 at 64) moved the forward's time within run-to-run noise (docs/benchmarks.md;
-// three at every head dim again in three interleaved rounds on 2026-12-06: 0.98-1.00x), so two
-// it stays.
+// tenth of their samples waiting for a K tile with two, but as many as shared memory held then
+// (3 at head dim 128, 4 at 64) moved the forward's time within run-to-run noise
+// (docs/benchmarks.md; three at every head dim again in three interleaved rounds on 2026-12-06:
+// 0.98-1.00x; four at 64 with the output staging, 2-4 % slower), so two it stays. Since the output
+// staging (Smem::o, 32 KiB at head dim 128) a third stage no longer fits at 128.
 inline constexpr int kFwdStages = 2;
 
 template <int kD, int kBlockN, int kStages>
