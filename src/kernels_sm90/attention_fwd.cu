@@ -382,24 +382,22 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // MUFU.LG2 (absolute error about 2^-22 here) rather than logf's polynomial.
       lse[r] = sum > 0.f ? row_max[r] * p.scale + __logf(sum) : -INFINITY;
     }
-    Bf16* obuf = s.o.data() + cw * 64 * kD;
     {
+      Bf16* obuf = s.o.data() + cw * 64 * kD;
       // The previous item's chunks are read (every warp of the warpgroup is past them).
       NamedBarrier::sync(128, kOStage + cw);
-      const int lane = threadIdx.x & 31, wrow0 = (warp & 3) * 16;
-      const int mi = lane >> 3, mh = mi & 1;  // the matrix this lane addresses, its row half
-      const int mrow = wrow0 + 8 * mh + (lane & 7);
+      const int lane = threadIdx.x & 31;
+      const int mrow = fwd_o_stmatrix_row(warp & 3, lane);  // the row this lane addresses
       CUTE_UNROLL
-      for (int k = 0; k < kChunks / 2; ++k) {  // column blocks 2k and 2k + 1
+      for (int k = 0; k < kChunks / 2; ++k) {
         uint32_t r4[4];
         CUTE_UNROLL
         for (int i = 0; i < 4; ++i) {
-          // Matrix i: row half i % 2, column block 2k + i / 2; accO's register j holds column
-          // pair element j % 2, row half (j / 2) % 2, column block j / 4.
-          const int h = i & 1, j = (2 * k + (i >> 1)) * 4 + 2 * h;
-          r4[i] = sm90::pack_bf16x2(accO(j) * inv[h], accO(j + 1) * inv[h]);
+          const int j = fwd_o_register(k, i);
+          r4[i] = sm90::pack_bf16x2(accO(j) * inv[i % 2], accO(j + 1) * inv[i % 2]);
         }
-        sm90::stmatrix_x4(obuf + mrow * kD + fwd_o_chunk(mrow, 2 * k + (mi >> 1)) * 8, r4);
+        sm90::stmatrix_x4(
+            obuf + mrow * kD + fwd_o_chunk(mrow, fwd_o_stmatrix_block(k, lane >> 3)) * 8, r4);
       }
       NamedBarrier::sync(128, kOStage + cw);
       asm volatile("" ::: "memory");  // the reads below stay after the barrier

@@ -71,6 +71,20 @@ struct FwdTraits {
 __host__ __device__ constexpr int fwd_o_chunk(int row, int c) {
   return c ^ (row & 7);
 }
+// The epilogue's stmatrix .x4 number k of a warp writes four 8 x 8 matrices i: row half i % 2
+// and column block 2k + i / 2 of the warp's 16 rows. Register i packs accumulator registers
+// (fwd_o_register(k, i), + 1) (register j: column pair element j % 2, row half (j / 2) % 2,
+// column block j / 4); lane l addresses row fwd_o_stmatrix_row(w, l) of its warpgroup's tile
+// (w: the warp within the warpgroup), in column block fwd_o_stmatrix_block(k, l / 8).
+__host__ __device__ constexpr int fwd_o_register(int k, int i) {
+  return (2 * k + i / 2) * 4 + 2 * (i % 2);
+}
+__host__ __device__ constexpr int fwd_o_stmatrix_row(int w, int lane) {
+  return 16 * w + 8 * ((lane >> 3) & 1) + (lane & 7);
+}
+__host__ __device__ constexpr int fwd_o_stmatrix_block(int k, int i) {
+  return 2 * k + i / 2;
+}
 
 // The backward's S^T accumulator (keys x queries) holds, in each thread's registers j, the
 // query columns of ((2 columns, 2 rows, column blocks)): register j's column is the thread's

@@ -104,37 +104,38 @@ void check_registers_as_a(const std::vector<Coord>& acc, const AccLayout& acc_la
   }
 }
 
-// The forward's epilogue (attention_fwd.cu): each warp's stmatrix .x4 k writes matrix i (row half
-// i % 2, column block 2k + i / 2 of its 16 rows) from register i = pack(O(j), O(j + 1)),
-// j = (2k + i / 2) * 4 + 2 (i % 2), at the rows lanes 8i .. 8i + 7 address (chunk fwd_o_chunk);
-// then thread t of a warpgroup reads chunk q = t + 128 k (row q / (D / 8), column block
-// q % (D / 8)) and stores it there. Every element must land where the readback stores it,
-// each shared-memory slot written once, and neither the 8 rows of a matrix nor a quarter-warp's
-// 8 chunks may share a bank group (16 bytes of the 128-byte bank line).
+// The forward's epilogue (attention_fwd.cu), with the index functions it uses
+// (attention_traits.cuh): each warp's stmatrix .x4 k writes matrix i from register i =
+// pack(O(fwd_o_register(k, i)), + 1) at the row lane 8i + r addresses (fwd_o_stmatrix_row, in
+// column block fwd_o_stmatrix_block, chunk fwd_o_chunk); then thread t of a warpgroup reads
+// chunk q = t + 128 k (row q / (D / 8), column block q % (D / 8)) and stores it there. Every
+// element must land where the readback stores it, each shared-memory slot written once, and
+// neither the 8 rows of a matrix nor a quarter-warp's 8 chunks may share a bank group (16 bytes
+// of the 128-byte bank line).
 template <int kD>
 void forward_staging(const std::vector<std::vector<Coord>>& o_all) {
   constexpr int kChunks = kD / 8;
   for (int wg = 0; wg < 2; ++wg) {
     std::map<int, Coord> slot;  // element offset in the warpgroup's buffer -> (row, col) of O
     for (int w = 0; w < 4; ++w) {
-      auto mrow = [&](int lane) { return w * 16 + 8 * ((lane >> 3) & 1) + (lane & 7); };
       for (int k = 0; k < kChunks / 2; ++k) {
         for (int i = 0; i < 4; ++i) {
+          const int block = fwd_o_stmatrix_block(k, i);
           std::set<int> banks;
           for (int rr = 0; rr < 8; ++rr) {
-            const int lane = 8 * i + rr, row = mrow(lane);
-            banks.insert((row * kD + fwd_o_chunk(row, 2 * k + (lane >> 4)) * 8) / 8 % 8);
+            const int row = fwd_o_stmatrix_row(w, 8 * i + rr);
+            banks.insert((row * kD + fwd_o_chunk(row, block) * 8) / 8 % 8);
           }
           EXPECT(banks.size() == 8,
                  "forward staging D %d warp %d stmatrix %d matrix %d: %zu bank groups", kD, w, k, i,
                  banks.size());
           for (int lane = 0; lane < 32; ++lane) {
             const int t = wg * 128 + w * 32 + lane;
-            const int j = (2 * k + (i >> 1)) * 4 + 2 * (i & 1);
-            const int src = 8 * i + lane / 4, row = mrow(src);  // the lane addressing this row
+            const int j = fwd_o_register(k, i);
+            // Lane l holds row l / 4 of the matrix, whose address lane 8i + l / 4 gave.
+            const int row = fwd_o_stmatrix_row(w, 8 * i + lane / 4);
             for (int e = 0; e < 2; ++e) {
-              const int off =
-                  row * kD + fwd_o_chunk(row, 2 * k + (i >> 1)) * 8 + 2 * (lane % 4) + e;
+              const int off = row * kD + fwd_o_chunk(row, block) * 8 + 2 * (lane % 4) + e;
               EXPECT(slot.count(off) == 0, "forward staging D %d: slot %d written twice", kD, off);
               slot[off] = o_all[t][j + e];
             }
@@ -180,8 +181,8 @@ void forward() {
     const auto s = coords(thr_qk.partition_C(make_identity_tensor(Shape<Int<BM>, Int<BN>>{})));
     const auto o = coords(thr_pv.partition_C(make_identity_tensor(Shape<Int<BM>, Int<kD>>{})));
     rows[t] = check_rows(s, "forward S", t);
-    // The forward's epilogue stores register pair j at its row's first column + 8 (j / 4), the
-    // row being the first's + 8 ((j / 2) % 2).
+    // Register pair (j, j + 1): adjacent columns, column block j / 4 from the first, row half
+    // (j / 2) % 2 (what the rescale, the row sums' inverse and fwd_o_register assume).
     for (int j = 0; j < int(o.size()); ++j)
       EXPECT(o[j].first == o[0].first + 8 * ((j / 2) % 2) &&
                  o[j].second == o[0].second + 8 * (j / 4) + j % 2,
