@@ -11,9 +11,12 @@ OUT=${OUT:-/tmp/device_out}
 mkdir -p "$OUT"
 # The device tool returns at most 8 files: every log goes under $LOGS and comes back as one
 # archive ($OUT/logs.tgz, written on exit, also when killed by a timeout) next to summary.txt.
-LOGS=/tmp/cc_device_logs
+# A second invocation in the same call (the same $OUT) writes logs2.tgz and summary2.txt, a third
+# logs3.tgz and summary3.txt, so it does not overwrite the first one's.
+N=""; while [ -e "$OUT/logs$N.tgz" ]; do N=$(( ${N:-1} + 1 )); done
+LOGS=/tmp/cc_device_logs$N
 rm -rf "$LOGS"; mkdir -p "$LOGS"
-pack() { cp "$SUMMARY" "$OUT/summary.txt" 2>/dev/null; tar czf "$OUT/logs.tgz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")"; }
+pack() { cp "$SUMMARY" "$OUT/summary$N.txt" 2>/dev/null; tar czf "$OUT/logs$N.tgz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")"; }
 trap pack EXIT
 # A TERM (the caller's timeout) stops the running benchmark too, so the logs still come back:
 # every command below runs in the background and is waited for (bash runs traps during `wait`,
