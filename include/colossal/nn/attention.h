@@ -21,7 +21,7 @@ namespace colossal::nn {
 // documents of each row (equal ids = one document, contiguous); `cu_seqlens` int32 [n + 1] on
 // the same device is where each of the n documents of the flattened [B*S] tokens starts (the
 // layout of variable-length attention kernels), `max_len` the longest one. Built by
-// make_documents() from ids on the CPU (one pass, no device sync).
+// make_documents() from ids on the CPU (one pass; the uploads do not wait for the device).
 struct DocumentMask {
   at::Tensor ids;
   at::Tensor cu_seqlens;
