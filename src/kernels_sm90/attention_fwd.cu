@@ -406,9 +406,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       Bf16* o_tile = p.o + (int64_t(c.start) + q_row0 + cw * 64) * ld + c.head * kD;
       CUTE_UNROLL
       for (int k = 0; k < 64 * kChunks / 128; ++k) {
-        const int q = t + 128 * k, row = q / kChunks, ch = q % kChunks;
-        const uint4 v = *reinterpret_cast<const uint4*>(obuf + row * kD + fwd_o_chunk(row, ch) * 8);
-        if (q_row0 + cw * 64 + row < len) *reinterpret_cast<uint4*>(o_tile + row * ld + ch * 8) = v;
+        const FwdOReadback rb = fwd_o_readback(kD, t, k);
+        const uint4 v = *reinterpret_cast<const uint4*>(obuf + rb.offset);
+        if (q_row0 + cw * 64 + rb.row < len)
+          *reinterpret_cast<uint4*>(o_tile + rb.row * ld + rb.chunk * 8) = v;
       }
     }
     bool live[2];

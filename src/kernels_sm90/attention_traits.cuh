@@ -85,6 +85,16 @@ __host__ __device__ constexpr int fwd_o_stmatrix_row(int w, int lane) {
 __host__ __device__ constexpr int fwd_o_stmatrix_block(int k, int i) {
   return 2 * k + i / 2;
 }
+// The epilogue's read back: thread t (of its warpgroup's 128) takes, in its k-th 16-byte read,
+// chunk t + 128 k of the tile in row order (a warp reads 512 contiguous bytes of rows) from
+// its swizzled slot, and stores it at (row, 8 * chunk) of the output.
+struct FwdOReadback {
+  int row, chunk, offset;  // offset: in elements, in the warpgroup's staging buffer
+};
+__host__ __device__ constexpr FwdOReadback fwd_o_readback(int kD, int t, int k) {
+  const int q = t + 128 * k, row = q / (kD / 8), chunk = q % (kD / 8);
+  return {row, chunk, row * kD + fwd_o_chunk(row, chunk) * 8};
+}
 
 // The backward's S^T accumulator (keys x queries) holds, in each thread's registers j, the
 // query columns of ((2 columns, 2 rows, column blocks)): register j's column is the thread's

@@ -146,24 +146,25 @@ void forward_staging(const std::vector<std::vector<Coord>>& o_all) {
     EXPECT(int(slot.size()) == 64 * kD, "forward staging D %d: %zu slots written", kD, slot.size());
     for (int t = 0; t < 128; ++t)
       for (int k = 0; k < 64 * kChunks / 128; ++k) {
-        const int q = t + 128 * k, row = q / kChunks, ch = q % kChunks;
+        const FwdOReadback rb = fwd_o_readback(kD, t, k);  // what the kernel reads and stores
         for (int e = 0; e < 8; ++e) {
-          const int off = row * kD + fwd_o_chunk(row, ch) * 8 + e;
-          const auto it = slot.find(off);
-          EXPECT(it != slot.end() && it->second == Coord(wg * 64 + row, ch * 8 + e),
-                 "forward staging D %d warpgroup %d: chunk %d element %d is stored at (%d, %d) but "
-                 "holds (%d, %d)",
-                 kD, wg, q, e, wg * 64 + row, ch * 8 + e, it == slot.end() ? -1 : it->second.first,
+          const auto it = slot.find(rb.offset + e);
+          EXPECT(it != slot.end() && it->second == Coord(wg * 64 + rb.row, rb.chunk * 8 + e),
+                 "forward staging D %d warpgroup %d: thread %d read %d element %d is stored at "
+                 "(%d, %d) but holds (%d, %d)",
+                 kD, wg, t, k, e, wg * 64 + rb.row, rb.chunk * 8 + e,
+                 it == slot.end() ? -1 : it->second.first,
                  it == slot.end() ? -1 : it->second.second);
         }
       }
-    for (int q0 = 0; q0 < 64 * kChunks; q0 += 8) {  // a quarter-warp's 16-byte reads
-      std::set<int> banks;
-      for (int q = q0; q < q0 + 8; ++q)
-        banks.insert(((q / kChunks) * kChunks + fwd_o_chunk(q / kChunks, q % kChunks)) % 8);
-      EXPECT(banks.size() == 8, "forward staging D %d: chunks %d..%d share bank groups", kD, q0,
-             q0 + 7);
-    }
+    for (int k = 0; k < 64 * kChunks / 128; ++k)
+      for (int t0 = 0; t0 < 128; t0 += 8) {  // a quarter-warp's 16-byte reads
+        std::set<int> banks;
+        for (int t = t0; t < t0 + 8; ++t) banks.insert(fwd_o_readback(kD, t, k).offset / 8 % 8);
+        EXPECT(banks.size() == 8,
+               "forward staging D %d: read %d of threads %d..%d shares bank groups", kD, k, t0,
+               t0 + 7);
+      }
   }
 }
 
