@@ -659,6 +659,19 @@ void attention_case(const std::string& name, int64_t b, int64_t h, int64_t kv, i
   const int64_t T = b * s;
   at::Tensor q = at::randn({T, h, d}, opts()), k = at::randn({T, kv, d}, opts()),
              v = at::randn({T, kv, d}, opts());
+  // The timed bodies: one forward, and one forward+backward, of our kernels on these tokens.
+  at::Tensor o = at::empty_like(q), dy = at::randn_like(q);
+  at::Tensor ql = q.detach().requires_grad_(true), kl = k.detach().requires_grad_(true),
+             vl = v.detach().requires_grad_(true);
+  auto fwd_ms = [&](const at::Tensor& cu_t) {
+    return median_ms([&] { K::attention_forward(q, k, v, cu_t, s, true, 0, o); });
+  };
+  auto fwd_bwd_ms = [&](const at::Tensor& cu_t, bool det) {
+    return median_ms([&] {
+      at::Tensor y = K::attention(ql, kl, vl, cu_t, s, true, 0, det);
+      torch::autograd::grad({y}, {ql, kl, vl}, {dy});
+    });
+  };
   auto run_own = [&](const std::string& tag, const std::vector<int64_t>& lens) {
     std::vector<int64_t> cu{0};
     double flops = 0;
@@ -690,21 +703,10 @@ void attention_case(const std::string& name, int64_t b, int64_t h, int64_t kv, i
         // list is built and uploaded once and every call after reuses it. Offsets on the device
         // cost each call a copy back and a synchronisation, so the host's preparation stands
         // between two launches; the "device offsets" rows below measure that path.
-        at::Tensor cu_t = at::tensor(cu, at::kLong);
-        at::Tensor o = at::empty_like(q);
-        if (with_fwd)
-          r.fused_ms = median_ms([&] { K::attention_forward(q, k, v, cu_t, s, true, 0, o); });
-        at::Tensor ql = q.detach().requires_grad_(true), kl = k.detach().requires_grad_(true),
-                   vl = v.detach().requires_grad_(true);
-        at::Tensor dy = at::randn_like(q);
-        for (Row* row : {&rb, &rd}) {
-          const bool det = row == &rd;
-          if (det && !with_det) continue;
-          row->fused_ms = median_ms([&] {
-            at::Tensor y = K::attention(ql, kl, vl, cu_t, s, true, 0, det);
-            torch::autograd::grad({y}, {ql, kl, vl}, {dy});
-          });
-        }
+        const at::Tensor cu_t = at::tensor(cu, at::kLong);
+        if (with_fwd) r.fused_ms = fwd_ms(cu_t);
+        rb.fused_ms = fwd_bwd_ms(cu_t, false);
+        if (with_det) rd.fused_ms = fwd_bwd_ms(cu_t, true);
         K::set_attention_schedule(saved);
       }
       sync();
@@ -722,16 +724,9 @@ void attention_case(const std::string& name, int64_t b, int64_t h, int64_t kv, i
       Row rb{"attention", label, shape, "fwd+bwd"};
       r.flops = flops;
       rb.flops = 2.5 * flops;
-      at::Tensor cu_t = at::tensor(cu, at::kLong).to(at::kCUDA);
-      at::Tensor o = at::empty_like(q);
-      r.fused_ms = median_ms([&] { K::attention_forward(q, k, v, cu_t, s, true, 0, o); });
-      at::Tensor ql = q.detach().requires_grad_(true), kl = k.detach().requires_grad_(true),
-                 vl = v.detach().requires_grad_(true);
-      at::Tensor dy = at::randn_like(q);
-      rb.fused_ms = median_ms([&] {
-        at::Tensor y = K::attention(ql, kl, vl, cu_t, s, true, 0, false);
-        torch::autograd::grad({y}, {ql, kl, vl}, {dy});
-      });
+      const at::Tensor cu_t = at::tensor(cu, at::kLong).to(at::kCUDA);
+      r.fused_ms = fwd_ms(cu_t);
+      rb.fused_ms = fwd_bwd_ms(cu_t, false);
       sync();
       g_rows.push_back(r);
       g_rows.push_back(rb);

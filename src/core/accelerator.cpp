@@ -486,6 +486,12 @@ at::Tensor to_pinned(const at::Tensor& t) {
   return out;
 }
 
+at::Tensor upload_async(const at::Tensor& host, const at::Device& device) {
+  if (!device.is_cuda()) return host.to(device);
+  return host.pin_memory().to(at::TensorOptions().device(device).dtype(host.scalar_type()),
+                              /*non_blocking=*/true);
+}
+
 bool register_cuda_kernel(const char* name) {
   std::lock_guard<std::mutex> lock(kernels_mu());
   kernels().emplace_back(name);

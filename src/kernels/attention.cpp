@@ -264,12 +264,9 @@ void upload_work(Prepared& p, const at::Tensor& cu_seqlens, const std::vector<in
     }
   p.fwd_tiles = static_cast<int64_t>(f.size());
   p.bwd_tiles = static_cast<int64_t>(b.size());
-  // Through pinned memory, asynchronously: a copy from pageable memory synchronises the stream
-  // first, which would leave the GPU idle while the host prepares each new batch's list. The
-  // caching host allocator keeps the pinned block until the copy has read it.
-  at::Tensor host = at::tensor(all, at::kInt);
-  if (device.is_cuda()) host = host.pin_memory();
-  p.work = host.to(at::TensorOptions().device(device).dtype(at::kInt), /*non_blocking=*/true);
+  // Without waiting for the device, which would sit idle while the host prepares each new
+  // batch's list.
+  p.work = upload_async(at::tensor(all, at::kInt), device);
   if (cu_seqlens.is_cpu()) {
     last.host = cu_seqlens;
     last.version = static_cast<int64_t>(cu_seqlens._version());

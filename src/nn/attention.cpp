@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
 #include "colossal/kernels/attention.h"
 
@@ -33,17 +34,6 @@ std::pair<at::Tensor, at::Tensor> KVCache::update(int64_t layer, const at::Tenso
 }
 
 // ---- Documents ----------------------------------------------------------------------------
-namespace {
-// A host tensor on `device` without waiting for the device: ATen's blocking copy from pageable
-// memory synchronises the stream first. The caching host allocator keeps the pinned block
-// until the copy has read it.
-at::Tensor upload(const at::Tensor& host, const at::Device& device) {
-  if (!device.is_cuda()) return host.to(device);
-  return host.pin_memory().to(at::TensorOptions().device(device).dtype(host.scalar_type()),
-                              /*non_blocking=*/true);
-}
-}  // namespace
-
 DocumentMask make_documents(const at::Tensor& ids_cpu, const at::Device& device) {
   COLOSSAL_CHECK(ids_cpu.dim() == 2 && ids_cpu.scalar_type() == at::kLong && ids_cpu.is_cpu(),
                  "document ids must be an int64 [batch, seq] CPU tensor, got ",
@@ -71,9 +61,9 @@ DocumentMask make_documents(const at::Tensor& ids_cpu, const at::Device& device)
     max_len = std::max(max_len, B * S - start);
   }
   DocumentMask d;
-  d.ids = upload(ids, device);
+  d.ids = upload_async(ids, device);
   d.cu_seqlens_cpu = at::tensor(cu, at::kInt);
-  d.cu_seqlens = upload(d.cu_seqlens_cpu, device);
+  d.cu_seqlens = upload_async(d.cu_seqlens_cpu, device);
   d.max_len = max_len;
   return d;
 }

@@ -107,6 +107,11 @@ at::Tensor empty_pinned(at::IntArrayRef sizes, at::ScalarType dtype);
 at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype, bool pinned);
 // A copy of `t` (any device) in new exact-size pinned memory, t's shape and dtype, contiguous.
 at::Tensor to_pinned(const at::Tensor& t);
+// A small host tensor (per-step offsets, work lists) copied to `device` without waiting for it:
+// ATen's blocking copy from pageable memory synchronises the stream first. It goes through
+// PyTorch's caching pinned allocator, which reuses a block only after the copy has read it
+// (empty_pinned frees with a device synchronisation: for long-lived buffers, not these).
+at::Tensor upload_async(const at::Tensor& host, const at::Device& device);
 
 // Build and device facts for `colossal check`.
 struct CudaDeviceInfo {
