@@ -244,6 +244,21 @@ W2 fwd FwdTraitsILi128ELi128ELi[0-9]+EEELb1ELb1ELb1E
 W1 fwd FwdTraitsILi64ELi128ELi[0-9]+EEELb1ELb1ELb1E
 SPECS
     ;;
+  attnkt)
+    # Issue 25: each kernel's own GPU time in bench_kernels --op attention (Nsight Compute, one
+    # metric, caches and clocks left alone), so a backward splits into its delta, main and
+    # convert kernels, and cuDNN's rows into theirs. ATTNKT_CASES: the cases (default W1 W2).
+    step "attention kernel times under ncu"
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    [ -n "$NCU" ] || { note "attnkt: no ncu here"; continue; }
+    for c in ${ATTNKT_CASES:-W1 W2}; do
+      timeout 240 "$NCU" --clock-control none --cache-control none --metrics gpu__time_duration.sum --kernel-name-base demangled \
+        --csv --print-units base --log-file "$LOGS/kt_$c.csv" \
+        "$BUILD/bench/bench_kernels" --op attention --reps 3 --attn_case "$c" $DI > "$LOGS/kt_$c.log" 2>&1 ||
+        note "attnkt $c: rc $? ($(tail -1 "$LOGS/kt_$c.log" | cut -c1-200))"
+      note "attnkt $c:"
+      $PY scripts/attn_kernel_times.py "$LOGS/kt_$c.csv" 2>&1 | tee -a "$SUMMARY"
+    done ;;
   fp8prof)
     # Issue 20: where the W2 step goes with FP8 linears, next to bf16 (kernel tables).
     # FP8PROF_WORKLOADS="w2 w1" profiles W1 (1b, seq 2048, batch 8) too.
