@@ -2,8 +2,8 @@
 // bf16 q [T, H, D], k / v [T, Hkv, D], packed sequences, causal or full, GQA in place), with
 // the forward's log-sum-exp. Written on CuTe after the FlashAttention-2/3 papers' key-stationary
 // scheme, not on their code:
-//  - preprocess: delta_i = rowsum(dO_i * O_i) per query and head (fp32 [H, T]); dQ's fp32
-//    accumulator zeroed;
+//  - preprocess: delta_i = rowsum(dO_i * O_i) per query and head (fp32 [H, T]), and the same
+//    threads zero that query's row of dQ's fp32 accumulator;
 //  - main kernel: one CTA per (128-key tile of a sequence, kv head), from a host-built work list
 //    (tiles with work only, heaviest first, a sequence's key tiles in order), holds K and V in
 //    shared memory and walks every query head of its group and every query tile (64 or 128
@@ -419,27 +419,40 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #endif
 }
 
-// delta[h, t] = sum_d dO[t, h, d] * O[t, h, d] (fp32), one warp per (t, h).
+// delta[h, t] = sum_d dO[t, h, d] * O[t, h, d] (fp32), kD / 8 threads per (t, h), each with one
+// 16-byte load of each; they also zero row t of head h in the dQ accumulator (one pass instead
+// of a memset of its own; the padding rows past the batch only ever receive exact zeros and are
+// never read, so they stay as they are).
 template <int kD>
 __global__ void attention_bwd_delta_kernel(const __nv_bfloat16* __restrict__ out,
                                            const __nv_bfloat16* __restrict__ dout,
-                                           float* __restrict__ delta, int64_t total, int heads,
+                                           float* __restrict__ delta, float* __restrict__ dq_accum,
+                                           int64_t total, int heads, int64_t dq_rows,
                                            int64_t out_row_stride, int64_t dout_row_stride) {
-  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (w >= total * heads) return;
-  const int64_t t = w / heads;
-  const int h = int(w % heads);
-  const __nv_bfloat16* o = out + t * out_row_stride + int64_t(h) * kD;
-  const __nv_bfloat16* g = dout + t * dout_row_stride + int64_t(h) * kD;
+  constexpr int kLanes = kD / 8;  // threads per row: 8 or 16, within one warp
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t row = i / kLanes;  // t * heads + h
+  const int part = int(i % kLanes);
+  const bool live = row < total * heads;  // the rest still take part in the shuffles
+  const int64_t t = live ? row / heads : 0;
+  const int h = live ? int(row % heads) : 0;
   float acc = 0.f;
-  for (int d = lane * 2; d < kD; d += 64) {
-    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(o + d));
-    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(g + d));
-    acc += a.x * b.x + a.y * b.y;
+  if (live) {
+    float4* z = reinterpret_cast<float4*>(dq_accum + (int64_t(h) * dq_rows + t) * kD) + 2 * part;
+    z[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+    z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    const uint4 a = *reinterpret_cast<const uint4*>(out + t * out_row_stride + h * kD + 8 * part);
+    const uint4 b = *reinterpret_cast<const uint4*>(dout + t * dout_row_stride + h * kD + 8 * part);
+    const uint32_t av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+    CUTE_UNROLL
+    for (int k = 0; k < 4; ++k) {
+      const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&av[k]));
+      const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bv[k]));
+      acc += x.x * y.x + x.y * y.y;
+    }
   }
-  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffff, acc, off);
-  if (lane == 0) delta[int64_t(h) * total + t] = acc;
+  for (int off = kLanes / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffff, acc, off);
+  if (live && part == 0) delta[int64_t(h) * total + t] = acc;
 }
 
 // dq[t, h, :] = bf16(the accumulator's row t of head h), four columns (one chunk) per thread.
@@ -471,21 +484,19 @@ void launch_bwd(const AttentionBwdArgs& a, Stream stream) {
   using D = typename T::D;
   auto st = reinterpret_cast<cudaStream_t>(stream);
   const int total = int(a.total);
-  // 1. delta = rowsum(dO * O); the dQ accumulator (and the order counters) zeroed.
+  // 1. delta = rowsum(dO * O) and the dQ accumulator's rows zeroed in one pass (with a memset
+  //    of its own, W1's forward+backward was 1.5 % slower and W2 B1's 1.1 %; H100,
+  //    docs/benchmarks.md 2026-12-06 16:5xZ); deterministic mode's order counters zeroed.
   {
-    const int64_t warps = a.total * a.heads;
+    const int64_t lanes = a.total * a.heads * (kD / 8);
     const int threads = 256;
-    const int64_t blocks = (warps * 32 + threads - 1) / threads;
+    const int64_t blocks = (lanes + threads - 1) / threads;
     if (blocks > 0)
       attention_bwd_delta_kernel<kD><<<unsigned(blocks), threads, 0, st>>>(
           reinterpret_cast<const __nv_bfloat16*>(a.out),
-          reinterpret_cast<const __nv_bfloat16*>(a.dout), a.delta, a.total, int(a.heads),
-          a.heads * kD, a.dout_row_stride);
+          reinterpret_cast<const __nv_bfloat16*>(a.dout), a.delta, a.dq_accum, a.total,
+          int(a.heads), a.total + kDqPadRows, a.heads * kD, a.dout_row_stride);
     check(cudaGetLastError(), "delta");
-    check(
-        cudaMemsetAsync(a.dq_accum, 0,
-                        sizeof(float) * attention_sm90_dq_accum_elements(a.total, a.heads, kD), st),
-        "memset");
     if (kDeterministic)
       check(cudaMemsetAsync(a.dq_semaphore, 0, sizeof(int) * a.semaphore_count, st), "memset");
   }
