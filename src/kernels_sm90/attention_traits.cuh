@@ -106,6 +106,15 @@ __host__ __device__ constexpr int bwd_query_slot(int j) {
 __host__ __device__ constexpr int bwd_slot_register(int c) {
   return 4 * (c / 2) + c % 2;
 }
+// Where query q's log-sum-exp and delta sit in the backward's shared-memory rows: a thread's
+// slots 4g .. 4g + 3 (queries 16g + 2i + {0, 1} and 16g + 8 + 2i + {0, 1}, i its column pair)
+// side by side, so it reads them with one 16-byte load.
+__host__ __device__ constexpr int bwd_stat_pos(int q) {
+  return (q & ~15) | (((q >> 1) & 3) << 2) | (((q >> 3) & 1) << 1) | (q & 1);
+}
+__host__ __device__ __forceinline__ float float4_at(const float4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
 
 // Queries per backward step. 128 at head dim 64: half the steps, so each step's fixed costs
 // (the pipeline's waits, the dS^T barrier, one dQ reduce-add) are spread over twice the work
@@ -172,8 +181,9 @@ struct BwdTraits {
     alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutQ>> dout;
     alignas(1024) cute::array_aligned<Bf16, 2 * cosize_v<SmemLayoutDS>> ds;  // two steps' dS^T
     alignas(128) float dq[kBlockM * kD];  // dq_tma: one query tile's dQ sum (dq_index order)
-    float lse2[kStages][kBlockM];         // lse * log2(e); +inf past the sequence's end
-    float delta[kStages][kBlockM];        // rowsum(dO * O)
+    // By query q at bwd_stat_pos(q):
+    alignas(16) float lse2[kStages][kBlockM];   // lse * log2(e); +inf past the sequence's end
+    alignas(16) float delta[kStages][kBlockM];  // rowsum(dO * O)
     alignas(8) uint64_t bar_kv;
     uint64_t full_q[kStages], full_do[kStages], full_stat[kStages], empty[kStages];
   };
@@ -182,16 +192,36 @@ struct BwdTraits {
 };
 
 // Where row t (of the whole batch), column c of one head's dQ sum lives within that head's
-// [total + 128, D] slab: the row's 16-byte chunks XOR-swizzled by 2 * (t % 4). A warp's store of
-// one accumulator register pair writes 8 rows x 32 bytes (two chunks 2q, 2q + 1 of each row);
-// the swizzle sends any 4 consecutive rows to 4 different chunk pairs (the pair index becomes
-// q ^ (t % 4)), so each half-warp's 128 bytes fill the 32 banks once: no bank conflict.
+// [total + 128, D] slab. A backward thread holds dQ's columns 8b + 2q + e of its rows (b: the
+// 8-column block, q: the thread's pair within it, e: which of the pair). Its pairs of blocks 2g
+// and 2g + 1 form one 16-byte chunk (16g + 2q + {0, 1} and 16g + 8 + 2q + {0, 1}, in that order,
+// or swapped in rows t with t & 2: dq_chunk_swap), one float4 for the atomics path. The four
+// chunks q of a 16-column group g lie side by side (64 bytes: a warp's vector atomics fill
+// whole 32-byte sectors), and odd rows swap the groups in pairs (g ^ 1). With the swapped
+// halves, each half-warp's 8-byte stores of one register pair into the dq_tma tile in shared
+// memory (rows t .. t + 3) fill the 32 banks once.
+__host__ __device__ __forceinline__ int dq_chunk_swap(int64_t t) {
+  return int((t >> 1) & 1);
+}
 __host__ __device__ __forceinline__ int dq_column(int c, int64_t t) {
-  return (((c >> 2) ^ (2 * int(t & 3))) << 2) + (c & 3);
+  const int g = c >> 4, hi = (c >> 3) & 1, q = (c >> 1) & 3, e = c & 1;
+  return ((g ^ int(t & 1)) << 4) | (q << 2) | ((hi ^ dq_chunk_swap(t)) << 1) | e;
 }
 template <int kD>
 __host__ __device__ __forceinline__ int64_t dq_index(int64_t t, int c) {
   return t * kD + dq_column(c, t);
+}
+// The lowest logical column c of row t's physical chunk k, which holds columns c, c + 1, c + 8,
+// c + 9 (the last two first where dq_chunk_swap(t)): the inverse of dq_column.
+__host__ __device__ __forceinline__ int dq_chunk_column(int k, int64_t t) {
+  const int g = (k >> 2) ^ int(t & 1), q = k & 3;
+  return 16 * g + 2 * q;
+}
+// Register i (0..3) of a backward thread's k-th dQ chunk: the dQ accumulator's registers j hold
+// ((2 columns, 2 rows, column blocks)), so chunk k = (block pair k / 2, row half k % 2) takes
+// registers 8 (k / 2) + 2 (k % 2) + {0, 1} and the same + 4 (test_attention_layouts checks it).
+__host__ __device__ constexpr int dq_chunk_register(int k, int i) {
+  return 8 * (k / 2) + 2 * (k % 2) + 4 * (i / 2) + i % 2;
 }
 
 }  // namespace colossal::kernels::cuda::sm90

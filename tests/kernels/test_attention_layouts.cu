@@ -9,9 +9,12 @@
 //    are adjacent columns (bf16x2 stores), P read from S's registers is the A operand the P V
 //    wgmma expects element for element;
 //  - backward: S^T / dP^T and the dV / dK accumulators likewise (P^T and dS^T as A operands);
-//    a thread's dQ rows are equal mod 8 (one swizzle per thread) and a half-warp's dQ stores
-//    hit each shared-memory bank once; dq_index is a permutation of each row's columns that
-//    keeps 16-byte chunks whole;
+//    a thread's four statistics slots 4g .. 4g + 3 are one aligned 16-byte load (bwd_stat_pos);
+//    a thread's dQ rows are equal mod 8 (one swizzle per thread), its chunks (dq_chunk_register)
+//    are four columns c, c + 1, c + 8, c + 9 of one row that dq_index puts in one aligned
+//    16-byte vector (pairs swapped where dq_chunk_swap), a half-warp's 8-byte dQ stores hit
+//    each shared-memory bank once, and a warp's vector atomics fill whole 32-byte sectors;
+//    dq_index is a permutation of each row's columns and dq_chunk_column its inverse;
 //  - every tile element is held by exactly one thread;
 //  - the launch order (tile_and_head, common.cuh): every (work-list entry, head) pair exactly once,
 //    section after section, entries in list order within a section and its heads adjacent.
@@ -242,18 +245,48 @@ void backward() {
     EXPECT(slots.size() == queries.size() && int(slots.size()) == int(s.size()) / 2,
            "backward S^T thread %d: %zu column slots for %zu queries", t, slots.size(),
            queries.size());
+    // Slots 4g .. 4g + 3 are one aligned 16-byte load of the statistics (bwd_stat_pos), from
+    // register 8g's query on; each register's position is the thread's first plus the position
+    // of its query's offset (the kernel's stat_at).
+    for (int j = 0; j < int(s.size()); ++j)
+      EXPECT(bwd_stat_pos(s[j].second) ==
+                 bwd_stat_pos(s[0].second) + bwd_stat_pos(s[j].second - s[0].second),
+             "backward S^T thread %d register %d: statistics position of query %d not additive", t,
+             j, s[j].second);
+    for (int g = 0; g < int(s.size()) / 8; ++g) {
+      const int first = bwd_stat_pos(s[8 * g].second);
+      EXPECT(first % 4 == 0, "backward S^T thread %d group %d: statistics at %d", t, g, first);
+      for (int i = 0; i < 4; ++i)
+        EXPECT(bwd_stat_pos(s[bwd_slot_register(4 * g + i)].second) == first + i,
+               "backward S^T thread %d slot %d: query %d is not element %d of the load at %d", t,
+               4 * g + i, s[bwd_slot_register(4 * g + i)].second, i, first);
+    }
     check_rows(kv, "backward dK/dV", t);
     // P^T and dS^T from S^T's registers as the dV / dK wgmma's A operand (keys x queries).
     auto acc = partition_fragment_C(mma_sdp, Shape<Int<BN>, Int<BM>>{});
     const auto a = coords(thr_kv.partition_A(make_identity_tensor(Shape<Int<BN>, Int<BM>>{})));
     check_registers_as_a(s, acc.layout(), typename T::LayoutP{}, a, "backward P^T", t);
-    // dQ: column pairs adjacent, rows equal mod 8.
-    for (int j = 0; j < int(q.size()); ++j) {
+    // dQ: rows equal mod 8; chunk k's registers are columns c, c + 1, c + 8, c + 9 of one row,
+    // stored as one aligned float4 by dq_column.
+    EXPECT(q.size() % 4 == 0, "backward dQ thread %d: %zu registers", t, q.size());
+    for (int j = 0; j < int(q.size()); ++j)
       EXPECT(q[j].first % 8 == q[0].first % 8, "backward dQ thread %d register %d: row %d vs %d", t,
              j, q[j].first, q[0].first);
-      if (j % 2 == 1)
-        EXPECT(q[j].first == q[j - 1].first && q[j].second == q[j - 1].second + 1,
-               "backward dQ thread %d registers %d, %d are not adjacent columns", t, j - 1, j);
+    for (int k = 0; k < int(q.size()) / 4; ++k) {
+      const Coord x = q[dq_chunk_register(k, 0)];
+      const int offset[4] = {0, 1, 8, 9};
+      for (int i = 0; i < 4; ++i) {
+        const Coord y = q[dq_chunk_register(k, i)];
+        EXPECT(y.first == x.first && y.second == x.second + offset[i],
+               "backward dQ thread %d chunk %d register %d: (%d, %d), chunk starts at (%d, %d)", t,
+               k, i, y.first, y.second, x.first, x.second);
+        // The kernel's float4: (c, c + 1, c + 8, c + 9), the pairs swapped where dq_chunk_swap.
+        for (int64_t row = 0; row < 4; ++row)
+          EXPECT(dq_column(y.second, row) ==
+                     (dq_column(x.second, row) & ~3) + (i ^ (2 * dq_chunk_swap(row))),
+                 "backward dQ thread %d chunk %d row %d: column %d is not element %d of the vector",
+                 t, k, int(row), y.second, i ^ (2 * dq_chunk_swap(row)));
+      }
     }
     q_by_thread[t] = q;
     s_all.push_back(s);
@@ -281,17 +314,48 @@ void backward() {
           EXPECT(worst == 1, "dQ store D%d start %d warp %d register %d half %d: %d-way conflict",
                  kD, start, warp, j, half, worst);
         }
-  // dq_index: each row's columns permuted, 16-byte chunks kept whole.
+  // A warp's vector atomics (one 16-byte chunk a thread, at row * D + dq_column(col, row) & ~3)
+  // touch only whole 32-byte sectors.
+  for (int start = 0; start < 8; ++start)
+    for (int warp = 0; warp < 8; ++warp)
+      for (int k = 0; k < int(q_by_thread[0].size()) / 4; ++k) {
+        std::map<int64_t, std::set<int>> sector_words;
+        for (int lane = 0; lane < 32; ++lane) {
+          const Coord x = q_by_thread[warp * 32 + lane][dq_chunk_register(k, 0)];
+          const int word = x.first * kD + (dq_column(x.second, start + x.first) & ~3);
+          for (int w = word; w < word + 4; ++w) sector_words[w / 8].insert(w);
+        }
+        for (const auto& [sector, words] : sector_words)
+          EXPECT(words.size() == 8,
+                 "dQ atomics D%d start %d warp %d chunk %d: sector %lld gets %zu words", kD, start,
+                 warp, k, (long long)sector, words.size());
+      }
+  // bwd_stat_pos: a permutation of the step's queries.
+  {
+    std::set<int> pos;
+    for (int q = 0; q < BM; ++q) pos.insert(bwd_stat_pos(q));
+    EXPECT(int(pos.size()) == BM && *pos.begin() == 0 && *pos.rbegin() == BM - 1,
+           "bwd_stat_pos: %zu positions for %d queries", pos.size(), BM);
+  }
+  // dq_index: each row's columns permuted; dq_chunk_column is the inverse of each chunk.
   for (int64_t t = 0; t < 8; ++t) {
     std::set<int64_t> cols;
     for (int c = 0; c < kD; ++c) {
       const int64_t i = dq_index<kD>(t, c);
       EXPECT(i >= t * kD && i < (t + 1) * kD, "dq_index(%d, %d) = %lld leaves the row", int(t), c,
              (long long)i);
-      EXPECT(i % 4 == c % 4, "dq_index(%d, %d) splits a chunk", int(t), c);
       cols.insert(i);
     }
     EXPECT(int(cols.size()) == kD, "dq_index row %d: %zu distinct columns", int(t), cols.size());
+    for (int k = 0; k < kD / 4; ++k) {
+      const int c = dq_chunk_column(k, t), offset[4] = {0, 1, 8, 9};
+      for (int i = 0; i < 4; ++i) {
+        const int slot = i ^ (2 * dq_chunk_swap(t));
+        EXPECT(dq_index<kD>(t, c + offset[i]) == t * kD + 4 * k + slot,
+               "dq_chunk_column(%d, %d) = %d: column %d is not element %d of chunk %d", k, int(t),
+               c, c + offset[i], slot, k);
+      }
+    }
   }
 }
 
