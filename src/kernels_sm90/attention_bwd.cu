@@ -17,19 +17,18 @@
 //    writing dS^T into one of two shared-memory buffers (alternate steps: no barrier before
 //    the store) for dQ = dS K (each warpgroup half of the queries at 128 a step with dq_tma,
 //    else half of the head dim),
-//    added to the fp32 accumulator with vector atomics (16 bytes each), or (dq_tma) written to
-//    shared memory and added by a TMA reduce-add that the producer warpgroup's last warp issues. dK
-//    and dV stay in registers for the whole walk (no atomics: the CTA owns its keys for every head
-//    of the group) and are written once;
+//    added to the fp32 accumulator with vector atomics (16 bytes each), or (dq_tma) written
+//    to shared memory and added by a TMA reduce-add that the producer warpgroup's last warp
+//    issues. dK and dV stay in registers for the whole walk (no atomics: the CTA owns its keys
+//    for every head of the group) and are written once;
 //  - deterministic mode: the CTAs of one query tile add their dQ in key-tile order (a counter
 //    per (query tile, head) in global memory), so the sums are bitwise repeatable;
 //  - convert: dQ = bf16(accumulator).
 // The accumulator is [heads, total + 128, D] with each row's columns permuted (dq_index,
 // attention_traits.cuh): a thread's four values of a chunk are one 16-byte vector, a query tile
 // of one head is one contiguous range for the bulk reduce, and the consumers' stores of it into
-// shared memory are free of bank conflicts. Rows
-// of a tile past its sequence's end add exact zeros (P is 0 there) to the next sequence's rows or
-// to the 128 rows of padding.
+// shared memory are free of bank conflicts. Rows of a tile past its sequence's end add exact
+// zeros (P is 0 there) to the next sequence's rows or to the 128 rows of padding.
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/numeric_types.h>
@@ -192,8 +191,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         watched_wait(&s.empty[stage], phase ^ 1, p.hang, kHangBwd, kWaitEmpty, stage);
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
-          s.lse2[stage][bwd_stat_pos(t + r * T::kStatThreads)] = l[r];
-          s.delta[stage][bwd_stat_pos(t + r * T::kStatThreads)] = d[r];
+          s.lse2[stage][t + r * T::kStatThreads] = l[r];
+          s.delta[stage][t + r * T::kStatThreads] = d[r];
         }
         FullBarrier::arrive(&s.full_stat[stage]);
       }
@@ -273,19 +272,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     watched_wait(&s.full_stat[stage], phase, p.hang, kHangBwd, kWaitFullStat, stage);
     // The log-sum-exp of this thread's queries, one per column slot (bwd_query_slot), read
     // while S^T computes (read after the wait, ncu showed the loads' latency in the
-    // exponentials' first instructions). Query q's statistics sit at bwd_stat_pos(q): slots
-    // 4g .. 4g + 3 are one 16-byte load, and a register's position is the thread's first plus
-    // a constant (stat_at).
+    // exponentials' first instructions).
     constexpr int kCols = decltype(size(accS))::value / 2;
-    const int qc0 = get<1>(tScS(0)), pos0 = bwd_stat_pos(qc0);
-    auto stat_at = [&](int j) { return pos0 + bwd_stat_pos(get<1>(tScS(j)) - qc0); };
-    auto stat4 = [&](const float* stat, int g) {
-      return *reinterpret_cast<const float4*>(stat + stat_at(8 * g));
-    };
-    float4 lse_col[kHoistLse ? kCols / 4 : 1];
+    float lse_col[kCols];
     if constexpr (kHoistLse) {
       CUTE_UNROLL
-      for (int g = 0; g < kCols / 4; ++g) lse_col[g] = stat4(s.lse2[stage], g);
+      for (int c = 0; c < kCols; ++c)
+        lse_col[c] = s.lse2[stage][get<1>(tScS(bwd_slot_register(c)))];
     }
     warpgroup_wait<1>();  // S^T done (dP^T may still run)
     warpgroup_fence_operand(accS);
@@ -296,11 +289,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     CUTE_UNROLL
     for (int j = 0; j < size(accS); ++j) {
       const int kr = get<0>(tScS(j)), qc = get<1>(tScS(j));
-      float l;
-      if constexpr (kHoistLse)
-        l = float4_at(lse_col[j / 8], bwd_query_slot(j) % 4);
-      else
-        l = s.lse2[stage][stat_at(j)];
+      const float l = kHoistLse ? lse_col[bwd_query_slot(j)] : s.lse2[stage][get<1>(tScS(j))];
       float e = sm90::exp2_approx(accS(j) * p.scale_log2 - l);
       if (need_mask) {
         const int key = k_row0 + kr, query = q_row0 + qc;
@@ -317,32 +306,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     warpgroup_fence_operand(tP);
     sm90::gemm_batch<false>(mma_kv, tP, tKVrdO(_, _, _, stage), accdV);
     // delta of this thread's queries, read before the wait as well where the registers allow.
-    float4 delta_col[kHoistDelta ? kCols / 4 : 1];
+    float delta_col[kCols];
     if constexpr (kHoistDelta) {
       CUTE_UNROLL
-      for (int g = 0; g < kCols / 4; ++g) delta_col[g] = stat4(s.delta[stage], g);
+      for (int c = 0; c < kCols; ++c)
+        delta_col[c] = s.delta[stage][get<1>(tScS(bwd_slot_register(c)))];
     }
     warpgroup_wait<1>();  // dP^T done (dV may still run)
     warpgroup_fence_operand(accdP);
-    // dS^T = P^T (dP^T - delta), kept in accdP: delta hoisted, or at 64 queries a step one
-    // 16-byte load a group of four slots, or at 128 (whose registers spilled with those loads)
-    // one load an element.
+    // dS^T = P^T (dP^T - delta), kept in accdP.
     CUTE_UNROLL
-    for (int g = 0; g < kCols / 4; ++g) {
-      float4 d4;
-      if constexpr (kHoistDelta)
-        d4 = delta_col[g];
-      else if constexpr (kBlockM == 64)
-        d4 = stat4(s.delta[stage], g);
-      CUTE_UNROLL
-      for (int j = 8 * g; j < 8 * g + 8; ++j) {
-        float d;
-        if constexpr (kBlockM == 64)
-          d = float4_at(d4, bwd_query_slot(j) % 4);
-        else
-          d = s.delta[stage][stat_at(j)];
-        accdP(j) = accS(j) * (accdP(j) - d);
-      }
+    for (int j = 0; j < size(accdP); ++j) {
+      const float d = kHoistDelta ? delta_col[bwd_query_slot(j)] : s.delta[stage][get<1>(tScS(j))];
+      accdP(j) = accS(j) * (accdP(j) - d);
     }
     Tensor rdS = make_tensor<Bf16>(accdP.layout());
     CUTE_UNROLL

@@ -106,15 +106,6 @@ __host__ __device__ constexpr int bwd_query_slot(int j) {
 __host__ __device__ constexpr int bwd_slot_register(int c) {
   return 4 * (c / 2) + c % 2;
 }
-// Where query q's log-sum-exp and delta sit in the backward's shared-memory rows: a thread's
-// slots 4g .. 4g + 3 (queries 16g + 2i + {0, 1} and 16g + 8 + 2i + {0, 1}, i its column pair)
-// side by side, so it reads them with one 16-byte load.
-__host__ __device__ constexpr int bwd_stat_pos(int q) {
-  return (q & ~15) | (((q >> 1) & 3) << 2) | (((q >> 3) & 1) << 1) | (q & 1);
-}
-__host__ __device__ __forceinline__ float float4_at(const float4& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
 
 // Queries per backward step. 128 at head dim 64: half the steps, so each step's fixed costs
 // (the pipeline's waits, the dS^T barrier, one dQ reduce-add) are spread over twice the work
@@ -181,9 +172,8 @@ struct BwdTraits {
     alignas(1024) cute::array_aligned<Bf16, cosize_v<SmemLayoutQ>> dout;
     alignas(1024) cute::array_aligned<Bf16, 2 * cosize_v<SmemLayoutDS>> ds;  // two steps' dS^T
     alignas(128) float dq[kBlockM * kD];  // dq_tma: one query tile's dQ sum (dq_index order)
-    // By query q at bwd_stat_pos(q):
-    alignas(16) float lse2[kStages][kBlockM];   // lse * log2(e); +inf past the sequence's end
-    alignas(16) float delta[kStages][kBlockM];  // rowsum(dO * O)
+    float lse2[kStages][kBlockM];         // lse * log2(e); +inf past the sequence's end
+    float delta[kStages][kBlockM];        // rowsum(dO * O)
     alignas(8) uint64_t bar_kv;
     uint64_t full_q[kStages], full_do[kStages], full_stat[kStages], empty[kStages];
   };

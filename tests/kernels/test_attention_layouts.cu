@@ -9,7 +9,6 @@
 //    are adjacent columns (bf16x2 stores), P read from S's registers is the A operand the P V
 //    wgmma expects element for element;
 //  - backward: S^T / dP^T and the dV / dK accumulators likewise (P^T and dS^T as A operands);
-//    a thread's four statistics slots 4g .. 4g + 3 are one aligned 16-byte load (bwd_stat_pos);
 //    a thread's dQ rows are equal mod 8 (one swizzle per thread), its chunks (dq_chunk_register)
 //    are four columns c, c + 1, c + 8, c + 9 of one row that dq_index puts in one aligned
 //    16-byte vector (pairs swapped where dq_chunk_swap), a half-warp's 8-byte dQ stores hit
@@ -245,22 +244,6 @@ void backward() {
     EXPECT(slots.size() == queries.size() && int(slots.size()) == int(s.size()) / 2,
            "backward S^T thread %d: %zu column slots for %zu queries", t, slots.size(),
            queries.size());
-    // Slots 4g .. 4g + 3 are one aligned 16-byte load of the statistics (bwd_stat_pos), from
-    // register 8g's query on; each register's position is the thread's first plus the position
-    // of its query's offset (the kernel's stat_at).
-    for (int j = 0; j < int(s.size()); ++j)
-      EXPECT(bwd_stat_pos(s[j].second) ==
-                 bwd_stat_pos(s[0].second) + bwd_stat_pos(s[j].second - s[0].second),
-             "backward S^T thread %d register %d: statistics position of query %d not additive", t,
-             j, s[j].second);
-    for (int g = 0; g < int(s.size()) / 8; ++g) {
-      const int first = bwd_stat_pos(s[8 * g].second);
-      EXPECT(first % 4 == 0, "backward S^T thread %d group %d: statistics at %d", t, g, first);
-      for (int i = 0; i < 4; ++i)
-        EXPECT(bwd_stat_pos(s[bwd_slot_register(4 * g + i)].second) == first + i,
-               "backward S^T thread %d slot %d: query %d is not element %d of the load at %d", t,
-               4 * g + i, s[bwd_slot_register(4 * g + i)].second, i, first);
-    }
     check_rows(kv, "backward dK/dV", t);
     // P^T and dS^T from S^T's registers as the dV / dK wgmma's A operand (keys x queries).
     auto acc = partition_fragment_C(mma_sdp, Shape<Int<BN>, Int<BM>>{});
@@ -330,13 +313,6 @@ void backward() {
                  "dQ atomics D%d start %d warp %d chunk %d: sector %lld gets %zu words", kD, start,
                  warp, k, (long long)sector, words.size());
       }
-  // bwd_stat_pos: a permutation of the step's queries.
-  {
-    std::set<int> pos;
-    for (int q = 0; q < BM; ++q) pos.insert(bwd_stat_pos(q));
-    EXPECT(int(pos.size()) == BM && *pos.begin() == 0 && *pos.rbegin() == BM - 1,
-           "bwd_stat_pos: %zu positions for %d queries", pos.size(), BM);
-  }
   // dq_index: each row's columns permuted; dq_chunk_column is the inverse of each chunk.
   for (int64_t t = 0; t < 8; ++t) {
     std::set<int64_t> cols;
