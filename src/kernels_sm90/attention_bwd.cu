@@ -385,19 +385,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         NamedBarrier::sync(T::kConsumers, kDqOrder);
       }
       // One vector atomic a chunk (16 bytes; red.global.add.v4.f32): a warp's adds fill whole
-      // 32-byte sectors. A thread's rows are equal mod 8, so one swap serves all of them.
-      const bool swap = dq_chunk_swap(start + q_row0 + get<0>(tQc(0)));
+      // 32-byte sectors. The address is t * kD + (dq_column & ~3), equal to dq_index & ~3: that
+      // form made ptxas spill 4-16 bytes more in this schedule at head dim 64.
       CUTE_UNROLL
       for (int k = 0; k < size(accdQ) / 4; ++k) {
-        const int j = dq_chunk_register(k, 0);
-        const int r = get<0>(tQc(j)), c = get<1>(tQc(j));
+        const int r = get<0>(tQc(dq_chunk_register(k, 0))),
+                  c = get<1>(tQc(dq_chunk_register(k, 0)));
         const int64_t t = start + q_row0 + r;
-        const float2 lo = make_float2(accdQ(j) * p.scale, accdQ(j + 1) * p.scale);
-        const float2 hi = make_float2(accdQ(j + 4) * p.scale, accdQ(j + 5) * p.scale);
+        float4 v;
+        v.x = accdQ(dq_chunk_register(k, 0)) * p.scale;
+        v.y = accdQ(dq_chunk_register(k, 1)) * p.scale;
+        v.z = accdQ(dq_chunk_register(k, 2)) * p.scale;
+        v.w = accdQ(dq_chunk_register(k, 3)) * p.scale;
         if (q_row0 + r < len)
-          atomicAdd(
-              reinterpret_cast<float4*>(dq + t * kD + (dq_column(c, t) & ~3)),
-              swap ? make_float4(hi.x, hi.y, lo.x, lo.y) : make_float4(lo.x, lo.y, hi.x, hi.y));
+          atomicAdd(reinterpret_cast<float4*>(dq + t * kD + (dq_column(c, t) & ~3)),
+                    dq_chunk_vector(v, t));
       }
       if constexpr (kDeterministic) {
         __threadfence();
@@ -476,13 +478,11 @@ __global__ void attention_bwd_convert_kernel(const float* __restrict__ acc,
   const int64_t row = i / (kD / 4);
   const int64_t t = row / heads;
   const int h = int(row % heads);
-  const float4 v = *reinterpret_cast<const float4*>(acc + (int64_t(h) * dq_rows + t) * kD + 4 * k);
+  const float4 v = dq_chunk_vector(
+      *reinterpret_cast<const float4*>(acc + (int64_t(h) * dq_rows + t) * kD + 4 * k), t);
   __nv_bfloat16* out = dq + row * kD + dq_chunk_column(k, t);
-  const __nv_bfloat162 first = __floats2bfloat162_rn(v.x, v.y),
-                       last = __floats2bfloat162_rn(v.z, v.w);
-  const bool swap = dq_chunk_swap(t);
-  *reinterpret_cast<__nv_bfloat162*>(out) = swap ? last : first;
-  *reinterpret_cast<__nv_bfloat162*>(out + 8) = swap ? first : last;
+  *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(v.x, v.y);
+  *reinterpret_cast<__nv_bfloat162*>(out + 8) = __floats2bfloat162_rn(v.z, v.w);
 }
 
 void check(cudaError_t err, const char* what) {

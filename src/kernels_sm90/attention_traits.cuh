@@ -207,6 +207,14 @@ __host__ __device__ __forceinline__ int dq_chunk_column(int k, int64_t t) {
   const int g = (k >> 2) ^ int(t & 1), q = k & 3;
   return 16 * g + 2 * q;
 }
+// A chunk's four values in both orders: register order (c, c + 1, c + 8, c + 9) to the order
+// they lie in at row t of the accumulator, and back (the swap is its own inverse). The atomics
+// path adds dq_chunk_vector(registers, t) at (dq_index(t, c) & ~3); the conversion reads that
+// float4 and gets the registers' order back (test_attention_layouts checks both against
+// dq_column).
+__host__ __device__ __forceinline__ float4 dq_chunk_vector(float4 v, int64_t t) {
+  return dq_chunk_swap(t) ? make_float4(v.z, v.w, v.x, v.y) : v;
+}
 // Register i (0..3) of a backward thread's k-th dQ chunk: the dQ accumulator's registers j hold
 // ((2 columns, 2 rows, column blocks)), so chunk k = (block pair k / 2, row half k % 2) takes
 // registers 8 (k / 2) + 2 (k % 2) + {0, 1} and the same + 4 (test_attention_layouts checks it).

@@ -11,7 +11,7 @@
 //  - backward: S^T / dP^T and the dV / dK accumulators likewise (P^T and dS^T as A operands);
 //    a thread's dQ rows are equal mod 8 (one swizzle per thread), its chunks (dq_chunk_register)
 //    are four columns c, c + 1, c + 8, c + 9 of one row that dq_index puts in one aligned
-//    16-byte vector (pairs swapped where dq_chunk_swap), a half-warp's 8-byte dQ stores hit
+//    16-byte vector (in dq_chunk_vector's order, both ways), a half-warp's 8-byte dQ stores hit
 //    each shared-memory bank once, and a warp's vector atomics fill whole 32-byte sectors;
 //    dq_index is a permutation of each row's columns and dq_chunk_column its inverse;
 //  - every tile element is held by exactly one thread;
@@ -263,12 +263,20 @@ void backward() {
         EXPECT(y.first == x.first && y.second == x.second + offset[i],
                "backward dQ thread %d chunk %d register %d: (%d, %d), chunk starts at (%d, %d)", t,
                k, i, y.first, y.second, x.first, x.second);
-        // The kernel's float4: (c, c + 1, c + 8, c + 9), the pairs swapped where dq_chunk_swap.
-        for (int64_t row = 0; row < 4; ++row)
-          EXPECT(dq_column(y.second, row) ==
-                     (dq_column(x.second, row) & ~3) + (i ^ (2 * dq_chunk_swap(row))),
-                 "backward dQ thread %d chunk %d row %d: column %d is not element %d of the vector",
-                 t, k, int(row), y.second, i ^ (2 * dq_chunk_swap(row)));
+      }
+      // The kernel's float4 (dq_chunk_vector of the registers in dq_chunk_register order), added
+      // at (dq_index & ~3): its slot s must hold the register whose column dq_column puts there.
+      for (int64_t row = 0; row < 4; ++row) {
+        const float4 v = dq_chunk_vector(make_float4(0.f, 1.f, 2.f, 3.f), row);
+        const float slot_reg[4] = {v.x, v.y, v.z, v.w};
+        for (int slot = 0; slot < 4; ++slot) {
+          const int i = int(slot_reg[slot]);
+          const Coord y = q[dq_chunk_register(k, i)];
+          EXPECT(dq_column(y.second, row) == (dq_column(x.second, row) & ~3) + slot,
+                 "backward dQ thread %d chunk %d row %d: the vector's element %d holds column %d, "
+                 "which dq_column puts at %d",
+                 t, k, int(row), slot, y.second, dq_column(y.second, row));
+        }
       }
     }
     q_by_thread[t] = q;
@@ -323,10 +331,14 @@ void backward() {
       cols.insert(i);
     }
     EXPECT(int(cols.size()) == kD, "dq_index row %d: %zu distinct columns", int(t), cols.size());
+    // The conversion: physical chunk k read as a float4, dq_chunk_vector gives columns c, c + 1,
+    // c + 8, c + 9 (c = dq_chunk_column) in that order.
     for (int k = 0; k < kD / 4; ++k) {
       const int c = dq_chunk_column(k, t), offset[4] = {0, 1, 8, 9};
+      const float4 v = dq_chunk_vector(make_float4(0.f, 1.f, 2.f, 3.f), t);
+      const float slot_of[4] = {v.x, v.y, v.z, v.w};
       for (int i = 0; i < 4; ++i) {
-        const int slot = i ^ (2 * dq_chunk_swap(t));
+        const int slot = int(slot_of[i]);
         EXPECT(dq_index<kD>(t, c + offset[i]) == t * kD + 4 * k + slot,
                "dq_chunk_column(%d, %d) = %d: column %d is not element %d of chunk %d", k, int(t),
                c, c + offset[i], slot, k);
