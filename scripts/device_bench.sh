@@ -221,7 +221,8 @@ for phase in "$@"; do
   attnprof)
     # Issue 25: Nsight Compute on our attention kernels (hardware counters: Firecracker machines
     # only, clocks left alone): one launch each of W1's and W2's backward and forward
-    # (causal, the default schedule), the full section set. Back as text: the details page and
+    # (causal, the default schedule), and of cuDNN's backward kernel (`cudnn_bwd`, LibTorch's
+    # cuDNN SDPA on the same inputs), the full section set. Back as text: the details page and
     # the SASS with its per-instruction stall samples (CSV).
     step "attention kernels under ncu"
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -236,12 +237,15 @@ for phase in "$@"; do
         note "attnprof $c $what: rc $? ($(tail -1 "$LOGS/$n.log" | cut -c1-200))"
       "$NCU" -i "/tmp/$n.ncu-rep" --page details --print-details all > "$LOGS/${n}_details.txt" 2>&1
       "$NCU" -i "/tmp/$n.ncu-rep" --page source --print-source sass --csv > "$LOGS/${n}_sass.csv" 2>&1
+      "$NCU" -i "/tmp/$n.ncu-rep" --page raw --csv > "$LOGS/${n}_raw.csv" 2>&1
       note "attnprof $c $what: $(grep -E '^ +(Duration|Compute \(SM\) Throughput|Memory Throughput)' "$LOGS/${n}_details.txt" | tr -s ' ' | tr '\n' ';' | cut -c1-300)"
     done <<'SPECS'
 W1 bwd BwdTraitsILi64ELi[0-9]+ELb[01]EEELb1ELb0ELb1E
 W2 bwd BwdTraitsILi128ELi[0-9]+ELb[01]EEELb1ELb0ELb1E
 W2 fwd FwdTraitsILi128ELi128ELi[0-9]+EEELb1ELb1ELb1E
 W1 fwd FwdTraitsILi64ELi128ELi[0-9]+EEELb1ELb1ELb1E
+W2 cudnn_bwd sdpa_sm90_flash_bprop
+W1 cudnn_bwd sdpa_sm90_flash_bprop
 SPECS
     ;;
   attnkt)
