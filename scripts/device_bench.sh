@@ -169,6 +169,8 @@ for phase in "$@"; do
     # builds ($ATTNAB_OLD, one or more folders such as build-old from scripts/device_pack.sh of
     # an earlier commit, passed in `carry`; rows labelled by folder) and this one under each
     # COLOSSAL_ATTENTION_L2_MB of $ATTNAB_L2 (default "0 24": no head sections, the default).
+    # $ATTNAB_BI adds this build under each COLOSSAL_ATTENTION_BWD_INTERLEAVE (percent, the
+    # backward's launch order; rows labelled bi_N) at the default L2 budget.
     # The summary keeps the rows matching $ATTNAB_ROWS. ATTNAB_TEST=1 runs each other build's
     # test_attention_cuda first (a variant that is measured must be correct too).
     step "attention A/B: ${ATTNAB_OLD:+$ATTNAB_OLD, }this build at L2 budgets ${ATTNAB_L2:-0 24} MiB"
@@ -179,7 +181,8 @@ for phase in "$@"; do
     for d in ${ATTNAB_OLD:-}; do unpack_build "$d"; done
     for round in $(seq 1 "${ATTNAB_REPS:-1}"); do
       [ "$round" -gt 1 ] && ATTNAB_TEST=0
-      for v in ${ATTNAB_OLD:-} $(for l in ${ATTNAB_L2:-0 24}; do echo "l2_$l"; done); do
+      for v in ${ATTNAB_OLD:-} $(for l in ${ATTNAB_L2:-0 24}; do echo "l2_$l"; done) \
+               $(for i in ${ATTNAB_BI:-}; do echo "bi_$i"; done); do
         if [ -d "$v" ] && [ "${ATTNAB_TEST:-0}" = 1 ]; then
           if LD_LIBRARY_PATH="$PWD/$v/lib:$LD_LIBRARY_PATH" timeout 150 "$v/tests/kernels/test_attention_cuda" > "$LOGS/test_attention_cuda_$v.log" 2>&1
           then note "PASS $v test_attention_cuda: $(grep -E 'PASSED' "$LOGS/test_attention_cuda_$v.log" | tr '\n' ' ')"
@@ -187,6 +190,8 @@ for phase in "$@"; do
         fi
         if [ -d "$v" ]; then
           LD_LIBRARY_PATH="$PWD/$v/lib:$LD_LIBRARY_PATH" timeout 300 "$v/bench/bench_kernels" --op attention --reps 10 ${ATTNAB_CASE:+--attn_case $ATTNAB_CASE} $DI > "$LOGS/bk_attn_${v}_$round.log" 2>&1 &
+        elif [ "${v#bi_}" != "$v" ]; then
+          COLOSSAL_ATTENTION_BWD_INTERLEAVE=${v#bi_} timeout 300 "$BUILD/bench/bench_kernels" --op attention --reps 10 ${ATTNAB_CASE:+--attn_case $ATTNAB_CASE} $DI > "$LOGS/bk_attn_${v}_$round.log" 2>&1 &
         else
           COLOSSAL_ATTENTION_L2_MB=${v#l2_} timeout 300 "$BUILD/bench/bench_kernels" --op attention --reps 10 ${ATTNAB_CASE:+--attn_case $ATTNAB_CASE} $DI > "$LOGS/bk_attn_${v}_$round.log" 2>&1 &
         fi

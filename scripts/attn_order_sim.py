@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""The attention backward's launch order on paper: a list-scheduling count (no GPU).
+
+The backward launches one CTA per (128-key tile, kv head) and the GPU starts them in launch
+order as SMs free up (one CTA per SM). This script builds the same work lists as
+src/kernels/attention.cpp (a key tile's work: the query steps that see it), the same head
+sections (kernels::attention_sections at the default 24 MiB) and the launch order of
+kernels::attention_backward_order for each interleave, then hands the CTAs to 132 SMs in that
+order (each to the SM that frees first) and prints the makespan against the average work per
+SM: the share of the SMs' time the order keeps busy. A step costs 1 (a masked step 1 +
+--mask_cost), a CTA --cta_cost more. It counts neither L2 traffic (which the sections are
+for) nor anything else a GPU does, so it says what an order can gain at most, not what it
+gains: the measurement decides (scripts/device_bench.sh attnab with ATTNAB_BI).
+
+Shapes: the issue's W1 (8 x 2048, 32 / 4 heads, head dim 64, 128 queries a step), W2 B1 and
+B4 (1 and 4 x 4096, 32 / 32 heads, head dim 128, 64 queries a step), dense and with the
+documents of a `colossal prepare` index packed as bench/documents.h packs them.
+Usage:
+    scripts/attn_order_sim.py [--doc_index .carry/fp8text/stdlib.bin.docs] [--sms 132]
+"""
+import argparse
+import heapq
+import struct
+
+L2_BUDGET = 24 << 20
+
+
+def read_doc_index(path):
+    data = open(path, "rb").read()
+    magic, version, lo, hi = struct.unpack_from("<4i", data, 0)
+    count = (lo & 0xFFFFFFFF) | (hi << 32)
+    off = struct.unpack_from("<%dQ" % (count + 1), data, 256 * 4)
+    return [off[i + 1] - off[i] for i in range(count) if off[i + 1] > off[i]]
+
+
+def pack_lengths(lengths, b, s):  # bench/documents.h
+    docs, nxt, carry = [], 0, 0
+    for _ in range(b):
+        left = s
+        while left > 0:
+            if carry > 0:
+                l = carry
+            else:
+                l = lengths[nxt % len(lengths)]
+                nxt += 1
+            take = min(l, left)
+            docs.append(take)
+            carry = l - take
+            left -= take
+    return docs
+
+
+def key_tiles(docs, bm, mask_cost):
+    """(work-list work, cost) per 128-key tile, heaviest first as attention_backward_tiles
+    orders them (work in 64-query steps; cost in the kernel's bm-query steps)."""
+    out = []
+    for n in docs:
+        for j in range((n + 127) // 128):
+            work = (n + 63) // 64 - j * 2
+            cost = 0.0
+            for m in range(j * 128 // bm, (n + bm - 1) // bm):
+                k0, q0 = j * 128, m * bm
+                masked = k0 + 128 > n or q0 + bm > n or k0 + 127 > q0
+                cost += 1 + (mask_cost if masked else 0)
+            out.append((work, cost))
+    out.sort(key=lambda t: -t[0])  # stable, as std::stable_sort
+    return out
+
+
+def launch_order(tiles, kv_heads, section, interleave):  # kernels::attention_backward_order
+    n = len(tiles)
+    sec = kv_heads if section <= 0 or section >= kv_heads else section
+    wmax = max(w for w, _ in tiles)
+    keyed = []
+    for b in range(n * kv_heads):
+        s, rest = divmod(b, n * sec)
+        inn = min(sec, kv_heads - s * sec)
+        keyed.append((100 * tiles[rest // inn][0] - (100 - interleave) * s * wmax, b, rest // inn))
+    keyed.sort(key=lambda k: -k[0])
+    return [t for _, _, t in keyed]
+
+
+def makespan(costs, sms):
+    free = [0.0] * sms
+    for c in costs:
+        heapq.heappush(free, heapq.heappop(free) + c)
+    return max(free)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--doc_index", default="")
+    ap.add_argument("--sms", type=int, default=132)
+    ap.add_argument("--mask_cost", type=float, default=0.3)
+    ap.add_argument("--cta_cost", type=float, default=2.0)
+    ap.add_argument("--interleave", default="0,25,50,75,100")
+    args = ap.parse_args()
+    lengths = read_doc_index(args.doc_index) if args.doc_index else []
+    levels = [int(x) for x in args.interleave.split(",")]
+    print("share of the SMs' time kept busy (average work per SM / makespan), by interleave:")
+    print("%-24s %s" % ("shape", " ".join("%7d" % l for l in levels)))
+    for name, b, s, hkv, group, d, bm in [("W1", 8, 2048, 4, 8, 64, 128),
+                                           ("W2 B1", 1, 4096, 32, 1, 128, 64),
+                                           ("W2 B4", 4, 4096, 32, 1, 128, 64)]:
+        tokens = b * s
+        section = max(1, min(hkv, L2_BUDGET // (group * tokens * d * 8)))
+        cases = [("dense", [s] * b)]
+        if lengths:
+            docs = pack_lengths(lengths, b, s)
+            cases.append(("%d real docs" % len(docs), docs))
+        for tag, docs in cases:
+            tiles = key_tiles(docs, bm, args.mask_cost)
+            row = []
+            for lvl in levels:
+                costs = [tiles[t][1] * group + args.cta_cost
+                         for t in launch_order(tiles, hkv, section, lvl)]
+                row.append(sum(costs) / args.sms / makespan(costs, args.sms))
+            print("%-24s %s" % ("%s %s" % (name, tag), " ".join("%7.3f" % r for r in row)))
+
+
+if __name__ == "__main__":
+    main()
