@@ -5,7 +5,8 @@ The backward launches one CTA per (128-key tile, kv head) and the GPU starts the
 order as SMs free up (one CTA per SM). This script builds the same work lists as
 src/kernels/attention.cpp (a key tile's work: the query steps that see it), the same head
 sections (kernels::attention_sections at the default 24 MiB) and the launch order of
-kernels::attention_backward_order for each interleave, then hands the CTAs to 132 SMs in that
+kernels::attention_backward_order (docs/wip/attention_bwd_launch_order.patch; interleave 0 is
+the head's order) for each interleave, then hands the CTAs to 132 SMs in that
 order (each to the SM that frees first) and prints the makespan against the average work per
 SM: the share of the SMs' time the order keeps busy. A step costs 1 (a masked step 1 +
 --mask_cost), a CTA --cta_cost more. It counts neither L2 traffic (which the sections are
@@ -20,34 +21,11 @@ Usage:
 """
 import argparse
 import heapq
-import struct
+
+# The document index reader and bench/documents.h's packing, as the tile-count script has them.
+from attention_tile_efficiency import pack as pack_lengths, read_doc_index
 
 L2_BUDGET = 24 << 20
-
-
-def read_doc_index(path):
-    data = open(path, "rb").read()
-    magic, version, lo, hi = struct.unpack_from("<4i", data, 0)
-    count = (lo & 0xFFFFFFFF) | (hi << 32)
-    off = struct.unpack_from("<%dQ" % (count + 1), data, 256 * 4)
-    return [off[i + 1] - off[i] for i in range(count) if off[i + 1] > off[i]]
-
-
-def pack_lengths(lengths, b, s):  # bench/documents.h
-    docs, nxt, carry = [], 0, 0
-    for _ in range(b):
-        left = s
-        while left > 0:
-            if carry > 0:
-                l = carry
-            else:
-                l = lengths[nxt % len(lengths)]
-                nxt += 1
-            take = min(l, left)
-            docs.append(take)
-            carry = l - take
-            left -= take
-    return docs
 
 
 def key_tiles(docs, bm, mask_cost):
