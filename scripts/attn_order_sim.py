@@ -5,8 +5,9 @@ The backward launches one CTA per (128-key tile, kv head) and the GPU starts the
 order as SMs free up (one CTA per SM). This script builds the same work lists as
 src/kernels/attention.cpp (a key tile's work: the query steps that see it), the same head
 sections (kernels::attention_sections at the default 24 MiB) and the launch order of
-kernels::attention_backward_order (docs/wip/attention_bwd_launch_order.patch; interleave 0 is
-the head's order) for each interleave, then hands the CTAs to 132 SMs in that
+kernels::attention_backward_order (src/kernels/attention.cpp; interleave 0 is the sections
+one after another) for each interleave and for the automatic choice
+(kernels::attention_bwd_interleave_auto, its pick in brackets), then hands the CTAs to 132 SMs in that
 order (each to the SM that frees first) and prints the makespan against the average work per
 SM: the share of the SMs' time the order keeps busy. A step costs 1 (a masked step 1 +
 --mask_cost), a CTA --cta_cost more. It counts neither L2 traffic (which the sections are
@@ -58,6 +59,19 @@ def launch_order(tiles, kv_heads, section, interleave):  # kernels::attention_ba
     return [t for _, _, t in keyed]
 
 
+def auto_interleave(tiles, kv_heads, section, group, sms, slack=0.01, cap=60):
+    """kernels::attention_bwd_interleave_auto: the lowest interleave (0, 10, ..., cap) whose
+    busy share, counting a CTA as work x group + 2, is within `slack` of the best."""
+    if section <= 0 or section >= kv_heads:
+        return 0
+    shares = []
+    for lvl in range(0, cap + 1, 10):
+        costs = [tiles[t][0] * group + 2 for t in launch_order(tiles, kv_heads, section, lvl)]
+        shares.append((lvl, sum(costs) / sms / makespan(costs, sms)))
+    best = max(r for _, r in shares)
+    return next(lvl for lvl, r in shares if r >= best - slack)
+
+
 def makespan(costs, sms):
     free = [0.0] * sms
     for c in costs:
@@ -76,7 +90,7 @@ def main():
     lengths = read_doc_index(args.doc_index) if args.doc_index else []
     levels = [int(x) for x in args.interleave.split(",")]
     print("share of the SMs' time kept busy (average work per SM / makespan), by interleave:")
-    print("%-24s %s" % ("shape", " ".join("%7d" % l for l in levels)))
+    print("%-24s %s    auto" % ("shape", " ".join("%7d" % l for l in levels)))
     for name, b, s, hkv, group, d, bm in [("W1", 8, 2048, 4, 8, 64, 128),
                                            ("W2 B1", 1, 4096, 32, 1, 128, 64),
                                            ("W2 B4", 4, 4096, 32, 1, 128, 64)]:
@@ -88,12 +102,14 @@ def main():
             cases.append(("%d real docs" % len(docs), docs))
         for tag, docs in cases:
             tiles = key_tiles(docs, bm, args.mask_cost)
-            row = []
-            for lvl in levels:
+            def share(lvl):
                 costs = [tiles[t][1] * group + args.cta_cost
                          for t in launch_order(tiles, hkv, section, lvl)]
-                row.append(sum(costs) / args.sms / makespan(costs, args.sms))
-            print("%-24s %s" % ("%s %s" % (name, tag), " ".join("%7.3f" % r for r in row)))
+                return sum(costs) / args.sms / makespan(costs, args.sms)
+            row = [share(lvl) for lvl in levels]
+            pick = auto_interleave(tiles, hkv, section, group, args.sms)
+            print("%-24s %s  %.3f (%d)" % ("%s %s" % (name, tag), " ".join("%7.3f" % r for r in row),
+                                          share(pick), pick))
 
 
 if __name__ == "__main__":

@@ -169,8 +169,9 @@ for phase in "$@"; do
     # builds ($ATTNAB_OLD, one or more folders such as build-old from scripts/device_pack.sh of
     # an earlier commit, passed in `carry`; rows labelled by folder) and this one under each
     # COLOSSAL_ATTENTION_L2_MB of $ATTNAB_L2 (default "0 24": no head sections, the default).
-    # $ATTNAB_BI adds this build under each COLOSSAL_ATTENTION_BWD_INTERLEAVE (percent, the
-    # backward's launch order; rows labelled bi_N) at the default L2 budget.
+    # $ATTNAB_BI adds this build under each COLOSSAL_ATTENTION_BWD_INTERLEAVE (percent or auto,
+    # the backward's launch order; rows labelled bi_N; the l2_N rows run the default, auto) at
+    # the default L2 budget.
     # The summary keeps the rows matching $ATTNAB_ROWS. ATTNAB_TEST=1 runs each other build's
     # test_attention_cuda first (a variant that is measured must be correct too).
     step "attention A/B: ${ATTNAB_OLD:+$ATTNAB_OLD, }this build at L2 budgets ${ATTNAB_L2:-0 24} MiB"

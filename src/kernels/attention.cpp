@@ -10,8 +10,10 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <functional>
 #include <mutex>
 #include <optional>
+#include <string_view>
 
 #include "colossal/core/accelerator.h"
 #include "colossal/kernels/fp8.h"
@@ -161,6 +163,113 @@ void set_attention_l2_budget(int64_t bytes) {
   l2_budget_set = bytes;
 }
 
+namespace {
+std::optional<int64_t> bwd_interleave_set;  // under schedule_mutex
+}  // namespace
+
+int64_t attention_bwd_interleave() {
+  const std::lock_guard<std::mutex> lock(schedule_mutex);
+  if (!bwd_interleave_set) {
+    const char* env = std::getenv("COLOSSAL_ATTENTION_BWD_INTERLEAVE");
+    int64_t percent = kAttentionBwdInterleaveDefault;
+    if (env != nullptr && std::string_view(env) == "auto") {
+      percent = kAttentionBwdInterleaveAuto;
+    } else if (env != nullptr && *env != '\0') {
+      char* end = nullptr;
+      errno = 0;
+      const long long v = std::strtoll(env, &end, 10);
+      COLOSSAL_CHECK_INPUT(errno == 0 && end != env && *end == '\0' && v >= 0 && v <= 100,
+                           "COLOSSAL_ATTENTION_BWD_INTERLEAVE '", env,
+                           "': expected 'auto' or a whole number of percent from 0 (head sections "
+                           "one after another) to 100 (heaviest tiles first across all "
+                           "sections)");
+      percent = static_cast<int64_t>(v);
+    }
+    bwd_interleave_set = percent;
+  }
+  return *bwd_interleave_set;
+}
+
+void set_attention_bwd_interleave(int64_t percent) {
+  COLOSSAL_CHECK_INPUT(percent == kAttentionBwdInterleaveAuto || (percent >= 0 && percent <= 100),
+                       "set_attention_bwd_interleave: ", percent,
+                       " is neither a percentage from 0 to 100 nor kAttentionBwdInterleaveAuto");
+  const std::lock_guard<std::mutex> lock(schedule_mutex);
+  bwd_interleave_set = percent;
+}
+
+std::vector<int32_t> attention_backward_order(const std::vector<AttentionTile>& tiles,
+                                              int64_t kv_heads, int64_t kv_section,
+                                              int64_t interleave) {
+  COLOSSAL_CHECK_INPUT(kv_heads > 0 && interleave >= 0 && interleave <= 100,
+                       "attention_backward_order: ", kv_heads, " kv heads, interleave ",
+                       interleave);
+  const int64_t n = static_cast<int64_t>(tiles.size());
+  COLOSSAL_CHECK_INPUT(n * kv_heads < (int64_t(1) << 31), "attention_backward_order: ", n,
+                       " tiles x ", kv_heads, " kv heads are too many CTAs");
+  // tile_and_head's numbering (src/kernels_sm90/common.cuh): section s holds kv heads
+  // [s * sec, s * sec + in), tile by tile, its heads adjacent.
+  const int64_t sec = kv_section <= 0 || kv_section >= kv_heads ? kv_heads : kv_section;
+  int64_t wmax = 0;
+  for (const AttentionTile& t : tiles) wmax = std::max(wmax, t.work);
+  std::vector<std::pair<int64_t, int32_t>> keyed(static_cast<size_t>(n * kv_heads));
+  for (int64_t b = 0; b < n * kv_heads; ++b) {
+    const int64_t per = n * sec, s = b / per, rest = b - s * per;
+    const int64_t in = std::min(sec, kv_heads - s * sec);
+    const int64_t tile = rest / in;
+    // In hundredths of a tile's work: section s is pushed back by (100 - interleave) % of the
+    // heaviest tile's work per section before it.
+    keyed[static_cast<size_t>(b)] = {
+        100 * tiles[static_cast<size_t>(tile)].work - (100 - interleave) * s * wmax,
+        static_cast<int32_t>(b)};
+  }
+  std::stable_sort(keyed.begin(), keyed.end(),
+                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<int32_t> order(keyed.size());
+  for (size_t i = 0; i < keyed.size(); ++i) order[i] = keyed[i].second;
+  return order;
+}
+
+int64_t attention_bwd_interleave_auto(const std::vector<AttentionTile>& tiles, int64_t kv_heads,
+                                      int64_t kv_section, int64_t group, int64_t sms) {
+  COLOSSAL_CHECK_INPUT(group > 0 && sms > 0, "attention_bwd_interleave_auto: group ", group, ", ",
+                       sms, " SMs");
+  const int64_t n = static_cast<int64_t>(tiles.size());
+  if (n == 0 || kv_heads <= 0) return 0;
+  const int64_t sec = kv_section <= 0 || kv_section >= kv_heads ? kv_heads : kv_section;
+  if (sec == kv_heads) return 0;  // one section: every setting is the same order
+  // A CTA's cost in 64-query steps of one query head: its tile's work for each head of the
+  // group, and about one step to start and to write dK and dV.
+  constexpr int64_t kCtaCost = 2;
+  double total = 0;
+  for (const AttentionTile& t : tiles) total += static_cast<double>(t.work * group + kCtaCost);
+  total *= static_cast<double>(kv_heads);
+  std::vector<int64_t> busy_until(static_cast<size_t>(sms));
+  std::vector<std::pair<int64_t, double>> shares;  // (interleave, busy share)
+  double best = 0;
+  for (int64_t interleave = 0; interleave <= kAttentionBwdAutoMax; interleave += 10) {
+    // List scheduling: CTA by CTA in launch order, each to the SM that frees first.
+    std::fill(busy_until.begin(), busy_until.end(), 0);
+    std::make_heap(busy_until.begin(), busy_until.end(), std::greater<>());
+    for (int32_t b : attention_backward_order(tiles, kv_heads, sec, interleave)) {
+      const int64_t s = b / (n * sec), rest = b - s * n * sec;
+      const int64_t tile = rest / std::min(sec, kv_heads - s * sec);
+      std::pop_heap(busy_until.begin(), busy_until.end(), std::greater<>());
+      busy_until.back() += tiles[static_cast<size_t>(tile)].work * group + kCtaCost;
+      std::push_heap(busy_until.begin(), busy_until.end(), std::greater<>());
+    }
+    const int64_t makespan = *std::max_element(busy_until.begin(), busy_until.end());
+    const double share = total / static_cast<double>(sms) / static_cast<double>(makespan);
+    shares.emplace_back(interleave, share);
+    best = std::max(best, share);
+  }
+  // The sections are kept (lowest interleave) unless the count says another order keeps the
+  // SMs busier by more than kAttentionBwdAutoSlack: the count does not see L2.
+  for (const auto& [interleave, share] : shares)
+    if (share >= best - kAttentionBwdAutoSlack) return interleave;
+  return 0;
+}
+
 std::vector<AttentionSchedule> attention_schedules() {
   std::vector<AttentionSchedule> all;
   for (auto f : {AttentionSchedule::Forward::plain, AttentionSchedule::Forward::overlap,
@@ -222,15 +331,30 @@ namespace {
 struct Prepared {
   at::Tensor q, k, v;
   // int32 on the device: the offsets [sequences + 1], then the forward's and the backward's
-  // work lists ((sequence, tile) pairs).
+  // work lists ((sequence, tile) pairs), then the backward's launch order.
   at::Tensor work;
   int64_t T = 0, H = 0, D = 0, Hkv = 0, sequences = 0, longest = 0;
   int64_t fwd_tiles = 0, bwd_tiles = 0;
+  // The head sections the lists were built for (the backward's launch order depends on them).
+  AttentionSections sections;
   double scale = 0;
   const int* cu() const { return work.const_data_ptr<int>(); }
   const int* fwd() const { return cu() + sequences + 1; }
   const int* bwd() const { return fwd() + 2 * fwd_tiles; }
+  // The backward's launch order (attention_backward_order), bwd_tiles x Hkv entries.
+  const int* bwd_order() const { return bwd() + 2 * bwd_tiles; }
 };
+
+// The device's SM count for the backward's automatic launch order (132 where it cannot be
+// read: an H100 SXM's count; the order is then only less well balanced).
+int64_t multiprocessors(const at::Device& device) {
+  static const std::vector<CudaDeviceInfo> devices = cuda_devices();
+  const int idx = device.has_index() ? device.index() : 0;
+  if (!device.is_cuda() || idx < 0 || idx >= static_cast<int>(devices.size()) ||
+      devices[static_cast<size_t>(idx)].multiprocessors <= 0)
+    return 132;
+  return devices[static_cast<size_t>(idx)].multiprocessors;
+}
 
 // Prepared::work for these offsets, uploaded in one copy. For a host tensor the upload of the
 // last one seen on this thread is reused while it is unchanged (the layers of one forward pass
@@ -240,13 +364,17 @@ void upload_work(Prepared& p, const at::Tensor& cu_seqlens, const std::vector<in
                  bool causal, const at::Device& device) {
   struct Last {
     at::Tensor host, dev;
-    int64_t version = -1, fwd = 0, bwd = 0;
+    int64_t version = -1, fwd = 0, bwd = 0, kv_heads = 0, kv_section = 0, heads = 0;
+    int64_t interleave = -2;
     bool causal = false;
   };
   thread_local Last last;
+  const int64_t setting = attention_bwd_interleave();
   if (cu_seqlens.is_cpu() && last.host.defined() && last.host.is_same(cu_seqlens) &&
       last.version == static_cast<int64_t>(cu_seqlens._version()) && last.causal == causal &&
-      last.dev.device() == device) {
+      last.dev.device() == device && last.kv_heads == p.Hkv &&
+      last.kv_section == p.sections.bwd_kv_heads && last.heads == p.H &&
+      last.interleave == setting) {
     p.work = last.dev;
     p.fwd_tiles = last.fwd;
     p.bwd_tiles = last.bwd;
@@ -254,14 +382,22 @@ void upload_work(Prepared& p, const at::Tensor& cu_seqlens, const std::vector<in
   }
   const std::vector<AttentionTile> f = attention_forward_tiles(cu, causal);
   const std::vector<AttentionTile> b = attention_backward_tiles(cu, causal);
+  const int64_t interleave =
+      setting != kAttentionBwdInterleaveAuto
+          ? setting
+          : attention_bwd_interleave_auto(b, p.Hkv, p.sections.bwd_kv_heads, p.H / p.Hkv,
+                                          multiprocessors(device));
+  const std::vector<int32_t> order =
+      attention_backward_order(b, p.Hkv, p.sections.bwd_kv_heads, interleave);
   std::vector<int32_t> all;
-  all.reserve(cu.size() + 2 * (f.size() + b.size()));
+  all.reserve(cu.size() + 2 * (f.size() + b.size()) + order.size());
   for (int64_t c : cu) all.push_back(static_cast<int32_t>(c));
   for (const auto* list : {&f, &b})
     for (const AttentionTile& t : *list) {
       all.push_back(t.seq);
       all.push_back(t.block);
     }
+  all.insert(all.end(), order.begin(), order.end());
   p.fwd_tiles = static_cast<int64_t>(f.size());
   p.bwd_tiles = static_cast<int64_t>(b.size());
   // Without waiting for the device, which would sit idle while the host prepares each new
@@ -271,6 +407,10 @@ void upload_work(Prepared& p, const at::Tensor& cu_seqlens, const std::vector<in
     last.host = cu_seqlens;
     last.version = static_cast<int64_t>(cu_seqlens._version());
     last.causal = causal;
+    last.kv_heads = p.Hkv;
+    last.kv_section = p.sections.bwd_kv_heads;
+    last.heads = p.H;
+    last.interleave = setting;
     last.dev = p.work;
     last.fwd = p.fwd_tiles;
     last.bwd = p.bwd_tiles;
@@ -341,6 +481,7 @@ Prepared prepare(const char* op, const at::Tensor& q, const at::Tensor& k, const
   p.q = as_rows(q, p.D);
   p.k = as_rows(k, p.D);
   p.v = as_rows(v, p.D);
+  p.sections = attention_sections(p.T, p.H, p.Hkv, p.D, attention_l2_budget());
   upload_work(p, cu_seqlens, cu, causal, q.device());
   COLOSSAL_CHECK_INPUT(std::max(p.fwd_tiles * p.H, p.bwd_tiles * p.Hkv) < (int64_t(1) << 31), op,
                        ": ", p.T, " tokens in ", p.H, " heads are too many for one call");
@@ -357,8 +498,7 @@ AttentionSections fill_args(const Prepared& p, bool causal, cuda::AttentionFwdAr
   a.cu_seqlens = p.cu();
   a.tiles = p.fwd();
   a.tile_count = p.fwd_tiles;
-  const AttentionSections sections =
-      attention_sections(p.T, p.H, p.Hkv, p.D, attention_l2_budget());
+  const AttentionSections sections = p.sections;
   a.head_section = sections.fwd_heads;
   a.total = p.T;
   a.sequences = p.sequences;
@@ -462,6 +602,7 @@ AttentionGrads backward_prepared(const Prepared& p, const at::Tensor& out, const
   a.dq_tma = attention_schedule().dq_tma && !deterministic;
   a.bwd_tiles = p.bwd();
   a.bwd_tile_count = p.bwd_tiles;
+  a.bwd_order = p.bwd_order();
   a.kv_head_section = sections.bwd_kv_heads;
   if (p.T > 0) cuda::attention_sm90_bwd(a, stream_of(p.q));
 #else
@@ -486,6 +627,8 @@ struct AttentionFn : torch::autograd::Function<AttentionFn> {
     ctx->saved_data["longest"] = p.longest;
     ctx->saved_data["fwd_tiles"] = p.fwd_tiles;
     ctx->saved_data["bwd_tiles"] = p.bwd_tiles;
+    ctx->saved_data["fwd_heads"] = p.sections.fwd_heads;
+    ctx->saved_data["bwd_kv_heads"] = p.sections.bwd_kv_heads;
     return r.out;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grad) {
@@ -506,6 +649,8 @@ struct AttentionFn : torch::autograd::Function<AttentionFn> {
     p.longest = ctx->saved_data["longest"].toInt();
     p.fwd_tiles = ctx->saved_data["fwd_tiles"].toInt();
     p.bwd_tiles = ctx->saved_data["bwd_tiles"].toInt();
+    p.sections.fwd_heads = ctx->saved_data["fwd_heads"].toInt();
+    p.sections.bwd_kv_heads = ctx->saved_data["bwd_kv_heads"].toInt();
     p.scale = ctx->saved_data["scale"].toDouble();
     AttentionGrads g =
         backward_prepared(p, saved[3], grad[0], saved[4], ctx->saved_data["causal"].toBool(),

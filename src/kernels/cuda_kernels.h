@@ -191,6 +191,9 @@ struct AttentionBwdArgs : AttentionFwdArgs {
   bool dq_tma = false;
   const int* bwd_tiles = nullptr;
   int64_t bwd_tile_count = 0;
+  // int32 [bwd_tile_count x kv_heads]: CTA i runs tile_and_head(bwd_order[i], ...)
+  // (kernels::attention_backward_order).
+  const int* bwd_order = nullptr;
   int64_t kv_head_section = 0;  // as head_section, in kv heads, for the backward's CTAs
 };
 int64_t attention_sm90_dq_accum_elements(int64_t total, int64_t heads, int64_t head_dim);

@@ -5,7 +5,8 @@
 //  - preprocess: delta_i = rowsum(dO_i * O_i) per query and head (fp32 [H, T]), and the same
 //    threads zero that query's row of dQ's fp32 accumulator;
 //  - main kernel: one CTA per (128-key tile of a sequence, kv head), from a host-built work list
-//    (tiles with work only, heaviest first, a sequence's key tiles in order), holds K and V in
+//    (tiles with work only, heaviest first, a sequence's key tiles in order) in a host-built
+//    launch order (kernels::attention_backward_order), holds K and V in
 //    shared memory and walks every query head of its group and every query tile (64 or 128
 //    queries, bwd_block_m) that sees its keys; a producer warpgroup streams Q and dO (TMA) and
 //    the tile's log-sum-exp and delta (plain loads) through a two-stage ring; two consumer
@@ -67,6 +68,7 @@ struct BwdParams {
   int* dq_semaphore;  // [sequences, m_blocks, H] (deterministic), else null
   const int* cu_seqlens;
   const int* tiles;  // (sequence, key tile) pairs
+  const int* order;  // CTA i runs tile_and_head(order[i]) (kernels::attention_backward_order)
   HangRecord* hang;
   int heads, kv_heads, total, m_blocks_max, tile_count, head_section;
   int64_t dq_rows;  // rows of one head in dq_accum (total + kDqPadRows)
@@ -95,7 +97,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];  // 128-byte swizzles need 1024
   auto& s = *reinterpret_cast<typename T::Smem*>(smem_raw);
 
-  const TileHead th = tile_and_head(int(blockIdx.x), p.tile_count, p.kv_heads, p.head_section);
+  const TileHead th = tile_and_head(p.order[blockIdx.x], p.tile_count, p.kv_heads, p.head_section);
   const int tile = th.tile, kv_head = th.head;
   const int seq = p.tiles[2 * tile], n_block = p.tiles[2 * tile + 1];
   const int start = p.cu_seqlens[seq];
@@ -542,6 +544,7 @@ void launch_bwd(const AttentionBwdArgs& a, Stream stream) {
   p.total = total;
   p.m_blocks_max = int((a.max_seqlen + T::kBlockM - 1) / T::kBlockM);
   p.tiles = a.bwd_tiles;
+  p.order = a.bwd_order;
   p.tile_count = int(a.bwd_tile_count);
   p.head_section = int(a.kv_head_section);
   p.hang = hang_record_device();
@@ -570,6 +573,8 @@ template <int kD>
 void dispatch_bwd(const AttentionBwdArgs& a, Stream stream) {
   if (a.deterministic && a.dq_tma)
     throw std::runtime_error("attention_sm90_bwd: dq_tma does not keep the deterministic order");
+  if (a.bwd_tile_count > 0 && a.bwd_order == nullptr)
+    throw std::runtime_error("attention_sm90_bwd: no launch order (bwd_order)");
   if (a.causal)
     a.deterministic ? launch_bwd<kD, true, true, false>(a, stream)
     : a.dq_tma      ? launch_bwd<kD, true, false, true>(a, stream)

@@ -176,9 +176,11 @@ at::Tensor OwnAttention::forward(const at::Tensor& q, const at::Tensor& k, const
 
 std::pair<std::shared_ptr<OwnAttention>, int64_t> use_own_attention(torch::nn::Module& root,
                                                                     bool deterministic) {
-  // A bad COLOSSAL_ATTENTION_SCHEDULE or COLOSSAL_ATTENTION_L2_MB fails here, not later.
+  // A bad COLOSSAL_ATTENTION_SCHEDULE, COLOSSAL_ATTENTION_L2_MB or
+  // COLOSSAL_ATTENTION_BWD_INTERLEAVE fails here, not later.
   (void)kernels::attention_schedule();
   (void)kernels::attention_l2_budget();
+  (void)kernels::attention_bwd_interleave();
   auto own = std::make_shared<OwnAttention>(deterministic);
   std::vector<std::string> paths;
   for (const auto& item : root.named_modules("", false)) {

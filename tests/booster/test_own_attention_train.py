@@ -1,7 +1,8 @@
 """`colossal train --attn_backend own` (our sm_90a attention kernels in every core-attention slot).
 On the CPU every call goes to SDPA, so the curve is the SDPA run's bit for bit and the run says
 how many calls took which kernel and why; `--deterministic` without `own`, and a bad
-COLOSSAL_ATTENTION_SCHEDULE or COLOSSAL_ATTENTION_L2_MB, are named errors. The
+COLOSSAL_ATTENTION_SCHEDULE, COLOSSAL_ATTENTION_L2_MB or COLOSSAL_ATTENTION_BWD_INTERLEAVE, are
+named errors. The
 kernels themselves are tested on the GPU (tests/kernels/test_attention_cuda.cpp and the model
 test in test_model_cuda.cpp).
 """
@@ -48,4 +49,10 @@ def test_a_bad_schedule_is_a_named_error_before_training(work):
 def test_a_bad_l2_budget_is_a_named_error_before_training(work):
     p = train(work, "badl2", ["--attn_backend", "own"], ok=False, env={"COLOSSAL_ATTENTION_L2_MB": "24M"})
     assert p.returncode == 2 and "COLOSSAL_ATTENTION_L2_MB '24M'" in p.stderr, p.stderr[-2000:]
+    assert "Exception raised from" not in p.stderr and "step 1" not in p.stdout
+
+
+def test_a_bad_backward_interleave_is_a_named_error_before_training(work):
+    p = train(work, "badbi", ["--attn_backend", "own"], ok=False, env={"COLOSSAL_ATTENTION_BWD_INTERLEAVE": "101"})
+    assert p.returncode == 2 and "COLOSSAL_ATTENTION_BWD_INTERLEAVE '101'" in p.stderr, p.stderr[-2000:]
     assert "Exception raised from" not in p.stderr and "step 1" not in p.stdout

@@ -17,6 +17,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -53,22 +54,33 @@ bool usable(std::string* why) {
   return why->empty();
 }
 
-// Runs body under each schedule in turn, each in two launch orders: the process's L2 budget
-// (these small cases: all heads in one section) and a 1-byte budget (sections of one kv head:
-// the CTAs of tile_and_head's other branch); then restores the process's schedule and budget.
+// Runs body under each schedule in turn, each in five launch orders: the process's L2 budget
+// and backward interleave (these small cases: all heads in one section), then a 1-byte budget
+// (sections of one kv head: the CTAs of tile_and_head's other branch) with the backward's
+// sections one after another (interleave 0), half interleaved, heaviest first across sections
+// (100) and the automatic choice; then restores the process's schedule, budget and interleave.
 template <class F>
 void for_each_schedule(const std::vector<AttentionSchedule>& schedules, F&& body) {
   const AttentionSchedule saved = attention_schedule();
   const int64_t saved_budget = attention_l2_budget();
+  const int64_t saved_interleave = attention_bwd_interleave();
+  const std::vector<std::pair<int64_t, int64_t>> orders{{saved_budget, saved_interleave},
+                                                        {1, 0},
+                                                        {1, 50},
+                                                        {1, 100},
+                                                        {1, kAttentionBwdInterleaveAuto}};
   for (const AttentionSchedule& s : schedules)
-    for (int64_t budget : {saved_budget, int64_t(1)}) {
+    for (const auto& [budget, interleave] : orders) {
       set_attention_schedule(s);
       set_attention_l2_budget(budget);
-      SCOPED_TRACE("schedule " + to_string(s) + ", L2 budget " + std::to_string(budget));
+      set_attention_bwd_interleave(interleave);
+      SCOPED_TRACE("schedule " + to_string(s) + ", L2 budget " + std::to_string(budget) +
+                   ", backward interleave " + std::to_string(interleave));
       body(s);
     }
   set_attention_schedule(saved);
   set_attention_l2_budget(saved_budget);
+  set_attention_bwd_interleave(saved_interleave);
 }
 
 // The forward's schedules (the dQ path is the backward's).
@@ -388,6 +400,101 @@ TEST(AttentionCuda, WorkListsCoverEveryTileHeaviestFirst) {
     }
   }
   EXPECT_TRUE(attention_forward_tiles({0, 0, 0}, true).empty());
+}
+
+// Runs everywhere: the backward's launch order is a permutation of tile_and_head's numbering;
+// interleave 0 is that numbering, 100 heaviest first across sections; at every setting a
+// sequence's key tiles of one kv head start in increasing order (deterministic mode's waits).
+TEST(AttentionCuda, BackwardOrderInterleavesSectionsKeepingTileOrder) {
+  const std::vector<int64_t> lens{300, 2049, 1, 640, 129};
+  std::vector<int64_t> cu{0};
+  for (int64_t l : lens) cu.push_back(cu.back() + l);
+  // tile_and_head (src/kernels_sm90/common.cuh), written out again as the oracle.
+  auto tile_head = [](int64_t b, int64_t tiles, int64_t heads, int64_t section) {
+    if (section <= 0 || section >= heads) return std::make_pair(b / heads, b % heads);
+    const int64_t per = tiles * section, sec = b / per, rest = b - sec * per;
+    const int64_t n = std::min(section, heads - sec * section);
+    return std::make_pair(rest / n, sec * section + rest % n);
+  };
+  for (bool causal : {true, false})
+    for (int64_t kv_heads : {1, 3, 8})
+      for (int64_t section : {0, 1, 2, 3, 8})
+        for (int64_t interleave : {0, 25, 50, 100}) {
+          SCOPED_TRACE(std::string(causal ? "causal" : "full") + ", kv heads " +
+                       std::to_string(kv_heads) + ", section " + std::to_string(section) +
+                       ", interleave " + std::to_string(interleave));
+          const std::vector<AttentionTile> tiles = attention_backward_tiles(cu, causal);
+          const int64_t n = static_cast<int64_t>(tiles.size());
+          const std::vector<int32_t> order =
+              attention_backward_order(tiles, kv_heads, section, interleave);
+          ASSERT_EQ(static_cast<int64_t>(order.size()), n * kv_heads);
+          std::vector<int32_t> sorted = order;
+          std::sort(sorted.begin(), sorted.end());
+          for (int64_t i = 0; i < n * kv_heads; ++i) ASSERT_EQ(sorted[i], i) << "not a permutation";
+          const int64_t sec = section <= 0 || section >= kv_heads ? kv_heads : section;
+          std::map<std::pair<int32_t, int64_t>, int32_t> last;  // (sequence, kv head) -> tile
+          for (int64_t i = 0; i < n * kv_heads; ++i) {
+            const auto [tile, head] = tile_head(order[i], n, kv_heads, section);
+            if (interleave == 0) {
+              EXPECT_EQ(order[i], i) << "interleave 0 is tile_and_head's numbering";
+            }
+            if (i > 0 && (interleave == 100 || sec == kv_heads)) {
+              const auto [prev, prev_head] = tile_head(order[i - 1], n, kv_heads, section);
+              EXPECT_GE(tiles[prev].work, tiles[tile].work) << "not heaviest first at " << i;
+            }
+            const std::pair<int32_t, int64_t> key{tiles[tile].seq, head};
+            auto it = last.find(key);
+            if (it != last.end()) {
+              EXPECT_LT(it->second, tiles[tile].block)
+                  << "sequence " << key.first << ", kv head " << head << ": key tiles out of order";
+            }
+            last[key] = tiles[tile].block;
+          }
+        }
+  // Two sections of one kv head, tiles of work 4, 3, 2, 1 (one causal sequence of 4 key tiles
+  // at 64-query steps: 8, 6, 4, 2): at 50 the second section's heaviest tile comes right after
+  // the first section's tiles of at least half the heaviest work.
+  const std::vector<AttentionTile> four = attention_backward_tiles({0, 512}, true);
+  ASSERT_EQ(four.size(), 4u);
+  EXPECT_EQ(attention_backward_order(four, 2, 1, 50),
+            (std::vector<int32_t>{0, 1, 2, 4, 3, 5, 6, 7}));
+  EXPECT_EQ(attention_backward_order(four, 2, 1, 100),
+            (std::vector<int32_t>{0, 4, 1, 5, 2, 6, 3, 7}));
+  EXPECT_EQ(attention_backward_order(four, 2, 1, 0),
+            (std::vector<int32_t>{0, 1, 2, 3, 4, 5, 6, 7}));
+  EXPECT_THROW(attention_backward_order(four, 2, 1, 101), InputError);
+  EXPECT_THROW(attention_backward_order(four, 0, 1, 50), InputError);
+  EXPECT_THROW(set_attention_bwd_interleave(-2), InputError);
+  EXPECT_THROW(set_attention_bwd_interleave(101), InputError);
+}
+
+// Runs everywhere: the automatic interleave keeps the sections where their order already keeps
+// 132 SMs busy and interleaves them where it does not. Expected values from an independent count
+// (scripts/attn_order_sim.py's launch order and list scheduling, CTA cost work x group + 2):
+// W1 dense (8 x 2048, 4 kv heads in sections of one, group 8) 97.0 % busy at interleave 0, the
+// best; W2 B1 (1 x 4096, 32 kv heads in sections of 6, group 1) 87.0 % at 0, 90.5 % at 50 and
+// 93.6 % at 60 (99.1 % at 100, past the cap); W2 B4 dense (4 x 4096, sections of one) 99.8 %
+// at 0.
+TEST(AttentionCuda, BackwardOrderAutoInterleavesOnlyWhereTheSectionsLeaveSMsIdle) {
+  auto dense = [](int64_t sequences, int64_t len) {
+    std::vector<int64_t> cu{0};
+    for (int64_t i = 0; i < sequences; ++i) cu.push_back(cu.back() + len);
+    return attention_backward_tiles(cu, true);
+  };
+  EXPECT_EQ(attention_bwd_interleave_auto(dense(8, 2048), 4, 1, 8, 132), 0);
+  EXPECT_EQ(attention_bwd_interleave_auto(dense(1, 4096), 32, 6, 1, 132), kAttentionBwdAutoMax);
+  static_assert(kAttentionBwdAutoMax == 60, "the expected values are counted for a cap of 60");
+  EXPECT_EQ(attention_bwd_interleave_auto(dense(4, 4096), 32, 1, 1, 132), 0);
+  // One section (or none): every interleave is the same order.
+  EXPECT_EQ(attention_bwd_interleave_auto(dense(1, 4096), 32, 32, 1, 132), 0);
+  EXPECT_EQ(attention_bwd_interleave_auto(dense(1, 4096), 32, 0, 1, 132), 0);
+  EXPECT_EQ(attention_bwd_interleave_auto({}, 4, 1, 8, 132), 0);
+  EXPECT_THROW(attention_bwd_interleave_auto(dense(1, 256), 2, 1, 0, 132), InputError);
+  EXPECT_THROW(attention_bwd_interleave_auto(dense(1, 256), 2, 1, 1, 0), InputError);
+  const int64_t saved = attention_bwd_interleave();
+  set_attention_bwd_interleave(kAttentionBwdInterleaveAuto);
+  EXPECT_EQ(attention_bwd_interleave(), kAttentionBwdInterleaveAuto);
+  set_attention_bwd_interleave(saved);
 }
 
 TEST(AttentionCuda, NamedErrors) {

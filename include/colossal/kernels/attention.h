@@ -127,6 +127,45 @@ AttentionSections attention_sections(int64_t tokens, int64_t heads, int64_t kv_h
 int64_t attention_l2_budget();
 void set_attention_l2_budget(int64_t bytes);
 
+// The backward's launch order: CTA i runs the (key tile, kv head) pair numbered order[i] in
+// tile_and_head's numbering (src/kernels_sm90/common.cuh: the head sections one after another,
+// each tile by tile, heaviest first, its kv heads adjacent). The CTAs are not persistent, so
+// the GPU starts them in this order as SMs free up. With the sections strictly one after
+// another (interleave 0) the last section's heaviest tiles start only when nearly all other
+// work is done and finish alone: by a list-scheduling count on 132 SMs the makespan is 15-18 %
+// over the average at W1's packed documents and at W2 with one sequence. interleave (percent)
+// sorts the pairs by work - (1 - interleave / 100) x section x the heaviest tile's work
+// (stable, highest first), so a later section's heavy tiles start beside an earlier section's
+// light ones; 100 is heaviest first across all sections (each section's L2 reuse is then
+// shared with the others). A sequence's key tiles of one kv head keep their order at every
+// setting (deterministic mode waits only on earlier CTAs).
+std::vector<int32_t> attention_backward_order(const std::vector<AttentionTile>& tiles,
+                                              int64_t kv_heads, int64_t kv_section,
+                                              int64_t interleave);
+// The interleave the kernels use: COLOSSAL_ATTENTION_BWD_INTERLEAVE's (read at the first call;
+// anything but 'auto' or a whole number from 0 to 100 is an InputError), else
+// kAttentionBwdInterleaveDefault. set_attention_bwd_interleave overrides it (the benchmarks and
+// the GPU tests).
+// kAttentionBwdInterleaveAuto ('auto') picks the interleave per layout with
+// attention_bwd_interleave_auto.
+inline constexpr int64_t kAttentionBwdInterleaveAuto = -1;
+inline constexpr int64_t kAttentionBwdInterleaveDefault = kAttentionBwdInterleaveAuto;
+int64_t attention_bwd_interleave();
+void set_attention_bwd_interleave(int64_t percent);
+// The automatic setting: a list-scheduling count of the launch at each interleave from 0 to
+// kAttentionBwdAutoMax in steps of 10 (each CTA, in launch order, to the first of `sms` SMs to
+// free; a CTA costs its tile's work times the query heads per kv head, `group`, plus two
+// steps), and the lowest interleave whose share of the SMs' time kept busy is within
+// kAttentionBwdAutoSlack of the best. The count does not see L2, which the sections are for:
+// hence the lowest, and the cap. Measured on an H100 (docs/benchmarks.md, 2026-12-07): past 60
+// the sections' L2 reuse is lost (at 100, W2 B4 dense ran 1.65x slower); at 0-60 the packed
+// documents and W2 B1 ran 2-10 % faster, W1 dense 1-7 % slower from 25 up, which the count
+// keeps at 0.
+inline constexpr int64_t kAttentionBwdAutoMax = 60;
+inline constexpr double kAttentionBwdAutoSlack = 0.01;
+int64_t attention_bwd_interleave_auto(const std::vector<AttentionTile>& tiles, int64_t kv_heads,
+                                      int64_t kv_section, int64_t group, int64_t sms);
+
 // attention_forward's output with autograd (q, k, v differentiable; the backward above).
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& cu_seqlens, int64_t max_seqlen, bool causal,
