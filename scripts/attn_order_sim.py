@@ -7,12 +7,13 @@ src/kernels/attention.cpp (a key tile's work: the query steps that see it), the 
 sections (kernels::attention_sections at the default 24 MiB) and the launch order of
 kernels::attention_backward_order (src/kernels/attention.cpp; interleave 0 is the sections
 one after another) for each interleave and for the automatic choice
-(kernels::attention_bwd_interleave_auto, its pick in brackets), then hands the CTAs to 132 SMs in that
-order (each to the SM that frees first) and prints the makespan against the average work per
-SM: the share of the SMs' time the order keeps busy. A step costs 1 (a masked step 1 +
---mask_cost), a CTA --cta_cost more. It counts neither L2 traffic (which the sections are
-for) nor anything else a GPU does, so it says what an order can gain at most, not what it
-gains: the measurement decides (scripts/device_bench.sh attnab with ATTNAB_BI).
+(kernels::attention_bwd_interleave_auto, its pick in brackets), then hands the CTAs to 132
+SMs in that order (each to the SM that frees first) and prints the makespan against the
+average work per SM: the share of the SMs' time the order keeps busy. A step costs 1 (a
+masked step 1 + --mask_cost), a CTA --cta_cost more. It counts neither L2 traffic (which the
+sections are for) nor anything else a GPU does, so it says what an order can gain at most,
+not what it gains: the measurement decides (scripts/device_bench.sh attnab with ATTNAB_BI;
+on an H100 on 2026-12-07 interleave 100 lost the sections' L2 reuse, docs/benchmarks.md).
 
 Shapes: the issue's W1 (8 x 2048, 32 / 4 heads, head dim 64, 128 queries a step), W2 B1 and
 B4 (1 and 4 x 4096, 32 / 32 heads, head dim 128, 64 queries a step), dense and with the
@@ -108,8 +109,8 @@ def main():
                 return sum(costs) / args.sms / makespan(costs, args.sms)
             row = [share(lvl) for lvl in levels]
             pick = auto_interleave(tiles, hkv, section, group, args.sms)
-            print("%-24s %s  %.3f (%d)" % ("%s %s" % (name, tag), " ".join("%7.3f" % r for r in row),
-                                          share(pick), pick))
+            print("%-24s %s  %.3f (%d)" % ("%s %s" % (name, tag),
+                                          " ".join("%7.3f" % r for r in row), share(pick), pick))
 
 
 if __name__ == "__main__":
