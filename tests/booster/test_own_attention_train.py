@@ -30,7 +30,7 @@ def test_own_backend_falls_back_to_sdpa_on_the_cpu_and_says_so(work):
     sdpa, _ = train(work, "sdpa", [])
     own, log = train(work, "own", ["--attn_backend", "own"])
     assert own == sdpa
-    assert "attention kernels: own 0 calls (schedule pingpong+dq_tma), SDPA" in log, log[-2000:]
+    assert "attention kernels: own 0 calls (schedule pingpong+dq_tma, L2 24 MiB, backward order auto), SDPA" in log, log[-2000:]
     assert "not on a CUDA device" in log or "no sm_90a attention kernels" in log, log[-2000:]
 
 
