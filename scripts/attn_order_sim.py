@@ -15,6 +15,9 @@ sections are for) nor anything else a GPU does, so it says what an order can gai
 not what it gains: the measurement decides (scripts/device_bench.sh attnab with ATTNAB_BI;
 on an H100 on 2026-12-07 interleave 100 lost the sections' L2 reuse, docs/benchmarks.md).
 
+It then counts the persistent forward's items the same way (no interleave there: the count
+finds its order already 97-100 % busy at these shapes).
+
 Shapes: the issue's W1 (8 x 2048, 32 / 4 heads, head dim 64, 128 queries a step), W2 B1 and
 B4 (1 and 4 x 4096, 32 / 32 heads, head dim 128, 64 queries a step), dense and with the
 documents of a `colossal prepare` index packed as bench/documents.h packs them.
@@ -44,6 +47,17 @@ def key_tiles(docs, bm, mask_cost):
                 cost += 1 + (mask_cost if masked else 0)
             out.append((work, cost))
     out.sort(key=lambda t: -t[0])  # stable, as std::stable_sort
+    return out
+
+
+def query_tiles(docs):
+    """(work, cost) per 128-query item of the persistent forward, heaviest first as
+    attention_forward_tiles orders them (work and cost: the 128-key tiles it reads)."""
+    out = []
+    for n in docs:
+        for m in range((n + 127) // 128):
+            out.append((m + 1, m + 1))
+    out.sort(key=lambda t: -t[0])
     return out
 
 
@@ -111,6 +125,26 @@ def main():
             pick = auto_interleave(tiles, hkv, section, group, args.sms)
             print("%-24s %s  %.3f (%d)" % ("%s %s" % (name, tag),
                                           " ".join("%7.3f" % r for r in row), share(pick), pick))
+    # The forward: persistent CTAs draw (query tile, head) items in list order from a counter,
+    # which hands items out as list scheduling does; its head sections hold K and V
+    # (kernels::attention_sections). It has no interleave; the columns say what one would gain.
+    print("the forward's items (no interleave in the kernel; an item costs its key tiles + 0.5):")
+    for name, b, s, hkv, group, d, bm in [("W1", 8, 2048, 4, 8, 64, 128),
+                                           ("W2 B1", 1, 4096, 32, 1, 128, 64),
+                                           ("W2 B4", 4, 4096, 32, 1, 128, 64)]:
+        heads = hkv * group
+        section = max(1, min(hkv, L2_BUDGET // (b * s * d * 4))) * group
+        cases = [("dense", [s] * b)]
+        if lengths:
+            docs = pack_lengths(lengths, b, s)
+            cases.append(("%d real docs" % len(docs), docs))
+        for tag, docs in cases:
+            tiles = query_tiles(docs)
+            row = []
+            for lvl in levels:
+                costs = [tiles[t][1] + 0.5 for t in launch_order(tiles, heads, section, lvl)]
+                row.append(sum(costs) / args.sms / makespan(costs, args.sms))
+            print("%-24s %s" % ("%s %s" % (name, tag), " ".join("%7.3f" % r for r in row)))
 
 
 if __name__ == "__main__":
