@@ -31,6 +31,19 @@ import heapq
 from attention_tile_efficiency import pack as pack_lengths, read_doc_index
 
 L2_BUDGET = 24 << 20
+# (name, sequences, sequence length, kv heads, query heads per kv head, head dim, bwd_block_m)
+SHAPES = [("W1", 8, 2048, 4, 8, 64, 128),
+          ("W2 B1", 1, 4096, 32, 1, 128, 64),
+          ("W2 B4", 4, 4096, 32, 1, 128, 64)]
+
+
+def cases(lengths, b, s):
+    """Dense rows, and the documents packed into them when there are lengths."""
+    out = [("dense", [s] * b)]
+    if lengths:
+        docs = pack_lengths(lengths, b, s)
+        out.append(("%d real docs" % len(docs), docs))
+    return out
 
 
 def key_tiles(docs, bm, mask_cost):
@@ -106,16 +119,9 @@ def main():
     levels = [int(x) for x in args.interleave.split(",")]
     print("share of the SMs' time kept busy (average work per SM / makespan), by interleave:")
     print("%-24s %s    auto" % ("shape", " ".join("%7d" % l for l in levels)))
-    for name, b, s, hkv, group, d, bm in [("W1", 8, 2048, 4, 8, 64, 128),
-                                           ("W2 B1", 1, 4096, 32, 1, 128, 64),
-                                           ("W2 B4", 4, 4096, 32, 1, 128, 64)]:
-        tokens = b * s
-        section = max(1, min(hkv, L2_BUDGET // (group * tokens * d * 8)))
-        cases = [("dense", [s] * b)]
-        if lengths:
-            docs = pack_lengths(lengths, b, s)
-            cases.append(("%d real docs" % len(docs), docs))
-        for tag, docs in cases:
+    for name, b, s, hkv, group, d, bm in SHAPES:
+        section = max(1, min(hkv, L2_BUDGET // (group * b * s * d * 8)))
+        for tag, docs in cases(lengths, b, s):
             tiles = key_tiles(docs, bm, args.mask_cost)
             def share(lvl):
                 costs = [tiles[t][1] * group + args.cta_cost
@@ -129,16 +135,10 @@ def main():
     # which hands items out as list scheduling does; its head sections hold K and V
     # (kernels::attention_sections). It has no interleave; the columns say what one would gain.
     print("the forward's items (no interleave in the kernel; an item costs its key tiles + 0.5):")
-    for name, b, s, hkv, group, d, bm in [("W1", 8, 2048, 4, 8, 64, 128),
-                                           ("W2 B1", 1, 4096, 32, 1, 128, 64),
-                                           ("W2 B4", 4, 4096, 32, 1, 128, 64)]:
+    for name, b, s, hkv, group, d, _ in SHAPES:
         heads = hkv * group
         section = max(1, min(hkv, L2_BUDGET // (b * s * d * 4))) * group
-        cases = [("dense", [s] * b)]
-        if lengths:
-            docs = pack_lengths(lengths, b, s)
-            cases.append(("%d real docs" % len(docs), docs))
-        for tag, docs in cases:
+        for tag, docs in cases(lengths, b, s):
             tiles = query_tiles(docs)
             row = []
             for lvl in levels:

@@ -136,23 +136,29 @@ AttentionSections attention_sections(int64_t tokens, int64_t heads, int64_t kv_h
 
 namespace {
 std::optional<int64_t> l2_budget_set;  // under schedule_mutex
+
+// The whole number in [lo, hi] that environment variable `name` holds; nullopt when it is unset
+// or empty. Anything else is an InputError: "NAME 'value': expected ...".
+std::optional<int64_t> env_whole_number(const char* name, int64_t lo, int64_t hi,
+                                        const char* expected) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return std::nullopt;
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(env, &end, 10);
+  COLOSSAL_CHECK_INPUT(errno == 0 && end != env && *end == '\0' && v >= lo && v <= hi, name, " '",
+                       env, "': expected ", expected);
+  return static_cast<int64_t>(v);
+}
 }  // namespace
 
 int64_t attention_l2_budget() {
   const std::lock_guard<std::mutex> lock(schedule_mutex);
   if (!l2_budget_set) {
-    const char* env = std::getenv("COLOSSAL_ATTENTION_L2_MB");
-    int64_t budget = int64_t(24) << 20;
-    if (env != nullptr && *env != '\0') {
-      char* end = nullptr;
-      errno = 0;
-      const long long mb = std::strtoll(env, &end, 10);
-      COLOSSAL_CHECK_INPUT(errno == 0 && end != env && *end == '\0' && mb >= 0 && mb <= 4096,
-                           "COLOSSAL_ATTENTION_L2_MB '", env,
-                           "': expected a whole number of MiB from 0 (no head sections) to 4096");
-      budget = static_cast<int64_t>(mb) << 20;
-    }
-    l2_budget_set = budget;
+    const std::optional<int64_t> mb =
+        env_whole_number("COLOSSAL_ATTENTION_L2_MB", 0, 4096,
+                         "a whole number of MiB from 0 (no head sections) to 4096");
+    l2_budget_set = mb.value_or(24) << 20;
   }
   return *l2_budget_set;
 }
@@ -170,22 +176,15 @@ std::optional<int64_t> bwd_interleave_set;  // under schedule_mutex
 int64_t attention_bwd_interleave() {
   const std::lock_guard<std::mutex> lock(schedule_mutex);
   if (!bwd_interleave_set) {
-    const char* env = std::getenv("COLOSSAL_ATTENTION_BWD_INTERLEAVE");
-    int64_t percent = kAttentionBwdInterleaveDefault;
-    if (env != nullptr && std::string_view(env) == "auto") {
-      percent = kAttentionBwdInterleaveAuto;
-    } else if (env != nullptr && *env != '\0') {
-      char* end = nullptr;
-      errno = 0;
-      const long long v = std::strtoll(env, &end, 10);
-      COLOSSAL_CHECK_INPUT(errno == 0 && end != env && *end == '\0' && v >= 0 && v <= 100,
-                           "COLOSSAL_ATTENTION_BWD_INTERLEAVE '", env,
-                           "': expected 'auto' or a whole number of percent from 0 (head sections "
-                           "one after another) to 100 (heaviest tiles first across all "
-                           "sections)");
-      percent = static_cast<int64_t>(v);
-    }
-    bwd_interleave_set = percent;
+    constexpr const char* kName = "COLOSSAL_ATTENTION_BWD_INTERLEAVE";
+    const char* env = std::getenv(kName);
+    bwd_interleave_set =
+        env != nullptr && std::string_view(env) == "auto"
+            ? kAttentionBwdInterleaveAuto
+            : env_whole_number(kName, 0, 100,
+                               "'auto' or a whole number of percent from 0 (head sections one "
+                               "after another) to 100 (heaviest tiles first across all sections)")
+                  .value_or(kAttentionBwdInterleaveDefault);
   }
   return *bwd_interleave_set;
 }
@@ -198,6 +197,17 @@ void set_attention_bwd_interleave(int64_t percent) {
   bwd_interleave_set = percent;
 }
 
+namespace {
+// tile_and_head's numbering (src/kernels_sm90/common.cuh), on the host: with n tiles and kv
+// heads in sections of `sec` (sec = kv_heads: one section), section s holds kv heads
+// [s * sec, s * sec + in), tile by tile, its heads adjacent. Returns CTA b's (section, tile).
+std::pair<int64_t, int64_t> backward_section_and_tile(int64_t b, int64_t n, int64_t kv_heads,
+                                                      int64_t sec) {
+  const int64_t s = b / (n * sec), rest = b - s * n * sec;
+  return {s, rest / std::min(sec, kv_heads - s * sec)};
+}
+}  // namespace
+
 std::vector<int32_t> attention_backward_order(const std::vector<AttentionTile>& tiles,
                                               int64_t kv_heads, int64_t kv_section,
                                               int64_t interleave) {
@@ -207,16 +217,12 @@ std::vector<int32_t> attention_backward_order(const std::vector<AttentionTile>& 
   const int64_t n = static_cast<int64_t>(tiles.size());
   COLOSSAL_CHECK_INPUT(n * kv_heads < (int64_t(1) << 31), "attention_backward_order: ", n,
                        " tiles x ", kv_heads, " kv heads are too many CTAs");
-  // tile_and_head's numbering (src/kernels_sm90/common.cuh): section s holds kv heads
-  // [s * sec, s * sec + in), tile by tile, its heads adjacent.
   const int64_t sec = kv_section <= 0 || kv_section >= kv_heads ? kv_heads : kv_section;
   int64_t wmax = 0;
   for (const AttentionTile& t : tiles) wmax = std::max(wmax, t.work);
   std::vector<std::pair<int64_t, int32_t>> keyed(static_cast<size_t>(n * kv_heads));
   for (int64_t b = 0; b < n * kv_heads; ++b) {
-    const int64_t per = n * sec, s = b / per, rest = b - s * per;
-    const int64_t in = std::min(sec, kv_heads - s * sec);
-    const int64_t tile = rest / in;
+    const auto [s, tile] = backward_section_and_tile(b, n, kv_heads, sec);
     // In hundredths of a tile's work: section s is pushed back by (100 - interleave) % of the
     // heaviest tile's work per section before it.
     keyed[static_cast<size_t>(b)] = {
@@ -252,8 +258,7 @@ int64_t attention_bwd_interleave_auto(const std::vector<AttentionTile>& tiles, i
     std::fill(busy_until.begin(), busy_until.end(), 0);
     std::make_heap(busy_until.begin(), busy_until.end(), std::greater<>());
     for (int32_t b : attention_backward_order(tiles, kv_heads, sec, interleave)) {
-      const int64_t s = b / (n * sec), rest = b - s * n * sec;
-      const int64_t tile = rest / std::min(sec, kv_heads - s * sec);
+      const int64_t tile = backward_section_and_tile(b, n, kv_heads, sec).second;
       std::pop_heap(busy_until.begin(), busy_until.end(), std::greater<>());
       busy_until.back() += tiles[static_cast<size_t>(tile)].work * group + kCtaCost;
       std::push_heap(busy_until.begin(), busy_until.end(), std::greater<>());
