@@ -14,8 +14,17 @@ bench/documents.h's packed_documents; Python's generator, not the C++ one, so th
 Variants: the kernels as built (128-query tiles, 128-key tiles), a warpgroup skipping its 64
 rows when all lie past the document's end, and that plus 64-key tiles.
 
+A second bound, with --times SHAPE=MAIN,PASSES (µs of dense rows' main kernels, forward and
+backward, and of the passes that run over every token: the delta pass with dQ's zeroing, and
+dQ's conversion; from `device_bench.sh attnkt`): the passes cost documents as much as dense
+rows, over a fraction f of dense's FLOPs, so with the main kernels at dense's rate per
+computed tile (efficiency e above) documents reach f (MAIN + PASSES) / (f MAIN / e + PASSES)
+of the dense rate.
+
   python3 scripts/attention_tile_efficiency.py .carry/fp8text/stdlib.bin.docs
+  python3 scripts/attention_tile_efficiency.py .carry/fp8text/stdlib.bin.docs --times W1=1177,170 --times W2=966,86
 """
+import argparse
 import math
 import random
 import struct
@@ -69,8 +78,33 @@ def efficiency(docs, rows_per_unit=128, key_tile=128, skip_empty_rows=False):
     return useful / computed
 
 
+def useful_fraction(docs, rows, seq):
+    """The documents' own causal pairs against dense causal rows of the same token count."""
+    return sum(n * (n + 1) / 2 for n in docs) / (rows * seq * (seq + 1) / 2)
+
+
+def parse_times(values):
+    times = {}
+    for v in values:
+        shape, _, rest = v.partition("=")
+        parts = rest.split(",")
+        try:
+            main_us, passes_us = (float(x) for x in parts)
+        except ValueError:
+            sys.exit("--times %r: expected SHAPE=MAIN,PASSES in microseconds, e.g. W2=966,86" % v)
+        if shape not in ("W1", "W2") or main_us <= 0 or passes_us < 0:
+            sys.exit("--times %r: SHAPE is W1 or W2, MAIN > 0 and PASSES >= 0" % v)
+        times[shape] = (main_us, passes_us)
+    return times
+
+
 def main():
-    real = read_doc_index(sys.argv[1]) if len(sys.argv) > 1 else None
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("doc_index", nargs="?", help="a document index (.docs) for real lengths")
+    parser.add_argument("--times", action="append", default=[], metavar="SHAPE=MAIN,PASSES")
+    args = parser.parse_args()
+    times = parse_times(args.times)
+    real = read_doc_index(args.doc_index) if args.doc_index else None
     variants = [("as built (128 x 128 tiles)", dict()),
                 ("+ a warpgroup skips rows past the end", dict(rows_per_unit=64, skip_empty_rows=True)),
                 ("+ 64-key tiles", dict(rows_per_unit=64, skip_empty_rows=True, key_tile=64))]
@@ -79,11 +113,20 @@ def main():
         if real:
             packings.append(("real lengths", pack(real, rows, seq)))
         for label, docs in packings:
-            line = []
+            line, bound = [], []
+            f = useful_fraction(docs, rows, seq)
             for vname, kw in variants:
                 dense = efficiency([seq] * rows, **kw)
-                line.append("%s %.1f %%" % (vname, 100 * efficiency(docs, **kw) / dense))
+                e = efficiency(docs, **kw) / dense
+                line.append("%s %.1f %%" % (vname, 100 * e))
+                if name[:2] in times:
+                    m, p = times[name[:2]]
+                    bound.append("%s %.1f %%" % (vname, 100 * f * (m + p) / (f * m / e + p)))
             print("%s, %s (%d pieces): documents / dense: %s" % (name, label, len(docs), "; ".join(line)))
+            if bound:
+                m, p = times[name[:2]]
+                print("  with the passes (f = %.3f, main %g µs, passes %g µs): %s; no masked pair "
+                      "computed %.1f %%" % (f, m, p, "; ".join(bound), 100 * f * (m + p) / (f * m + p)))
 
 
 if __name__ == "__main__":
