@@ -237,13 +237,15 @@ std::vector<int32_t> attention_backward_order(const std::vector<AttentionTile>& 
 }
 
 int64_t attention_bwd_interleave_auto(const std::vector<AttentionTile>& tiles, int64_t kv_heads,
-                                      int64_t kv_section, int64_t group, int64_t sms) {
+                                      int64_t kv_section, int64_t group, int64_t sms,
+                                      bool deterministic) {
   COLOSSAL_CHECK_INPUT(group > 0 && sms > 0, "attention_bwd_interleave_auto: group ", group, ", ",
                        sms, " SMs");
   const int64_t n = static_cast<int64_t>(tiles.size());
   if (n == 0 || kv_heads <= 0) return 0;
   const int64_t sec = kv_section <= 0 || kv_section >= kv_heads ? kv_heads : kv_section;
   if (sec == kv_heads) return 0;  // one section: every setting is the same order
+  if (deterministic) return kAttentionBwdAutoDeterministic;
   // A CTA's cost in 64-query steps of one query head: its tile's work for each head of the
   // group, and about one step to start and to write dK and dV.
   constexpr int64_t kCtaCost = 2;
@@ -366,12 +368,12 @@ int64_t multiprocessors(const at::Device& device) {
 // the same tensor); offsets on the device were copied back to the host to be checked, so the
 // lists are built from that copy.
 void upload_work(Prepared& p, const at::Tensor& cu_seqlens, const std::vector<int64_t>& cu,
-                 bool causal, const at::Device& device) {
+                 bool causal, bool deterministic, const at::Device& device) {
   struct Last {
     at::Tensor host, dev;
     int64_t version = -1, fwd = 0, bwd = 0, kv_heads = 0, kv_section = 0, heads = 0;
     int64_t interleave = -2;
-    bool causal = false;
+    bool causal = false, deterministic = false;
   };
   thread_local Last last;
   const int64_t setting = attention_bwd_interleave();
@@ -379,7 +381,7 @@ void upload_work(Prepared& p, const at::Tensor& cu_seqlens, const std::vector<in
       last.version == static_cast<int64_t>(cu_seqlens._version()) && last.causal == causal &&
       last.dev.device() == device && last.kv_heads == p.Hkv &&
       last.kv_section == p.sections.bwd_kv_heads && last.heads == p.H &&
-      last.interleave == setting) {
+      last.interleave == setting && last.deterministic == deterministic) {
     p.work = last.dev;
     p.fwd_tiles = last.fwd;
     p.bwd_tiles = last.bwd;
@@ -391,7 +393,7 @@ void upload_work(Prepared& p, const at::Tensor& cu_seqlens, const std::vector<in
       setting != kAttentionBwdInterleaveAuto
           ? setting
           : attention_bwd_interleave_auto(b, p.Hkv, p.sections.bwd_kv_heads, p.H / p.Hkv,
-                                          multiprocessors(device));
+                                          multiprocessors(device), deterministic);
   const std::vector<int32_t> order =
       attention_backward_order(b, p.Hkv, p.sections.bwd_kv_heads, interleave);
   std::vector<int32_t> all;
@@ -416,6 +418,7 @@ void upload_work(Prepared& p, const at::Tensor& cu_seqlens, const std::vector<in
     last.kv_section = p.sections.bwd_kv_heads;
     last.heads = p.H;
     last.interleave = setting;
+    last.deterministic = deterministic;
     last.dev = p.work;
     last.fwd = p.fwd_tiles;
     last.bwd = p.bwd_tiles;
@@ -436,7 +439,8 @@ at::Tensor as_rows(const at::Tensor& t, int64_t D) {
 }
 
 Prepared prepare(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                 const at::Tensor& cu_seqlens, int64_t max_seqlen, bool causal, double scale) {
+                 const at::Tensor& cu_seqlens, int64_t max_seqlen, bool causal, double scale,
+                 bool deterministic) {
   COLOSSAL_CHECK_INPUT(q.defined() && k.defined() && v.defined(), op,
                        ": q, k and v must be defined");
   COLOSSAL_CHECK_INPUT(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, op,
@@ -487,7 +491,7 @@ Prepared prepare(const char* op, const at::Tensor& q, const at::Tensor& k, const
   p.k = as_rows(k, p.D);
   p.v = as_rows(v, p.D);
   p.sections = attention_sections(p.T, p.H, p.Hkv, p.D, attention_l2_budget());
-  upload_work(p, cu_seqlens, cu, causal, q.device());
+  upload_work(p, cu_seqlens, cu, causal, deterministic, q.device());
   COLOSSAL_CHECK_INPUT(std::max(p.fwd_tiles * p.H, p.bwd_tiles * p.Hkv) < (int64_t(1) << 31), op,
                        ": ", p.T, " tokens in ", p.H, " heads are too many for one call");
   p.scale = scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(p.D));
@@ -621,7 +625,8 @@ struct AttentionFn : torch::autograd::Function<AttentionFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const at::Tensor& cu_seqlens, int64_t max_seqlen,
                             bool causal, double scale, bool deterministic) {
-    Prepared p = prepare("attention", q, k, v, cu_seqlens, max_seqlen, causal, scale);
+    Prepared p =
+        prepare("attention", q, k, v, cu_seqlens, max_seqlen, causal, scale, deterministic);
     AttentionResult r = forward_prepared(p, causal, std::nullopt);
     // The checked inputs as the kernels take them (the backward needs no second check).
     ctx->save_for_backward({p.q, p.k, p.v, r.out, r.lse, p.work});
@@ -670,7 +675,8 @@ AttentionResult attention_forward(const at::Tensor& q, const at::Tensor& k, cons
                                   const at::Tensor& cu_seqlens, int64_t max_seqlen, bool causal,
                                   double scale, const std::optional<at::Tensor>& out) {
   return forward_prepared(
-      prepare("attention_forward", q, k, v, cu_seqlens, max_seqlen, causal, scale), causal, out);
+      prepare("attention_forward", q, k, v, cu_seqlens, max_seqlen, causal, scale, false), causal,
+      out);
 }
 
 AttentionGrads attention_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -679,8 +685,8 @@ AttentionGrads attention_backward(const at::Tensor& q, const at::Tensor& k, cons
                                   int64_t max_seqlen, bool causal, double scale,
                                   bool deterministic) {
   return backward_prepared(
-      prepare("attention_backward", q, k, v, cu_seqlens, max_seqlen, causal, scale), out, dout, lse,
-      causal, deterministic);
+      prepare("attention_backward", q, k, v, cu_seqlens, max_seqlen, causal, scale, deterministic),
+      out, dout, lse, causal, deterministic);
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -485,6 +485,12 @@ TEST(AttentionCuda, BackwardOrderAutoInterleavesOnlyWhereTheSectionsLeaveSMsIdle
   EXPECT_EQ(attention_bwd_interleave_auto(dense(1, 4096), 32, 6, 1, 132), kAttentionBwdAutoMax);
   static_assert(kAttentionBwdAutoMax == 60, "the expected values are counted for a cap of 60");
   EXPECT_EQ(attention_bwd_interleave_auto(dense(4, 4096), 32, 1, 1, 132), 0);
+  // Deterministic mode: its own setting wherever there is more than one section.
+  EXPECT_EQ(attention_bwd_interleave_auto(dense(8, 2048), 4, 1, 8, 132, true),
+            kAttentionBwdAutoDeterministic);
+  EXPECT_EQ(attention_bwd_interleave_auto(dense(4, 4096), 32, 1, 1, 132, true),
+            kAttentionBwdAutoDeterministic);
+  EXPECT_EQ(attention_bwd_interleave_auto(dense(1, 4096), 32, 32, 1, 132, true), 0);
   // One section (or none): every interleave is the same order.
   EXPECT_EQ(attention_bwd_interleave_auto(dense(1, 4096), 32, 32, 1, 132), 0);
   EXPECT_EQ(attention_bwd_interleave_auto(dense(1, 4096), 32, 0, 1, 132), 0);

@@ -162,9 +162,14 @@ void set_attention_bwd_interleave(int64_t percent);
 // documents and W2 B1 ran 2-10 % faster, W1 dense 1-7 % slower from 25 up, which the count
 // keeps at 0.
 inline constexpr int64_t kAttentionBwdAutoMax = 60;
+// Under `auto`, deterministic mode takes this interleave instead: its CTAs wait for earlier
+// key tiles' dQ, which the count does not model, and every shape measured ran faster at 60 than
+// at 0 (0.72-0.89x the time, H100, 2026-12-07), W1 and W2 B4 dense included.
+inline constexpr int64_t kAttentionBwdAutoDeterministic = 60;
 inline constexpr double kAttentionBwdAutoSlack = 0.01;
 int64_t attention_bwd_interleave_auto(const std::vector<AttentionTile>& tiles, int64_t kv_heads,
-                                      int64_t kv_section, int64_t group, int64_t sms);
+                                      int64_t kv_section, int64_t group, int64_t sms,
+                                      bool deterministic = false);
 
 // attention_forward's output with autograd (q, k, v differentiable; the backward above).
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
