@@ -134,15 +134,15 @@ std::string own_attention_fallback(const at::Tensor& q, const at::Tensor& k,
 }
 
 std::string OwnAttention::summary() const {
-  // The settings a measurement depends on: the schedule, the head sections' L2 budget and the
-  // backward's launch order.
+  // The settings a measurement depends on: the schedule, the head sections' L2 budget, the
+  // backward's launch order and deterministic mode (which `auto` launches at its own setting).
   const int64_t interleave = kernels::attention_bwd_interleave();
   std::string s = str(
       "own ", own_calls_, " calls (schedule ", kernels::to_string(kernels::attention_schedule()),
       ", L2 ", kernels::attention_l2_budget() >> 20, " MiB, backward order ",
       interleave == kernels::kAttentionBwdInterleaveAuto ? std::string("auto")
                                                          : std::to_string(interleave),
-      "), SDPA ", fallback_calls_);
+      deterministic_ ? ", deterministic" : "", "), SDPA ", fallback_calls_);
   if (fallback_calls_ > 0) s += str(" (", fallback_reason_, ")");
   return s;
 }

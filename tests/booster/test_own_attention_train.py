@@ -34,6 +34,13 @@ def test_own_backend_falls_back_to_sdpa_on_the_cpu_and_says_so(work):
     assert "not on a CUDA device" in log or "no sm_90a attention kernels" in log, log[-2000:]
 
 
+def test_deterministic_mode_is_named_in_the_report(work):
+    sdpa, _ = train(work, "sdpa_det", [])
+    own, log = train(work, "own_det", ["--attn_backend", "own", "--deterministic", "true"])
+    assert own == sdpa
+    assert "(schedule pingpong+dq_tma, L2 24 MiB, backward order auto, deterministic), SDPA" in log, log[-2000:]
+
+
 def test_deterministic_needs_the_own_backend(work):
     p = train(work, "bad", ["--deterministic", "true"], ok=False)
     assert p.returncode == 2 and "needs attn_backend" in p.stderr, p.stderr[-2000:]
