@@ -108,26 +108,20 @@ def main():
     variants = [("as built (128 x 128 tiles)", dict()),
                 ("+ a warpgroup skips rows past the end", dict(rows_per_unit=64, skip_empty_rows=True)),
                 ("+ 64-key tiles", dict(rows_per_unit=64, skip_empty_rows=True, key_tile=64))]
-    for name, (rows, seq) in (("W1 8 x 2048", (8, 2048)), ("W2 1 x 4096", (1, 4096))):
+    for shape, name, rows, seq in (("W1", "W1 8 x 2048", 8, 2048), ("W2", "W2 1 x 4096", 1, 4096)):
         packings = [("log-normal", lognormal(rows, seq))]
         if real:
             packings.append(("real lengths", pack(real, rows, seq)))
         for label, docs in packings:
-            line, bound = [], []
-            f = useful_fraction(docs, rows, seq)
-            for vname, kw in variants:
-                dense = efficiency([seq] * rows, **kw)
-                e = efficiency(docs, **kw) / dense
-                line.append("%s %.1f %%" % (vname, 100 * e))
-                if name[:2] in times:
-                    m, p = times[name[:2]]
-                    bound.append("%s %.1f %%" % (vname, 100 * f * (m + p) / (f * m / e + p)))
-            print("%s, %s (%d pieces): documents / dense: %s" % (name, label, len(docs), "; ".join(line)))
-            if bound:
-                m, p = times[name[:2]]
+            shares = [(vname, efficiency(docs, **kw) / efficiency([seq] * rows, **kw)) for vname, kw in variants]
+            print("%s, %s (%d pieces): documents / dense: %s" %
+                  (name, label, len(docs), "; ".join("%s %.1f %%" % (v, 100 * e) for v, e in shares)))
+            if shape in times:
+                f, (m, p) = useful_fraction(docs, rows, seq), times[shape]
+                bound = lambda e: 100 * f * (m + p) / (f * m / e + p)  # noqa: E731
                 print("  with the passes (f = %.3f, main %g µs, passes %g µs): %s; no masked pair "
-                      "computed %.1f %%" % (f, m, p, "; ".join(bound), 100 * f * (m + p) / (f * m + p)))
-
+                      "computed %.1f %%" % (f, m, p, "; ".join("%s %.1f %%" % (v, bound(e)) for v, e in shares),
+                                            bound(1.0)))
 
 if __name__ == "__main__":
     main()
