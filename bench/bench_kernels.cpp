@@ -15,7 +15,7 @@
 // swiglu_packed, linear_concat, cross_entropy_grad, sum_squares) are measured only this way.
 //
 //   bench_kernels [--reps N] [--warmup N] [--json FILE] [--cpu] [--copies | --rows | --op NAME]
-//                 [--doc_index FILE]
+//                 [--doc_index FILE] [--attn_case W1|W2|W2-B4] [--timing_log FILE]
 //   bench_kernels --list
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -61,6 +61,10 @@ struct Opts {
   std::string doc_index;
   // --attn_case W1 | W2 | W2-B4: --op attention runs that case only (a profiler's run).
   std::string attn_case;
+  // --timing_log FILE: each timing appends a line "start end rep_ms..." (wall-clock seconds since
+  // the epoch around its warm-up and reps, then every rep's time), in row order, so a sampler's
+  // clocks and power (scripts/attn_clocks.py) can be matched to the rows.
+  std::string timing_log;
 };
 
 struct Row {
@@ -81,8 +85,33 @@ at::TensorOptions opts(at::ScalarType dt = at::kBFloat16) {
                                                      : at::Device(at::kCPU));
 }
 
+double epoch_s() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// One line of --timing_log: the timing's window and every rep's milliseconds.
+void log_timing(double start, const std::vector<double>& t) {
+  if (g_opts.timing_log.empty()) return;
+  std::FILE* f = std::fopen(g_opts.timing_log.c_str(), "a");
+  if (f == nullptr) {
+    std::fprintf(stderr, "bench_kernels: cannot append to --timing_log %s\n",
+                 g_opts.timing_log.c_str());
+    std::exit(2);
+  }
+  std::fprintf(f, "%.3f %.3f", start, epoch_s());
+  for (double ms : t) std::fprintf(f, " %.4f", ms);
+  std::fprintf(f, "\n");
+  std::fclose(f);
+}
+
+double median_of(std::vector<double> t) {
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
 // Median milliseconds of `body` over reps, after warm-up; `setup` runs untimed before each rep.
 double median_ms(const std::function<void()>& body, const std::function<void()>& setup = nullptr) {
+  const double start = epoch_s();
   for (int i = 0; i < g_opts.warmup; ++i) {
     if (setup) setup();
     body();
@@ -110,8 +139,41 @@ double median_ms(const std::function<void()>& body, const std::function<void()>&
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - s).count());
     }
   }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  log_timing(start, t);
+  return median_of(t);
+}
+
+// Medians of two CUDA bodies timed in alternation (a b, b a, a b, ...), after both warmed up.
+// Bodies timed one after the other can meet different clocks: under a long enough load the card
+// reaches its power limit and lowers its SM clock (an H100 at W2 B4: 10-15 % within 0.1 s, both
+// libraries alike; scripts/attn_clocks.py), so the body timed after a pause runs faster.
+// Alternating gives both the same clocks. Two --timing_log lines, a's then b's.
+std::pair<double, double> median_ms_alternating(const std::function<void()>& a,
+                                                const std::function<void()>& b) {
+  const double start = epoch_s();
+  for (int i = 0; i < g_opts.warmup; ++i) {
+    a();
+    b();
+  }
+  Accelerator& acc = Accelerator::cuda();
+  std::vector<std::unique_ptr<Event>> ev[2][2];
+  for (int i = 0; i < g_opts.reps; ++i) {
+    for (int j = 0; j < 2; ++j) {
+      const int which = (i % 2 == 0) ? j : 1 - j;
+      ev[which][0].push_back(acc.new_event(true));
+      ev[which][1].push_back(acc.new_event(true));
+      ev[which][0].back()->record();
+      (which == 0 ? a : b)();
+      ev[which][1].back()->record();
+    }
+  }
+  acc.synchronize();
+  std::vector<double> t[2];
+  for (int w = 0; w < 2; ++w)
+    for (int i = 0; i < g_opts.reps; ++i) t[w].push_back(ev[w][0][i]->elapsed_ms(*ev[w][1][i]));
+  log_timing(start, t[0]);
+  log_timing(start, t[1]);
+  return {median_of(t[0]), median_of(t[1])};
 }
 
 std::string shape_str(std::initializer_list<int64_t> s) {
@@ -767,6 +829,43 @@ void attention_case(const std::string& name, int64_t b, int64_t h, int64_t kv, i
         return std::get<0>(at::_scaled_dot_product_flash_attention(q_, k_, v_, 0.0, true));
       },
       qb, kb, vb);
+  if (!why.empty()) return;
+  // Our default schedule and cuDNN timed in alternation on the same tokens ("alt." rows): the
+  // comparison the goals are read from, with both sides at the same clocks.
+  const at::Tensor cu_t = [&] {
+    std::vector<int64_t> cu{0};
+    for (int64_t i = 0; i < b; ++i) cu.push_back(cu.back() + s);
+    return at::tensor(cu, at::kLong);
+  }();
+  auto cudnn = [](const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_) {
+    return std::get<0>(
+        at::_scaled_dot_product_cudnn_attention(q_, k_, v_, std::nullopt, true, 0.0, true));
+  };
+  at::Tensor qbl = qb.detach().requires_grad_(true), kbl = kb.detach().requires_grad_(true),
+             vbl = vb.detach().requires_grad_(true);
+  const at::Tensor dyb = dy.view({b, s, h, d}).transpose(1, 2).contiguous();
+  const std::string own = name + " own dense " + K::to_string(K::attention_schedule()) + " alt.";
+  const std::string other = name + " sdpa cudnn alt.";
+  Row of{"attention", own, shape, "fwd"}, cf{"attention", other, shape, "fwd"};
+  Row ob{"attention", own, shape, "fwd+bwd"}, cb{"attention", other, shape, "fwd+bwd"};
+  of.flops = cf.flops = fwd_flops;
+  ob.flops = cb.flops = 2.5 * fwd_flops;
+  {
+    at::NoGradGuard ng;
+    std::tie(of.fused_ms, cf.fused_ms) = median_ms_alternating(
+        [&] { K::attention_forward(q, k, v, cu_t, s, true, 0, o); }, [&] { cudnn(qb, kb, vb); });
+  }
+  std::tie(ob.fused_ms, cb.fused_ms) = median_ms_alternating(
+      [&] {
+        at::Tensor y = K::attention(ql, kl, vl, cu_t, s, true, 0, false);
+        torch::autograd::grad({y}, {ql, kl, vl}, {dy});
+      },
+      [&] {
+        at::Tensor y = cudnn(qbl, kbl, vbl);
+        torch::autograd::grad({y}, {qbl, kbl, vbl}, {dyb});
+      });
+  sync();
+  for (Row* r : {&of, &cf, &ob, &cb}) g_rows.push_back(*r);
 }
 
 // --attn_case's names, each with its row label and shape (batch, heads, kv heads, seq, head dim).
@@ -872,6 +971,8 @@ int main(int argc, char** argv) {
       g_opts.op = next();
     else if (a == "--doc_index")
       g_opts.doc_index = next();
+    else if (a == "--timing_log")
+      g_opts.timing_log = next();
     else if (a == "--attn_case") {
       g_opts.attn_case = next();
       bool known = false;
@@ -890,9 +991,11 @@ int main(int argc, char** argv) {
         std::printf("%-19s %s%s\n", o.name, o.what, o.cuda_only ? " (CUDA only)" : "");
       return 0;
     } else {
-      std::fprintf(stderr,
-                   "usage: bench_kernels [--reps N] [--warmup N] [--json FILE] [--cpu] [--copies | "
-                   "--rows | --op NAME] [--doc_index FILE] [--attn_case W1|W2|W2-B4] | --list\n");
+      std::fprintf(
+          stderr,
+          "usage: bench_kernels [--reps N] [--warmup N] [--json FILE] [--cpu] [--copies | "
+          "--rows | --op NAME] [--doc_index FILE] [--attn_case W1|W2|W2-B4] [--timing_log FILE] | "
+          "--list\n");
       return 2;
     }
   }

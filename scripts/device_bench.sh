@@ -269,6 +269,39 @@ SPECS
       note "attnkt $c:"
       $PY scripts/attn_kernel_times.py "$LOGS/kt_$c.csv" 2>&1 | tee -a "$SUMMARY"
     done ;;
+  attnclk)
+    # Issue 25: the SM clock, power and clock-event reasons sampled (nvidia-smi, every 20 ms)
+    # while each attention row is timed, matched to the rows by bench_kernels --timing_log; then,
+    # where nsys is installed, every kernel's duration in the same back-to-back run (what
+    # attnkt's isolated Nsight Compute times cannot show). ATTNCLK_CASES (default W2-B4 W2),
+    # ATTNCLK_REPS (default 30), ATTNCLK_ROWS (default the default schedule and cuDNN).
+    step "attention rows under sustained load: clocks, power, in-run kernel times"
+    NSYS=$(command -v nsys || ls /opt/nvidia/nsight-systems*/*/bin/nsys /opt/nvidia/nsight-systems*/bin/nsys /usr/local/cuda/bin/nsys 2>/dev/null | head -1)
+    Q=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active
+    nvidia-smi --query-gpu=$Q --format=csv,noheader,nounits -c 1 > /dev/null 2>&1 ||
+      Q=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active
+    for c in ${ATTNCLK_CASES:-W2-B4 W2}; do
+      TZ=UTC nvidia-smi --query-gpu=$Q --format=csv,noheader,nounits -lms 20 > "$LOGS/clk_$c.csv" 2>&1 &
+      smi=$!
+      rm -f "$LOGS/clk_$c.timing"
+      timeout 300 "$BUILD/bench/bench_kernels" --op attention --attn_case "$c" --reps "${ATTNCLK_REPS:-30}" \
+        --timing_log "$LOGS/clk_$c.timing" > "$LOGS/clk_$c.log" 2>&1 &
+      wait $! || note "attnclk $c: rc $? ($(tail -1 "$LOGS/clk_$c.log" | cut -c1-200))"
+      kill $smi 2>/dev/null; wait $smi 2>/dev/null
+      note "attnclk $c ($(nvidia-smi --query-gpu=clocks.max.sm,power.limit --format=csv,noheader | head -1)):"
+      $PY scripts/attn_clocks.py clocks "$LOGS/clk_$c.csv" "$LOGS/clk_$c.timing" "$LOGS/clk_$c.log" \
+        --rows "${ATTNCLK_ROWS:-pingpong( |\+dq_tma)|sdpa cudnn}" 2>&1 | tee -a "$SUMMARY"
+      if [ -n "$NSYS" ]; then
+        timeout 300 "$NSYS" profile -t cuda -s none --cpuctxsw=none -f true -o "$LOGS/nsys_$c" \
+          "$BUILD/bench/bench_kernels" --op attention --attn_case "$c" --reps "${ATTNCLK_REPS:-30}" > "$LOGS/nsys_$c.log" 2>&1 &&
+        "$NSYS" stats -r cuda_gpu_trace -f csv -o "$LOGS/nsys_$c" "$LOGS/nsys_$c.nsys-rep" >> "$LOGS/nsys_$c.log" 2>&1 &&
+        { note "attnclk $c, kernels in the run (nsys):"
+          $PY scripts/attn_clocks.py nsys "$(ls "$LOGS"/nsys_"$c"*cuda_gpu_trace*.csv | head -1)" 2>&1 | tee -a "$SUMMARY"; } ||
+        note "attnclk $c: nsys failed ($(tail -2 "$LOGS/nsys_$c.log" | tr '\n' ' ' | cut -c1-200))"
+      else
+        note "attnclk: no nsys here"
+      fi
+    done ;;
   fp8prof)
     # Issue 20: where the W2 step goes with FP8 linears, next to bf16 (kernel tables).
     # FP8PROF_WORKLOADS="w2 w1" profiles W1 (1b, seq 2048, batch 8) too.
@@ -304,8 +337,9 @@ SPECS
       grep "attention kernels" "$LOGS/own_w1_${mode}$n.log" | tee -a "$SUMMARY"
     done
     if [ "${OWNATTN_W2:-1}" != 0 ]; then
-      for mode in auto own; do
-        ours own_w2_${mode} -c 7b -p ddp -b 1 -l 4096 -s 10 -i 3 --attn_backend $mode
+      for mode in auto own own auto; do
+        n=$(ls "$LOGS" | grep -c "^own_w2_${mode}" || true)
+        ours own_w2_${mode}$n -c 7b -p ddp -b 1 -l 4096 -s 10 -i 3 --attn_backend $mode
       done
     fi
     unset COLOSSAL_ATTENTION_SCHEDULE ;;
