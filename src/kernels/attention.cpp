@@ -369,22 +369,32 @@ int64_t multiprocessors(const at::Device& device) {
 // lists are built from that copy.
 void upload_work(Prepared& p, const at::Tensor& cu_seqlens, const std::vector<int64_t>& cu,
                  bool causal, bool deterministic, const at::Device& device) {
+  // Everything the lists and the launch order are built from, besides the offsets' values.
+  struct Key {
+    int64_t version, kv_heads, kv_section, heads, interleave;
+    bool causal, deterministic;
+    at::Device device;
+    bool operator==(const Key&) const = default;
+  };
   struct Last {
     at::Tensor host, dev;
-    int64_t version = -1, fwd = 0, bwd = 0, kv_heads = 0, kv_section = 0, heads = 0;
-    int64_t interleave = -2;
-    bool causal = false, deterministic = false;
+    Key key;
+    int64_t fwd = 0, bwd = 0;
   };
-  thread_local Last last;
+  thread_local std::optional<Last> last;
   const int64_t setting = attention_bwd_interleave();
-  if (cu_seqlens.is_cpu() && last.host.defined() && last.host.is_same(cu_seqlens) &&
-      last.version == static_cast<int64_t>(cu_seqlens._version()) && last.causal == causal &&
-      last.dev.device() == device && last.kv_heads == p.Hkv &&
-      last.kv_section == p.sections.bwd_kv_heads && last.heads == p.H &&
-      last.interleave == setting && last.deterministic == deterministic) {
-    p.work = last.dev;
-    p.fwd_tiles = last.fwd;
-    p.bwd_tiles = last.bwd;
+  const Key key{static_cast<int64_t>(cu_seqlens._version()),
+                p.Hkv,
+                p.sections.bwd_kv_heads,
+                p.H,
+                setting,
+                causal,
+                deterministic,
+                device};
+  if (cu_seqlens.is_cpu() && last && last->host.is_same(cu_seqlens) && last->key == key) {
+    p.work = last->dev;
+    p.fwd_tiles = last->fwd;
+    p.bwd_tiles = last->bwd;
     return;
   }
   const std::vector<AttentionTile> f = attention_forward_tiles(cu, causal);
@@ -410,19 +420,7 @@ void upload_work(Prepared& p, const at::Tensor& cu_seqlens, const std::vector<in
   // Without waiting for the device, which would sit idle while the host prepares each new
   // batch's list.
   p.work = upload_async(at::tensor(all, at::kInt), device);
-  if (cu_seqlens.is_cpu()) {
-    last.host = cu_seqlens;
-    last.version = static_cast<int64_t>(cu_seqlens._version());
-    last.causal = causal;
-    last.kv_heads = p.Hkv;
-    last.kv_section = p.sections.bwd_kv_heads;
-    last.heads = p.H;
-    last.interleave = setting;
-    last.deterministic = deterministic;
-    last.dev = p.work;
-    last.fwd = p.fwd_tiles;
-    last.bwd = p.bwd_tiles;
-  }
+  if (cu_seqlens.is_cpu()) last = Last{cu_seqlens, p.work, key, p.fwd_tiles, p.bwd_tiles};
 }
 
 // Whether t ([T, heads, D]) is in the layout the kernels read as it is: the head dimension
