@@ -105,3 +105,21 @@ def test_attn_clocks_refuses_a_log_of_another_run(tmp_path):
     p = run_clocks(tmp_path)
     assert p.returncode != 0
     assert "does not match its timing" in p.stderr
+
+
+def test_attn_clocks_nsys_summary(tmp_path):
+    # The columns of `nsys stats -r cuda_gpu_trace -f csv` that the summary reads.
+    rows = ['"Start (ns)","Duration (ns)","GrdX","GrdY","GrdZ","Name"']
+    for i, d in enumerate([900_000, 1_000_000, 950_000]):
+        rows.append(f'{i},{d},132,1,1,"void colossal::kernels::sm90::attention_fwd_kernel<A>(B)"')
+    for i, d in enumerate([2_500_000, 2_600_000]):
+        rows.append(f'{i},{d},4096,1,1,"void colossal::kernels::sm90::attention_bwd_kernel<C>(D)"')
+    rows.append('0,50,1,1,1,"tiny_kernel"')  # under 100 us in all: left out
+    (tmp_path / "trace.csv").write_text("\n".join(rows) + "\n")
+    p = subprocess.run([sys.executable, CLOCKS, "nsys", str(tmp_path / "trace.csv")],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    out = p.stdout.splitlines()
+    assert len(out) == 2, out
+    assert re.match(r"\s+2550\.0 us median x2\s+attention_bwd_kernel<C>\(D\) \(4096,1,1\)$", out[0]), out
+    assert re.match(r"\s+950\.0 us median x3\s+attention_fwd_kernel<A>\(B\) \(132,1,1\)$", out[1]), out
