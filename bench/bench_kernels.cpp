@@ -62,8 +62,10 @@ struct Opts {
   // --attn_case W1 | W2 | W2-B4: --op attention runs that case only (a profiler's run).
   std::string attn_case;
   // --timing_log FILE: each timing appends a line "start end rep_ms..." (wall-clock seconds since
-  // the epoch around its warm-up and reps, then every rep's time), in row order, so a sampler's
-  // clocks and power (scripts/attn_clocks.py) can be matched to the rows.
+  // the epoch when its warm-up had been issued and when its reps were done, then every rep's
+  // time), in row order, so a sampler's clocks and power (scripts/attn_clocks.py) can be matched
+  // to the rows. The warm-up is left out: the first call of a library may spend it on the host
+  // (cuDNN builds its plans) with the GPU idle.
   std::string timing_log;
 };
 
@@ -111,11 +113,11 @@ double median_of(std::vector<double> t) {
 
 // Median milliseconds of `body` over reps, after warm-up; `setup` runs untimed before each rep.
 double median_ms(const std::function<void()>& body, const std::function<void()>& setup = nullptr) {
-  const double start = epoch_s();
   for (int i = 0; i < g_opts.warmup; ++i) {
     if (setup) setup();
     body();
   }
+  const double start = epoch_s();
   std::vector<double> t;
   if (g_cuda) {
     Accelerator& acc = Accelerator::cuda();
@@ -151,11 +153,11 @@ double median_ms(const std::function<void()>& body, const std::function<void()>&
 // Alternating gives both the same clocks. Two --timing_log lines, a's then b's.
 std::pair<double, double> median_ms_alternating(const std::function<void()>& a,
                                                 const std::function<void()>& b) {
-  const double start = epoch_s();
   for (int i = 0; i < g_opts.warmup; ++i) {
     a();
     b();
   }
+  const double start = epoch_s();
   Accelerator& acc = Accelerator::cuda();
   std::vector<std::unique_ptr<Event>> ev[2][2];
   for (int i = 0; i < g_opts.reps; ++i) {
