@@ -6,8 +6,10 @@
       clocks_event_reasons.active --format=csv,noheader,nounits -lms 20` written during the run;
       TIMING.log: bench_kernels --timing_log (one line per timing: start, end, every rep's ms);
       BENCH.log: bench_kernels' table. Prints, per row matching REGEX, its median, its first and
-      last rep, and the SM clock, power (with mean power x median time, the energy of a call),
-      temperature and clock-event reasons sampled inside its timed reps' window.
+      last rep, and the SM clock, power (with mean power x median time, the energy of a call,
+      except for alternated rows, whose two sides share the samples), temperature and
+      clock-event reasons sampled inside its timed reps' window. Use power.draw.instant where
+      the driver has it: power.draw may be an average over the last second.
   attn_clocks.py nsys TRACE.csv
       TRACE.csv: `nsys stats -r cuda_gpu_trace -f csv`. Prints each kernel (name, grid) with its
       launch count and median duration in the real run, for comparison with Nsight Compute's
@@ -47,6 +49,14 @@ def smi_samples(path):
     return out
 
 
+def energy(label, power, ms):
+    """Mean power x the median time: a call's energy. Not for alternated rows, whose two sides
+    share one window's samples."""
+    if "alt." in label:
+        return ""
+    return f" (about {statistics.mean(power) * ms:.0f} mJ a call)"
+
+
 def clocks(smi_path, timing_path, bench_log, rows_re):
     rows = table_rows(bench_log)
     timings = [list(map(float, l.split())) for l in open(timing_path) if l.strip()]
@@ -75,9 +85,8 @@ def clocks(smi_path, timing_path, bench_log, rows_re):
             reasons |= s[5]
         print(f"  {label} {direction}: {ms:.3f} ms (reps {reps[0]:.3f} first, {reps[-1]:.3f} last);"
               f" SM {statistics.mean(sm):.0f} MHz mean, {min(sm):.0f} min; power"
-              f" {statistics.mean(pw):.0f} W mean, {max(pw):.0f} max (about"
-              f" {statistics.mean(pw) * ms:.0f} mJ a call); {max(s[4] for s in inside):.0f} C;"
-              f" reasons 0x{reasons:x}; {len(inside)} samples")
+              f" {statistics.mean(pw):.0f} W mean, {max(pw):.0f} max{energy(label, pw, ms)};"
+              f" {max(s[4] for s in inside):.0f} C; reasons 0x{reasons:x}; {len(inside)} samples")
 
 
 def nsys(path):

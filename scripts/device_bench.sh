@@ -277,9 +277,16 @@ SPECS
     # ATTNCLK_REPS (default 30), ATTNCLK_ROWS (default the default schedule and cuDNN).
     step "attention rows under sustained load: clocks, power, in-run kernel times"
     NSYS=$(command -v nsys || ls /opt/nvidia/nsight-systems*/*/bin/nsys /opt/nvidia/nsight-systems*/bin/nsys /usr/local/cuda/bin/nsys 2>/dev/null | head -1)
-    Q=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active
-    nvidia-smi --query-gpu=$Q --format=csv,noheader,nounits -c 1 > /dev/null 2>&1 ||
-      Q=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active
+    # power.draw.instant where the driver has it (power.draw may average the last second, which
+    # a row shorter than that inherits from the rows before it).
+    Q=""
+    for p in power.draw.instant power.draw; do
+      for r in clocks_event_reasons.active clocks_throttle_reasons.active; do
+        q=timestamp,clocks.sm,clocks.mem,$p,temperature.gpu,$r
+        [ -z "$Q" ] && nvidia-smi --query-gpu=$q --format=csv,noheader,nounits -c 1 > /dev/null 2>&1 && Q=$q
+      done
+    done
+    note "attnclk samples: ${Q:-none (nvidia-smi answers none of the queries)}"
     for c in ${ATTNCLK_CASES:-W2-B4 W2}; do
       TZ=UTC nvidia-smi --query-gpu=$Q --format=csv,noheader,nounits -lms 20 > "$LOGS/clk_$c.csv" 2>&1 &
       smi=$!

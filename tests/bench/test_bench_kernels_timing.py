@@ -92,7 +92,10 @@ def test_attn_clocks_matches_rows_to_their_windows(tmp_path):
     assert out[0] == "40 samples, 3 rows"
     assert "W2 own dense pingpong+dq_tma B4" in out[1] and "SM 1980 MHz mean, 1980 min" in out[1]
     assert "reps 4.482 first, 4.282 last" in out[1] and "reasons 0x0" in out[1]
-    assert "alt. B4" in out[2] and "SM 1700 MHz mean, 1700 min" in out[2] and "690 max (about 2915 mJ a call)" in out[2]
+    # A row timed alone gets its energy (mean power x median time); alternated rows share their
+    # window's samples, so they get none.
+    assert "(about 1755 mJ a call)" in out[1] and "mJ" not in out[2] + out[3]
+    assert "alt. B4" in out[2] and "SM 1700 MHz mean, 1700 min" in out[2] and "690 max;" in out[2]
     assert "sdpa cudnn alt." in out[3] and "reasons 0x4" in out[3]
     assert all("10 samples" in l for l in out[1:]), out
     # --rows keeps the matching rows only.
