@@ -3,7 +3,8 @@
 
   attn_clocks.py clocks SMI.csv TIMING.log BENCH.log [--rows REGEX]
       SMI.csv: `nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,
-      clocks_event_reasons.active --format=csv,noheader,nounits -lms 20` written during the run;
+      clocks_event_reasons.active --format=csv,noheader,nounits -lms 20`, run under TZ=UTC
+      during the benchmark;
       TIMING.log: bench_kernels --timing_log (one line per timing: start, end, every rep's ms);
       BENCH.log: bench_kernels' table. Prints, per row matching REGEX, its median, its first and
       last rep, and the SM clock, power (with mean power x median time, the energy of a call,
@@ -65,7 +66,7 @@ def clocks(smi_path, timing_path, bench_log, rows_re):
         sys.exit(f"attn_clocks: {len(rows)} rows but {len(timings)} timings")
     timings = timings[len(timings) - len(rows):]
     samples = smi_samples(smi_path)
-    # nvidia-smi prints local time; the machine's clock is UTC (checked: the offset printed).
+    # nvidia-smi prints local time: device_bench.sh's attnclk runs it under TZ=UTC.
     print(f"{len(samples)} samples, {len(rows)} rows")
     for (label, direction, ms), t in zip(rows, timings):
         if not re.search(rows_re, label):
