@@ -60,6 +60,14 @@ kernel_test() {  # kernel_test NAME: one of tests/kernels' GPU tests, its verdic
     [ $t = test_attention_cuda ] && { touch "$LOGS/own_attention_failed"; tail -5 "$LOGS/$t.log"; }
   fi
 }
+# overlap_step on the GPU at one rank: the side-stream and deferred updates equal the
+# synchronous step bit for bit (fused kernels on and off), and the CPU cases.
+step_overlap_test() {
+  if timeout 300 "$C" run --nproc_per_node 1 --master_port 0 "$BUILD/tests/booster/test_step_overlap" \
+       > "$LOGS/test_step_overlap.log" 2>&1; then
+    note "PASS test_step_overlap: $(grep -E 'PASSED|SKIPPED' "$LOGS/test_step_overlap.log" | head -2 | tr '\n' ' ')"
+  else note "FAIL test_step_overlap"; grep -E -A6 "Failure|error" "$LOGS/test_step_overlap.log" | head -30; fi
+}
 # A packed build (scripts/device_pack.sh: one xz archive), unpacked once, in place.
 unpack_build() {  # unpack_build DIR
   if [ -f "$1/binaries.tar.xz" ] && [ ! -x "$1/colossal" ]; then
@@ -91,7 +99,7 @@ for phase in "$@"; do
     ;&
   build)
     step build
-    if ! TARGETS="colossal_cli test_kernels test_kernels_cuda test_attention_cuda test_model_cuda test_vocab_ce_cuda test_gemini_1rank test_zero_1rank test_pipeline_stages test_pipeline_executor bench_kernels" BUILD=$BUILD \
+    if ! TARGETS="colossal_cli test_kernels test_kernels_cuda test_attention_cuda test_model_cuda test_vocab_ce_cuda test_gemini_1rank test_zero_1rank test_step_overlap test_pipeline_stages test_pipeline_executor bench_kernels" BUILD=$BUILD \
          scripts/device_build.sh -DCOLOSSAL_WERROR=OFF > "$LOGS/build.log" 2>&1; then
       tail -40 "$LOGS/build.log"; exit 1
     fi
@@ -119,6 +127,7 @@ for phase in "$@"; do
          --gtest_filter='ZeroCuda*' > "$LOGS/test_zero_cuda.log" 2>&1; then
       note "PASS test_zero_1rank ZeroCuda*: $(grep -E 'PASSED|SKIPPED' "$LOGS/test_zero_cuda.log" | head -2 | tr '\n' ' ')"
     else note "FAIL test_zero_1rank ZeroCuda*"; grep -E -A6 "Failure|error" "$LOGS/test_zero_cuda.log" | head -30; fi
+    step_overlap_test
     # Pipeline chunks on the GPU: the deferred residual resolved at every chunk boundary.
     if timeout 300 "$BUILD/tests/pipeline/test_pipeline_stages" --gtest_filter='*Cuda' \
          > "$LOGS/test_pipeline_stages_cuda.log" 2>&1; then
@@ -328,6 +337,22 @@ SPECS
       ours ${m}_graph -c $m -p none -b 8 -l 512 -s 30 -i 5 --cuda_graph
     done
     ours w1_graph -c 1b -p none -b 8 -l 2048 -s 15 -i 3 --cuda_graph ;;
+  ovtest) step_overlap_test ;;
+  ovstep)
+    # --overlap_step (the update on a side stream, each layer's forward waiting for its share)
+    # against the synchronous step, same binary, in the order off on on off: W1, and W2 (7b)
+    # or, where OVSTEP_W2 names a config (bench/configs/llama-7b-16l.json on an 80 GB card), that.
+    step "overlap_step: W1 / W2, off vs on"
+    for w in w1 w2; do
+      for mode in false true true false; do
+        n=$(ls "$LOGS" | grep -c "^ovstep_${w}_${mode}" || true)
+        if [ $w = w1 ]; then
+          ours ovstep_${w}_${mode}$n -c 1b -p ddp -b 8 -l 2048 -s ${OVSTEP_W1_STEPS:-15} -i 3 --overlap_step $mode
+        else
+          ours ovstep_${w}_${mode}$n -c ${OVSTEP_W2:-7b} -p ddp -b 1 -l 4096 -s ${OVSTEP_W2_STEPS:-10} -i 2 --overlap_step $mode
+        fi
+      done
+    done ;;
   ownattn)
     # Issue 25: the model with our attention kernels (--attn_backend own) against SDPA's choice,
     # side by side: W1 (1b, seq 2048, batch 8) and W2 (7b, seq 4096, batch 1; OWNATTN_W2=0

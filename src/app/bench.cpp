@@ -172,6 +172,9 @@ void BenchConfig::validate() const {
     COLOSSAL_CHECK_INPUT(
         plugin.ddp.precision != "fp16",
         "--cuda_graph with fp16 is not supported (the loss scaler decides on the host)");
+    COLOSSAL_CHECK_INPUT(!plugin.ddp.overlap_step,
+                         "--cuda_graph with --overlap_step is not supported (a replayed graph runs "
+                         "no forward hooks, so it cannot wait for each layer's update)");
   }
   COLOSSAL_CHECK_INPUT(ckpt_layers >= -1,
                        "--ckpt_layers must be >= 0 (or -1 for every layer), got ", ckpt_layers);
@@ -232,6 +235,7 @@ json::Value BenchReport::to_json() const {
   c.set("deterministic", config.deterministic);
   c.set("fused_kernels", config.fused_kernels);
   c.set("cuda_graph", config.cuda_graph);
+  c.set("overlap_step", config.plugin.ddp.overlap_step);
   if (config.plugin.name == "gemini" || config.plugin.name == "gemini_auto") {
     const booster::GeminiPluginOptions& g = config.plugin.gemini;
     c.set("shard_param_frac", g.shard_param_frac);
@@ -304,7 +308,8 @@ std::string BenchReport::to_text() const {
       buf, sizeof buf,
       "colossal bench: %s (%.3fB params, %lld layers, hidden %lld, vocab %lld)\n"
       "  plugin %s, %s on %s, %d rank(s) (dp %d), batch %lld per dp rank, seq %lld, "
-      "grad checkpoint %s, attention %s, fused kernels %s, fused CE %s, CUDA graph %s\n"
+      "grad checkpoint %s, attention %s, fused kernels %s, fused CE %s, CUDA graph %s, overlap "
+      "step %s\n"
       "  steps %lld (first %lld ignored), median step %.4f s (mean %.4f s)\n"
       "  throughput: %.1f tokens/s/GPU, %.1f tokens/s total, %.3f samples/s\n"
       "  model TFLOPS/GPU (6N + 12LhS per token, no recompute): %.3f, MFU vs 989 TFLOPS: %.4f\n"
@@ -316,10 +321,11 @@ std::string BenchReport::to_text() const {
       config.device.c_str(), world_size, dp_size, (long long)config.batch,
       (long long)config.seq_len, ckpt.c_str(), config.attn_backend.c_str(),
       config.fused_kernels ? "on" : "off", config.fused_ce ? "on" : "off",
-      config.cuda_graph ? "on" : "off", (long long)config.steps, (long long)config.warmup,
-      median_step_s, mean_step_s, tokens_per_s_per_gpu, tokens_per_s, samples_per_s,
-      model_tflops_per_gpu, mfu_989, colossalai_tflops_per_gpu, megatron_tflops_per_gpu,
-      peak_memory_mib, peak_memory_kind.c_str(), final_loss);
+      config.cuda_graph ? "on" : "off", config.plugin.ddp.overlap_step ? "on" : "off",
+      (long long)config.steps, (long long)config.warmup, median_step_s, mean_step_s,
+      tokens_per_s_per_gpu, tokens_per_s, samples_per_s, model_tflops_per_gpu, mfu_989,
+      colossalai_tflops_per_gpu, megatron_tflops_per_gpu, peak_memory_mib, peak_memory_kind.c_str(),
+      final_loss);
   std::string pipe;
   if (!pipeline.is_null()) {
     char line[256];
@@ -422,7 +428,9 @@ class BenchLoop {
   BenchLoop(const BenchConfig& c, std::shared_ptr<Plugin> plugin,
             std::shared_ptr<models::CausalLM> model, const at::Device& device, bool distributed,
             bool rank0);
-  // One training step on fresh random tokens; returns its device-synchronised wall time.
+  // One training step on fresh random tokens; returns its wall time, to the end of the work on
+  // the current stream: under --overlap_step the update left on the side stream is waited for
+  // by the next step's forward, so in a run of steps each one's time is its share of the run.
   double step(int64_t s);
   double last_loss() const { return last_loss_; }
   // --checkpoint_test: one save (and, into a folder, a load) through the Booster, timed, with
@@ -433,6 +441,9 @@ class BenchLoop {
   at::Tensor forward_backward(const at::Tensor& ids, const at::Tensor& targets);
   void sync() const {
     if (device_.is_cuda()) Accelerator::cuda().synchronize();
+  }
+  void sync_stream() const {
+    if (device_.is_cuda()) Accelerator::cuda().synchronize_stream();
   }
   const BenchConfig& c_;
   std::shared_ptr<models::CausalLM> model_;
@@ -532,7 +543,10 @@ double BenchLoop::step(int64_t s) {
     graph_->capture([&] { graph_loss_ = forward_backward(graph_ids_, graph_targets_); });
     sync();
   }
-  sync();
+  // Under --overlap_step only the current stream is waited for (the update left on the side
+  // stream overlaps the next step, which waits for it); otherwise the whole device.
+  const bool overlap = c_.plugin.ddp.overlap_step;
+  overlap ? sync_stream() : sync();
   auto t0 = std::chrono::steady_clock::now();
   at::Tensor loss;
   if (replay) {
@@ -546,7 +560,7 @@ double BenchLoop::step(int64_t s) {
     opt.step();
     opt.zero_grad(true);
   }
-  sync();
+  overlap ? sync_stream() : sync();
   const double dt = since(t0);
   last_loss_ = loss.item<double>();
   return dt;

@@ -957,7 +957,14 @@ Trainer::StepStats Trainer::train_step() {
     dist::world_cpu().all_reduce(t, dist::ReduceOp::Avg);
     st.loss = t.item<double>();
   }
-  if (device_.is_cuda()) Accelerator::cuda().synchronize();
+  // Under overlap_step the current stream only: the update runs on a side stream into the next
+  // step's forward, which waits for each layer's share (a device-wide wait would serialise it).
+  if (device_.is_cuda()) {
+    if (c_.plugin.ddp.overlap_step)
+      Accelerator::cuda().synchronize_stream();
+    else
+      Accelerator::cuda().synchronize();
+  }
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
 }

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "colossal/amp/grad_scaler.h"
+#include "colossal/booster/step_overlap.h"
 #include "colossal/core/logging.h"
 #include "colossal/core/weights_epoch.h"
 #include "colossal/optim/optimizer.h"
@@ -25,7 +26,18 @@ double OptimizerWrapper::loss_scale() const {
   return scaler_ ? scaler_->scale() : 1.0;
 }
 
+void OptimizerWrapper::enable_step_overlap(torch::nn::Module& root, bool deferred) {
+  finish_update();
+  overlap_ = StepOverlap::create(
+      root, *optimizer_, deferred ? StepOverlap::Mode::Deferred : StepOverlap::Mode::Stream);
+}
+
+void OptimizerWrapper::finish_update() {
+  if (overlap_) overlap_->finish();
+}
+
 void OptimizerWrapper::backward(const at::Tensor& loss) {
+  finish_update();  // a backward without a forward in between must not race the update
   norm_valid_ = false;
   if (scaler_) {
     (loss * scaler_->scale()).backward();
@@ -55,7 +67,10 @@ double OptimizerWrapper::clip_grad_by_norm(double max_norm, double norm_type) {
 }
 
 void OptimizerWrapper::apply_update(double divisor) {
-  optimizer_->step(divisor);
+  if (overlap_)
+    overlap_->step(divisor);
+  else
+    optimizer_->step(divisor);
 }
 
 void OptimizerWrapper::drop_grads() {
@@ -95,18 +110,23 @@ bool OptimizerWrapper::step() {
 }
 
 void OptimizerWrapper::zero_grad(bool set_to_none) {
+  // Dropped gradients stay alive for a pending update (it holds them); zeroed ones must wait.
+  if (!set_to_none) finish_update();
   optimizer_->zero_grad(set_to_none);
 }
 
 optim::StateDict OptimizerWrapper::full_state_dict() {
+  finish_update();
   return optimizer_->state_dict();
 }
 
 void OptimizerWrapper::load_full_state_dict(const optim::StateDict& state) {
+  finish_update();
   optimizer_->load_state_dict(state);
 }
 
 OptimizerWrapper::FullStatePlan OptimizerWrapper::full_state_plan() {
+  finish_update();
   optim::StateDict sd = optimizer_->state_dict();  // references to the state, no copies
   FullStatePlan plan;
   plan.scalars = std::move(sd.scalars);
@@ -124,10 +144,12 @@ at::Tensor OptimizerWrapper::full_state_tensor(const FullStatePlan& plan, size_t
 }
 
 void OptimizerWrapper::load_full_state(const optim::StateSource& source) {
+  finish_update();
   optimizer_->load_state(source);
 }
 
 void OptimizerWrapper::sync_masters_from_params() {
+  finish_update();
   optimizer_->sync_masters_from_params();
 }
 

@@ -85,6 +85,7 @@ class CpuAccelerator final : public Accelerator {
     COLOSSAL_CHECK(index == 0 || index == -1, "the CPU accelerator has only device 0, got ", index);
   }
   void synchronize(int) override {}
+  void synchronize_stream(int) override {}
   c10::Stream current_stream(int) const override {
     return c10::Stream(c10::Stream::DEFAULT, c10::Device(c10::DeviceType::CPU));
   }
@@ -189,6 +190,14 @@ class CudaAccelerator final : public Accelerator {
 #ifdef COLOSSAL_TORCH_CUDA
     c10::cuda::CUDAGuard g(static_cast<c10::DeviceIndex>(idx));
     c10::cuda::device_synchronize();
+#else
+    (void)idx;
+#endif
+  }
+  void synchronize_stream(int index) override {
+    int idx = resolve(index);
+#ifdef COLOSSAL_TORCH_CUDA
+    c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(idx)).synchronize();
 #else
     (void)idx;
 #endif

@@ -52,55 +52,83 @@ void Optimizer::add_param_group(std::vector<NamedParam> params, GroupOptions opt
 }
 
 void Optimizer::step(double grad_divisor) {
+  auto plans = plan_step(
+      grad_divisor, [](const at::Tensor&) { return size_t{0}; }, 1);
+  run_update(plans[0]);
+}
+
+bool Optimizer::UpdatePlan::empty() const {
+  for (const auto& g : groups)
+    if (!g.params.empty() || !g.masters.empty()) return false;
+  return true;
+}
+
+std::vector<Optimizer::UpdatePlan> Optimizer::plan_step(
+    double grad_divisor, const std::function<size_t(const at::Tensor&)>& bucket_of,
+    size_t buckets) {
   COLOSSAL_CHECK(grad_divisor > 0 && std::isfinite(grad_divisor),
                  "optimizer: grad_divisor must be finite and > 0, got ", grad_divisor);
-  grad_divisor_ = grad_divisor;
+  COLOSSAL_CHECK(buckets >= 1, "optimizer: plan_step needs at least one bucket");
   bump_weights_epoch();
   c10::NoGradGuard no_grad;
-  for (auto& g : groups_) {
+  std::vector<UpdatePlan> plans(buckets);
+  for (auto& plan : plans) {
+    plan.grad_divisor = grad_divisor;
+    plan.groups.resize(groups_.size());
+    for (size_t gi = 0; gi < groups_.size(); ++gi) plan.groups[gi].options = groups_[gi].options;
+  }
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    auto& g = groups_[gi];
     // Plain parameters (updated in place) and master-backed ones (fp32 master updated, working
     // weight rewritten from it) go in separate lists.
-    std::vector<at::Tensor> params, grads, masters, master_grads, working;
-    std::vector<ParamState*> states, master_states;
     for (size_t i = 0; i < g.params.size(); ++i) {
       const at::Tensor& p = g.params[i];
       at::Tensor grad = p.grad();
       if (!grad.defined()) continue;
+      const size_t b = bucket_of(p);
+      COLOSSAL_CHECK(b < buckets, "optimizer: parameter '", g.names[i], "' put in bucket ", b,
+                     " of ", buckets);
+      GroupUpdate& u = plans[b].groups[gi];
       ParamState& st = state_[g.names[i]];
       st.step += 1;
+      // Create missing state tensors (zeros of the updated tensor's shape and dtype), except
+      // those an optimizer creates lazily itself (SGD's momentum buffer is the first gradient).
+      auto init_state = [&](const at::Tensor& t) {
+        for (const auto& key : state_keys(g.options))
+          if (!st.tensors.count(key) && key != "momentum_buffer")
+            st.tensors[key] = at::zeros_like(t, at::MemoryFormat::Preserve);
+      };
       auto m = masters_.find(g.names[i]);
       if (m != masters_.end()) {
-        masters.push_back(m->second);
-        master_grads.push_back(grad);
-        working.push_back(p);  // written in place under NoGradGuard (no detach per step)
-        master_states.push_back(&st);
+        init_state(m->second);
+        u.masters.push_back(m->second);
+        u.master_grads.push_back(grad);
+        u.working.push_back(p);  // written in place under NoGradGuard (no detach per step)
+        u.master_states.push_back(&st);
       } else {
-        params.push_back(p);
-        grads.push_back(grad.scalar_type() == p.scalar_type() ? grad : grad.to(p.scalar_type()));
-        states.push_back(&st);
-      }
-    }
-    // Create missing state tensors (zeros of the updated tensor's shape and dtype), except
-    // those an optimizer creates lazily itself (SGD's momentum buffer is the first gradient).
-    auto init_states = [&](const std::vector<at::Tensor>& ts, std::vector<ParamState*>& sts) {
-      for (size_t i = 0; i < ts.size(); ++i)
-        for (const auto& key : state_keys(g.options))
-          if (!sts[i]->tensors.count(key) && key != "momentum_buffer")
-            sts[i]->tensors[key] = at::zeros_like(ts[i], at::MemoryFormat::Preserve);
-    };
-    if (!params.empty()) {
-      init_states(params, states);
-      update(g.options, params, grads, states);
-    }
-    if (!masters.empty()) {
-      init_states(masters, master_states);
-      if (!update_masters_fused(g.options, masters, master_grads, master_states, working)) {
-        for (auto& gr : master_grads) gr = gr.to(at::kFloat);
-        update(g.options, masters, master_grads, master_states);
-        for (size_t i = 0; i < masters.size(); ++i) working[i].copy_(masters[i]);
+        init_state(p);
+        u.params.push_back(p);
+        u.grads.push_back(grad.scalar_type() == p.scalar_type() ? grad : grad.to(p.scalar_type()));
+        u.states.push_back(&st);
       }
     }
   }
+  return plans;
+}
+
+void Optimizer::run_update(UpdatePlan& plan) {
+  c10::NoGradGuard no_grad;
+  grad_divisor_ = plan.grad_divisor;
+  for (auto& u : plan.groups) {
+    if (!u.params.empty()) update(u.options, u.params, u.grads, u.states);
+    if (!u.masters.empty() &&
+        !update_masters_fused(u.options, u.masters, u.master_grads, u.master_states, u.working)) {
+      for (auto& gr : u.master_grads) gr = gr.to(at::kFloat);
+      update(u.options, u.masters, u.master_grads, u.master_states);
+      for (size_t i = 0; i < u.masters.size(); ++i) u.working[i].copy_(u.masters[i]);
+    }
+  }
+  grad_divisor_ = 1.0;
 }
 
 void Optimizer::zero_grad(bool set_to_none) {

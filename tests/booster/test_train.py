@@ -93,6 +93,26 @@ def test_resume_is_bitwise(work):
     assert sum(p.numel() for p in m.parameters()) > 0
 
 
+def test_overlap_step_is_bitwise(work):
+    """--overlap_step true (on the CPU each layer's update runs in its forward pre hook) moves only
+    when the update runs: losses, norms, the checkpoint saved at step 5 (between a step and the
+    next forward) and the final weights equal the synchronous run's bit for bit."""
+    args = ["--plugin", "ddp", "--micro_batch", "2", "--save_every", "5", "--shuffle", "false"]
+    sync, _ = run_train(work, "ov_off", 2, args)
+    over, p = run_train(work, "ov_on", 2, args + ["--overlap_step", "true"])
+    assert "overlap_step: the update runs deferred" in p.stderr
+    a, b = metrics(over), metrics(sync)
+    assert [m["step"] for m in a] == list(range(1, 11))
+    for x, y in zip(a, b):
+        assert x["loss"] == y["loss"] and x["grad_norm"] == y["grad_norm"] and x["lr"] == y["lr"], (x, y)
+    for step in (5, 10):
+        wa, wb = final_weights(over, step), final_weights(sync, step)
+        assert wa.keys() == wb.keys()
+        for k in wa:
+            assert torch.equal(wa[k], wb[k]), (step, k)
+    assert b[-1]["loss"] < b[0]["loss"] - 0.3  # it learns: the comparison is not of two idle runs
+
+
 REFERENCE = textwrap.dedent(r'''
     import json, os, sys, math
     import numpy as np, torch, torch.distributed as dist
@@ -183,6 +203,7 @@ def test_bad_input(work, tmp_path):
     bad(work, base + ["--lr", "-1"], "lr")
     bad(work, base + ["--precision", "fp8"], "fp8")
     bad(work, base + ["--plugin", "fsdp"], "fsdp")  # not a plugin (yet)
+    bad(work, base + ["--plugin", "zero2", "--overlap_step", "true"], "--overlap_step is available with --plugin ddp")
     bad(work, ["--model", str(work / "model.json")], "data")
     bad(work, base + ["--seq_len", "1000"], "max_position_embeddings")
     bad(work, base + ["--resume", str(tmp_path)], "not a training checkpoint")

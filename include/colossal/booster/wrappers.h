@@ -30,6 +30,8 @@ class StateSource;
 
 namespace colossal::booster {
 
+class StepOverlap;
+
 class ModelWrapper {
  public:
   explicit ModelWrapper(std::shared_ptr<torch::nn::Module> module) : module_(std::move(module)) {}
@@ -97,6 +99,16 @@ class OptimizerWrapper {
   virtual bool step();
   virtual void zero_grad(bool set_to_none = true);
 
+  // overlap_step (step_overlap.h): step() plans the update and leaves it to run beside the next
+  // forward, each layer's bucket waited for by its forward pre hook over `root` (the model).
+  // Stream needs CUDA parameters; Deferred runs each bucket in its hook (the CPU's way, and a
+  // test of the hooks' coverage on any device).
+  void enable_step_overlap(torch::nn::Module& root, bool deferred);
+  const std::shared_ptr<StepOverlap>& step_overlap() const { return overlap_; }
+  // Every update step() left pending lands before anything the current stream runs next (the
+  // state exports, loads, backward and in-place zero_grad below call it themselves).
+  void finish_update();
+
   double loss_scale() const;
   double last_grad_norm() const { return last_norm_; }
   bool last_step_skipped() const { return last_skipped_; }
@@ -152,6 +164,7 @@ class OptimizerWrapper {
   bool norm_valid_ = false;
   double last_norm_ = 0.0;
   bool last_skipped_ = false;
+  std::shared_ptr<StepOverlap> overlap_;
 };
 
 }  // namespace colossal::booster

@@ -57,6 +57,9 @@ class Accelerator {
   c10::Device device(int index = -1) const;  // -1: the current device
 
   virtual void synchronize(int index = -1) = 0;
+  // The host waits for the current stream only (work on side streams may go on: a step's
+  // update under overlap_step, which the next forward waits for on the device).
+  virtual void synchronize_stream(int index = -1) = 0;
   virtual c10::Stream current_stream(int index = -1) const = 0;
   virtual c10::Stream new_stream(int index = -1, bool high_priority = false) = 0;
   virtual void set_stream(const c10::Stream& stream) = 0;

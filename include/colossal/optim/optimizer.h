@@ -111,6 +111,31 @@ class Optimizer {
   // unscaling and clipping fused into the step: no separate pass over the gradients).
   void step(double grad_divisor);
 
+  // step(grad_divisor) in two halves, so the update of some parameters can run later or on
+  // another stream (booster's overlap_step). plan_step() does the host bookkeeping of a step now:
+  // each parameter with a gradient has its step count advanced and its state created, and is
+  // put, with its gradient and a copy of its group's hyper-parameters, into the plan of bucket
+  // bucket_of(param) (< buckets). run_update() launches the update kernels of one bucket's plan
+  // on the current stream. Running every bucket's plan, in any order, equals step(): a
+  // parameter's update reads only its own tensors. Until a plan has run, nothing may change the
+  // optimizer's parameters, state or hyper-parameters it holds (run or drop it first).
+  struct GroupUpdate {  // one group's share of one bucket
+    GroupOptions options;
+    std::vector<at::Tensor> params, grads;  // updated in place (no master)
+    std::vector<ParamState*> states;
+    std::vector<at::Tensor> masters, master_grads, working;  // fp32 master, working written
+    std::vector<ParamState*> master_states;
+  };
+  struct UpdatePlan {
+    double grad_divisor = 1.0;
+    std::vector<GroupUpdate> groups;
+    bool empty() const;
+  };
+  std::vector<UpdatePlan> plan_step(double grad_divisor,
+                                    const std::function<size_t(const at::Tensor&)>& bucket_of,
+                                    size_t buckets);
+  void run_update(UpdatePlan& plan);
+
   // Sets grads to undefined (set_to_none) or zeroes them in place.
   void zero_grad(bool set_to_none = true);
 

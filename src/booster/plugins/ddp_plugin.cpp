@@ -6,6 +6,7 @@
 
 #include "booster/plugins/plugin_common.h"
 #include "colossal/booster/grad_sync.h"
+#include "colossal/booster/step_overlap.h"
 #include "colossal/core/accelerator.h"
 #include "colossal/core/logging.h"
 #include "colossal/core/options.h"
@@ -24,6 +25,9 @@ void DDPOptions::register_options(OptionSet& set) {
       .add("plugin", "fp8_communication", &fp8_communication,
            "ddp, low_level_zero, gemini: gradients (e5m2) and ZeRO/Gemini weight all-gathers "
            "(e4m3) travel in FP8 with per-rank scales")
+      .add("plugin", "overlap_step", &overlap_step,
+           "ddp: run each step's optimizer update beside the next forward, layer by layer (a "
+           "side stream on CUDA; bitwise the same result)")
       .add("plugin", "initial_scale", &loss_scale.initial_scale, "fp16: initial loss scale")
       .add("plugin", "min_scale", &loss_scale.min_scale, "fp16: minimum loss scale")
       .add("plugin", "max_scale", &loss_scale.max_scale, "fp16: maximum loss scale")
@@ -61,8 +65,13 @@ class DDPModel : public ModelWrapper {
   void finish_backward() override {
     if (sync) sync->finish();
   }
+  // overlap_step: the update step() left running lands first.
+  void wait_weights() override {
+    if (auto o = overlap.lock()) o->finish();
+  }
   std::unique_ptr<GradSync> sync;
   std::vector<std::pair<std::string, at::Tensor>> masters;  // handed to the optimizer once
+  std::weak_ptr<StepOverlap> overlap;
   bool require_sync_ = true;
 };
 
@@ -108,8 +117,20 @@ std::shared_ptr<OptimizerWrapper> DDPPlugin::configure_optimizer(
   auto* ddp = dynamic_cast<DDPModel*>(&model);
   COLOSSAL_CHECK(ddp, "ddp plugin: the model was not configured by this plugin");
   // Gradients are identical on every rank after the all-reduce: norms and overflow are local.
-  return wrap_optimizer(std::move(optimizer), model, precision_, options_.loss_scale, ddp->masters,
-                        amp::GradReducer{});
+  auto wrapped = wrap_optimizer(std::move(optimizer), model, precision_, options_.loss_scale,
+                                ddp->masters, amp::GradReducer{});
+  if (wrapped && options_.overlap_step) {
+    bool cuda = false;
+    for (const auto& g : wrapped->optimizer().param_groups())
+      for (const auto& p : g.params) cuda = cuda || p.is_cuda();
+    wrapped->enable_step_overlap(model.module(), /*deferred=*/!cuda);
+    const auto& o = *wrapped->step_overlap();
+    ddp->overlap = wrapped->step_overlap();
+    log_info("ddp: overlap_step: the update runs ", cuda ? "on a side stream" : "deferred", " in ",
+             o.num_buckets(), " layer buckets, each waited for by its layer's forward; ",
+             o.num_unhooked(), " parameters outside any colossal layer are updated at step()");
+  }
+  return wrapped;
 }
 
 NonePlugin::NonePlugin(std::string precision, std::string device, LossScaleOptions loss_scale)

@@ -44,6 +44,9 @@ void PluginOptions::validate() const {
                        name, "'",
                        name == "none" ? " (one process: nothing is communicated)"
                                       : " (its FP8 collectives are not wired yet)");
+  COLOSSAL_CHECK_INPUT(!ddp.overlap_step || name == "ddp",
+                       "--overlap_step is available with --plugin ddp (one rank or more), not '",
+                       name, "'");
   COLOSSAL_CHECK_INPUT(!(name == "zero1" && zero.stage != 1), "--plugin zero1 contradicts --stage ",
                        zero.stage);
 }

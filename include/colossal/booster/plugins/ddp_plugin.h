@@ -32,6 +32,10 @@ struct DDPOptions {
   // DDP comm hook) with per-slice scales (dist/fp8_collectives.h). The flag is shared with
   // low_level_zero and gemini (PluginOptions); hybrid and none refuse it.
   bool fp8_communication = false;
+  // The optimizer update of each step runs beside the next step's forward, layer by layer
+  // (booster/step_overlap.h): a CUDA side stream, or deferred to each layer's forward on the
+  // CPU. Bitwise the same result; not in ColossalAI.
+  bool overlap_step = false;
   LossScaleOptions loss_scale;
 
   // Registers every field under section "plugin" (flags --bucket_cap_mb, ...).

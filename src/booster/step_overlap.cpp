@@ -1,0 +1,156 @@
+#include "colossal/booster/step_overlap.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <map>
+#include <set>
+
+#include "colossal/core/accelerator.h"
+#include "colossal/core/error.h"
+
+namespace colossal::booster {
+
+std::shared_ptr<StepOverlap> StepOverlap::create(torch::nn::Module& root,
+                                                 optim::Optimizer& optimizer, Mode mode) {
+  if (mode == Mode::Stream)
+    for (const auto& g : optimizer.param_groups())
+      for (size_t i = 0; i < g.params.size(); ++i)
+        COLOSSAL_CHECK_INPUT(g.params[i].is_cuda(), "overlap_step: parameter '", g.names[i],
+                             "' is on ", g.params[i].device(),
+                             "; the side-stream update needs CUDA parameters");
+  std::shared_ptr<StepOverlap> s(new StepOverlap(optimizer, mode));
+  s->hook(root);
+  return s;
+}
+
+StepOverlap::StepOverlap(optim::Optimizer& optimizer, Mode mode) : opt_(optimizer), mode_(mode) {}
+
+StepOverlap::~StepOverlap() {
+  for (auto& h : hooks_) h.remove();
+  // Nothing may be left writing weights the caller is about to free or read.
+  try {
+    finish();
+  } catch (...) {  // a destructor does not throw; the error was reported where it happened
+  }
+}
+
+// Buckets: one per colossal::nn::Module that is the nearest such module at or above a module
+// registering an optimizer parameter, numbered in the order of the model's parameters (its
+// registration order, which is the forward's order). A parameter registered by several modules
+// (tied weights) is in the bucket of its first, and every such module's hook waits for it.
+void StepOverlap::hook(torch::nn::Module& root) {
+  std::set<const void*> held;
+  for (const auto& g : opt_.param_groups())
+    for (const auto& p : g.params) held.insert(p.unsafeGetTensorImpl());
+  std::map<const void*, nn::Module*> owner;              // param -> its first hooked module
+  std::map<nn::Module*, std::set<const void*>> readers;  // module -> params it registers
+  std::function<void(torch::nn::Module&, nn::Module*)> walk = [&](torch::nn::Module& m,
+                                                                  nn::Module* nearest) {
+    if (auto* cm = dynamic_cast<nn::Module*>(&m)) nearest = cm;
+    for (auto& item : m.named_parameters(false)) {
+      const void* key = item.value().unsafeGetTensorImpl();
+      if (!held.count(key) || !nearest) continue;
+      owner.emplace(key, nearest);
+      readers[nearest].insert(key);
+    }
+    for (auto& child : m.children()) walk(*child, nearest);
+  };
+  walk(root, nullptr);
+  std::map<nn::Module*, size_t> bucket;
+  for (auto& item : root.named_parameters(true)) {
+    const void* key = item.value().unsafeGetTensorImpl();
+    auto o = owner.find(key);
+    if (o == owner.end()) continue;
+    auto [it, added] = bucket.emplace(o->second, buckets_);
+    if (added) ++buckets_;
+    bucket_of_[key] = it->second;
+  }
+  for (const void* key : held)
+    if (!bucket_of_.count(key)) ++unhooked_;
+  pending_.assign(buckets_, 0);
+  std::weak_ptr<StepOverlap> weak = shared_from_this();
+  for (auto& [module, params] : readers) {
+    std::vector<size_t> waits;
+    for (const void* key : params) waits.push_back(bucket_of_.at(key));
+    std::sort(waits.begin(), waits.end());
+    waits.erase(std::unique(waits.begin(), waits.end()), waits.end());
+    hooks_.push_back(module->add_forward_pre_hook([weak, waits](nn::Module&) {
+      if (auto s = weak.lock())
+        for (size_t b : waits) s->wait_bucket(b);
+    }));
+  }
+}
+
+bool StepOverlap::pending() const {
+  for (char p : pending_)
+    if (p) return true;
+  return false;
+}
+
+void StepOverlap::step(double grad_divisor) {
+  finish();  // the previous step's updates come first (they own these states)
+  auto plans = opt_.plan_step(
+      grad_divisor,
+      [this](const at::Tensor& p) {
+        auto it = bucket_of_.find(p.unsafeGetTensorImpl());
+        return it == bucket_of_.end() ? size_t{0} : it->second;
+      },
+      buckets_);
+  opt_.run_update(plans[0]);
+  if (mode_ == Mode::Deferred) {
+    for (size_t b = 1; b < buckets_; ++b) pending_[b] = plans[b].empty() ? 0 : 1;
+    plans_ = std::move(plans);
+    return;
+  }
+  Accelerator& acc = Accelerator::cuda();
+  const c10::Stream compute = acc.current_stream();
+  if (!side_) side_ = acc.new_stream(compute.device_index());
+  if (!ready_) ready_ = acc.new_event();
+  if (events_.empty())
+    for (size_t b = 0; b < buckets_; ++b) events_.push_back(acc.new_event());
+  ready_->record(compute);
+  ready_->block(*side_);  // the gradients, norm and states the plans read are written
+  acc.set_stream(*side_);
+  try {
+    for (size_t b = 1; b < buckets_; ++b) {
+      auto& plan = plans[b];
+      if (plan.empty()) continue;
+      // The gradients are dropped on the compute stream (zero_grad) while the update may still
+      // read them: their memory is not reused until the side stream's work so far is done.
+      for (auto& u : plan.groups) {
+        for (auto& g : u.grads) g.record_stream(*side_);
+        for (auto& g : u.master_grads) g.record_stream(*side_);
+      }
+      opt_.run_update(plan);
+      events_[b]->record(*side_);
+      pending_[b] = 1;
+    }
+  } catch (...) {
+    acc.set_stream(compute);
+    finish();
+    throw;
+  }
+  acc.set_stream(compute);
+}
+
+void StepOverlap::wait_bucket(size_t b) {
+  COLOSSAL_CHECK(b < buckets_, "overlap_step: bucket ", b, " of ", buckets_);
+  if (!pending_[b]) return;
+  pending_[b] = 0;
+  if (mode_ == Mode::Deferred) {
+    optim::Optimizer::UpdatePlan plan = std::move(plans_[b]);
+    plans_[b] = {};
+    opt_.run_update(plan);
+  } else {
+    Accelerator& acc = Accelerator::cuda();
+    events_[b]->block(acc.current_stream());
+  }
+}
+
+void StepOverlap::finish() {
+  for (size_t b = 1; b < pending_.size(); ++b) wait_bucket(b);
+}
+
+}  // namespace colossal::booster
