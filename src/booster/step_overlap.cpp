@@ -99,6 +99,7 @@ void StepOverlap::step(double grad_divisor) {
       },
       buckets_);
   opt_.run_update(plans[0]);
+  plans[0] = {};
   if (mode_ == Mode::Deferred) {
     for (size_t b = 1; b < buckets_; ++b) pending_[b] = plans[b].empty() ? 0 : 1;
     plans_ = std::move(plans);
@@ -115,38 +116,36 @@ void StepOverlap::step(double grad_divisor) {
   acc.set_stream(*side_);
   try {
     for (size_t b = 1; b < buckets_; ++b) {
-      auto& plan = plans[b];
-      if (plan.empty()) continue;
-      // The gradients are dropped on the compute stream (zero_grad) while the update may still
-      // read them: their memory is not reused until the side stream's work so far is done.
-      for (auto& u : plan.groups) {
-        for (auto& g : u.grads) g.record_stream(*side_);
-        for (auto& g : u.master_grads) g.record_stream(*side_);
-      }
-      opt_.run_update(plan);
+      if (plans[b].empty()) continue;
+      opt_.run_update(plans[b]);
       events_[b]->record(*side_);
       pending_[b] = 1;
     }
   } catch (...) {
     acc.set_stream(compute);
+    plans_ = std::move(plans);
     finish();
     throw;
   }
   acc.set_stream(compute);
+  // The plans keep the gradients they read (allocated on the compute stream) alive until the
+  // compute stream has waited for their bucket (wait_bucket): only then may zero_grad's drop
+  // let the compute stream reuse that memory. So the gradients of later layers are freed as the
+  // forward reaches them, and the step's peak memory does not grow.
+  plans_ = std::move(plans);
 }
 
 void StepOverlap::wait_bucket(size_t b) {
   COLOSSAL_CHECK(b < buckets_, "overlap_step: bucket ", b, " of ", buckets_);
   if (!pending_[b]) return;
   pending_[b] = 0;
-  if (mode_ == Mode::Deferred) {
-    optim::Optimizer::UpdatePlan plan = std::move(plans_[b]);
-    plans_[b] = {};
+  optim::Optimizer::UpdatePlan plan = std::move(plans_[b]);
+  plans_[b] = {};
+  if (mode_ == Mode::Deferred)
     opt_.run_update(plan);
-  } else {
-    Accelerator& acc = Accelerator::cuda();
-    events_[b]->block(acc.current_stream());
-  }
+  else
+    events_[b]->block(Accelerator::cuda().current_stream());
+  // `plan` (and the gradients it holds) is released here, after the compute stream's wait.
 }
 
 void StepOverlap::finish() {
