@@ -343,7 +343,7 @@ SPECS
     # against the synchronous step, same binary, in the order off on on off: W1, and W2 (7b)
     # or, where OVSTEP_W2 names a config (bench/configs/llama-7b-16l.json on an 80 GB card), that.
     step "overlap_step: W1 / W2, off vs on"
-    for w in w1 w2; do
+    for w in ${OVSTEP_WORKLOADS:-w1 w2}; do
       for mode in false true true false; do
         n=$(ls "$LOGS" | grep -c "^ovstep_${w}_${mode}" || true)
         if [ $w = w1 ]; then

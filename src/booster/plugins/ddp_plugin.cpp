@@ -27,7 +27,8 @@ void DDPOptions::register_options(OptionSet& set) {
            "(e4m3) travel in FP8 with per-rank scales")
       .add("plugin", "overlap_step", &overlap_step,
            "ddp: run each step's optimizer update beside the next forward, layer by layer (a "
-           "side stream on CUDA; bitwise the same result)")
+           "side stream on CUDA; bitwise the same result). Measured 0.99x on an H100 at its "
+           "power limit (docs/benchmarks.md), hence off by default")
       .add("plugin", "initial_scale", &loss_scale.initial_scale, "fp16: initial loss scale")
       .add("plugin", "min_scale", &loss_scale.min_scale, "fp16: minimum loss scale")
       .add("plugin", "max_scale", &loss_scale.max_scale, "fp16: maximum loss scale")

@@ -34,7 +34,9 @@ struct DDPOptions {
   bool fp8_communication = false;
   // The optimizer update of each step runs beside the next step's forward, layer by layer
   // (booster/step_overlap.h): a CUDA side stream, or deferred to each layer's forward on the
-  // CPU. Bitwise the same result; not in ColossalAI.
+  // CPU. Bitwise the same result; not in ColossalAI. Off by default: on an H100 at its power
+  // limit it measured 0.99x (the update's memory traffic costs the GEMMs as much clock as it
+  // hides; docs/benchmarks.md).
   bool overlap_step = false;
   LossScaleOptions loss_scale;
 
