@@ -52,7 +52,8 @@ class ModelWrapper {
   virtual bool require_grad_sync() const { return true; }
   virtual void finish_backward() {}
   // Blocks until every in-flight update of the module's weights has landed (ZeRO's
-  // overlap_allgather); Booster calls it before reading or writing weights outside forward.
+  // overlap_allgather, ddp's overlap_step); Booster calls it before reading or writing weights
+  // outside forward.
   virtual void wait_weights() {}
   // Weights held sharded (Gemini) are saved and loaded one group at a time instead of all
   // gathered at once (bounded memory): streams_weights() says so; read_weight(p, write) makes
