@@ -70,7 +70,7 @@ void StepOverlap::hook(torch::nn::Module& root) {
   }
   for (const void* key : held)
     if (!bucket_of_.count(key)) ++unhooked_;
-  pending_.assign(buckets_, 0);
+  plans_.resize(buckets_);
   std::weak_ptr<StepOverlap> weak = shared_from_this();
   for (auto& [module, params] : readers) {
     std::vector<size_t> waits;
@@ -85,8 +85,8 @@ void StepOverlap::hook(torch::nn::Module& root) {
 }
 
 bool StepOverlap::pending() const {
-  for (char p : pending_)
-    if (p) return true;
+  for (const auto& plan : plans_)
+    if (!plan.empty()) return true;
   return false;
 }
 
@@ -102,7 +102,6 @@ void StepOverlap::step(double grad_divisor) {
   opt_.run_update(plans[0]);
   plans[0] = {};
   if (mode_ == Mode::Deferred) {
-    for (size_t b = 1; b < buckets_; ++b) pending_[b] = plans[b].empty() ? 0 : 1;
     plans_ = std::move(plans);
     return;
   }
@@ -120,7 +119,6 @@ void StepOverlap::step(double grad_divisor) {
       if (plans[b].empty()) continue;
       opt_.run_update(plans[b]);
       events_[b]->record(*side_);
-      pending_[b] = 1;
     }
   } catch (...) {
     acc.set_stream(compute);
@@ -138,8 +136,7 @@ void StepOverlap::step(double grad_divisor) {
 
 void StepOverlap::wait_bucket(size_t b) {
   COLOSSAL_CHECK(b < buckets_, "overlap_step: bucket ", b, " of ", buckets_);
-  if (!pending_[b]) return;
-  pending_[b] = 0;
+  if (plans_[b].empty()) return;  // nothing pending
   optim::Optimizer::UpdatePlan plan = std::move(plans_[b]);
   plans_[b] = {};
   if (mode_ == Mode::Deferred)
@@ -150,7 +147,7 @@ void StepOverlap::wait_bucket(size_t b) {
 }
 
 void StepOverlap::finish() {
-  for (size_t b = 1; b < pending_.size(); ++b) wait_bucket(b);
+  for (size_t b = 1; b < plans_.size(); ++b) wait_bucket(b);
 }
 
 }  // namespace colossal::booster

@@ -32,6 +32,7 @@
 #include "colossal/nn/linear.h"
 #include "colossal/optim/adamw.h"
 
+#include "common/adamw_groups.h"
 #include "dist/dist_test_env.h"
 
 namespace {
@@ -64,17 +65,7 @@ std::shared_ptr<models::CausalLM> small_model(const models::ModelConfig& cfg, at
 }
 
 std::shared_ptr<optim::AdamW> adamw(torch::nn::Module& m) {
-  auto opt = std::make_shared<optim::AdamW>();
-  std::vector<optim::NamedParam> decay, plain;
-  for (auto& item : m.named_parameters(true))
-    (item.value().dim() >= 2 ? decay : plain).push_back({item.key(), item.value()});
-  optim::GroupOptions g;
-  g.lr = 3e-3;
-  g.weight_decay = 0.1;
-  opt->add_param_group(decay, g);
-  g.weight_decay = 0.0;
-  opt->add_param_group(plain, g);
-  return opt;
+  return tests::adamw_decay_groups(m, 3e-3, 0.1);
 }
 
 struct Result {

@@ -23,6 +23,7 @@
 #include "colossal/optim/adamw.h"
 #include "colossal/zero/gemini/chunk.h"
 #include "colossal/zero/gemini/chunk_manager.h"
+#include "common/adamw_groups.h"
 #include "dist/dist_test_env.h"
 
 namespace {
@@ -123,17 +124,7 @@ std::shared_ptr<models::CausalLM> tiny_model() {
 }
 
 std::shared_ptr<optim::AdamW> adamw(torch::nn::Module& m) {
-  auto opt = std::make_shared<optim::AdamW>();
-  std::vector<optim::NamedParam> decay, other;
-  for (auto& item : m.named_parameters(true))
-    (item.value().dim() >= 2 ? decay : other).push_back({item.key(), item.value()});
-  optim::GroupOptions g;
-  g.lr = 3e-3;
-  g.weight_decay = 0.1;
-  opt->add_param_group(decay, g);
-  g.weight_decay = 0.0;
-  opt->add_param_group(other, g);
-  return opt;
+  return tests::adamw_decay_groups(m, 3e-3, 0.1);
 }
 
 std::pair<at::Tensor, at::Tensor> batch(int step, int64_t rows) {

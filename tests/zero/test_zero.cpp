@@ -21,6 +21,7 @@
 #include "colossal/nn/layers.h"
 #include "colossal/optim/adamw.h"
 #include "colossal/zero/low_level_optim.h"
+#include "common/adamw_groups.h"
 #include "dist/dist_test_env.h"
 
 namespace {
@@ -44,17 +45,7 @@ std::shared_ptr<MLPImpl> make_mlp() {
 }
 
 std::shared_ptr<optim::AdamW> make_adamw(torch::nn::Module& m) {
-  auto opt = std::make_shared<optim::AdamW>();
-  std::vector<optim::NamedParam> decay, other;
-  for (auto& item : m.named_parameters(true))
-    (item.value().dim() >= 2 ? decay : other).push_back({item.key(), item.value()});
-  optim::GroupOptions g;
-  g.lr = 1e-2;
-  g.weight_decay = 0.05;
-  opt->add_param_group(decay, g);
-  g.weight_decay = 0.0;
-  opt->add_param_group(other, g);
-  return opt;
+  return tests::adamw_decay_groups(m, 1e-2, 0.05);
 }
 
 at::Tensor global_rows(int step, int micro, int64_t rows) {

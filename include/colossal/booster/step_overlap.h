@@ -76,8 +76,8 @@ class StepOverlap : public std::enable_shared_from_this<StepOverlap> {
   size_t unhooked_ = 0;
   std::unordered_map<const void*, size_t> bucket_of_;  // TensorImpl* -> bucket
   std::vector<nn::HookHandle> hooks_;
-  // Per bucket: whether its update is still pending; Deferred: its plan; Stream: its event.
-  std::vector<char> pending_;
+  // Per bucket: the plan of its pending update (empty once waited for; Deferred runs it then,
+  // Stream keeps its gradients alive until then), and, Stream, the event after its launch.
   std::vector<optim::Optimizer::UpdatePlan> plans_;
   std::vector<std::unique_ptr<Event>> events_;
   std::unique_ptr<Event> ready_;

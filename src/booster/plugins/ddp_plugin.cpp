@@ -121,9 +121,7 @@ std::shared_ptr<OptimizerWrapper> DDPPlugin::configure_optimizer(
   auto wrapped = wrap_optimizer(std::move(optimizer), model, precision_, options_.loss_scale,
                                 ddp->masters, amp::GradReducer{});
   if (wrapped && options_.overlap_step) {
-    bool cuda = false;
-    for (const auto& g : wrapped->optimizer().param_groups())
-      for (const auto& p : g.params) cuda = cuda || p.is_cuda();
+    const bool cuda = options_.device == "cuda";  // validated: "cpu" or "cuda"
     wrapped->enable_step_overlap(model.module(), /*deferred=*/!cuda);
     const auto& o = *wrapped->step_overlap();
     ddp->overlap = wrapped->step_overlap();
