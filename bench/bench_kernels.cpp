@@ -23,10 +23,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -38,6 +40,7 @@
 #include "colossal/kernels/fp8.h"
 #include "colossal/kernels/fused.h"
 #include "colossal/kernels/quant.h"
+#include "colossal/nn/sequence_parallel.h"
 #include "documents.h"
 
 #ifdef COLOSSAL_WITH_CUDNN_FRONTEND
@@ -899,6 +902,69 @@ void sdpa_cases() {
   for (int64_t b : {1, 2, 4}) sdpa("W2", b, 32, 32, 4096, 128);
 }
 
+// ---- ring attention's blocks (ring_attn on one rank, without the hops) ----
+// Rank 3 of an 8-rank zigzag ring: its own chunks (c tokens each) against its diagonal block
+// (causal) and the seven blocks that reach it (each 2c x c), merged by log-sum-exp, then each
+// block's backward with the merged rows: what one ring_attn layer computes per rank between
+// point-to-point hops. flash (ATen's kernels, what ring_attn runs on a GPU in bf16) in the fused
+// column, the fp32 composite (what it ran before) in the ATen column. FLOPs: the causal pairs
+// (16 c^2 per head) x 4 D forward, x 10 D forward+backward.
+void ring_block_case(const std::string& name, int64_t h, int64_t kv, int64_t c, int64_t d) {
+  constexpr int64_t kRanks = 8, kRank = 3;
+  at::Tensor q = at::randn({1, h, 2 * c, d}, opts()), k = at::randn({1, kv, 2 * c, d}, opts()),
+             v = at::randn({1, kv, 2 * c, d}, opts()), dout = at::randn({1, h, 2 * c, d}, opts());
+  const double scale = 1.0 / std::sqrt(double(d));
+  struct Block {
+    int64_t q0, qn, k0, kn;
+    bool causal;
+  };
+  std::vector<Block> blocks = {{0, 2 * c, 0, 2 * c, true}};
+  for (int64_t src = 0; src < kRanks; ++src) {
+    if (src < kRank) blocks.push_back({0, 2 * c, 0, c, false});
+    if (src > kRank) blocks.push_back({c, c, 0, 2 * c, false});
+  }
+  // One rank's blocks; the backward too when `backward`.
+  auto run = [&](nn::RingBlockKernel kernel, bool backward) {
+    const at::Tensor qin = kernel == nn::RingBlockKernel::composite ? q.to(at::kFloat) : q;
+    at::Tensor out = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+    at::Tensor lse =
+        at::full({1, h, 2 * c}, -std::numeric_limits<float>::infinity(), out.options());
+    for (const Block& b : blocks)
+      nn::ring_merge(
+          out.narrow(2, b.q0, b.qn), lse.narrow(2, b.q0, b.qn),
+          nn::ring_block_forward(kernel, qin.narrow(2, b.q0, b.qn), k.narrow(2, b.k0, b.kn),
+                                 v.narrow(2, b.k0, b.kn), b.causal, scale));
+    if (!backward) return;
+    const at::Tensor merged = kernel == nn::RingBlockKernel::flash ? out.to(q.scalar_type()) : out;
+    at::Tensor dq = at::zeros(q.sizes(), out.options()), dk = at::zeros(k.sizes(), out.options()),
+               dv = at::zeros(k.sizes(), out.options());
+    for (const Block& b : blocks) {
+      const nn::RingBlockGrads g = nn::ring_block_backward(
+          kernel, dout.narrow(2, b.q0, b.qn), qin.narrow(2, b.q0, b.qn), k.narrow(2, b.k0, b.kn),
+          v.narrow(2, b.k0, b.kn), merged.narrow(2, b.q0, b.qn), lse.narrow(2, b.q0, b.qn),
+          b.causal, scale);
+      dq.narrow(2, b.q0, b.qn).add_(g.dq);
+      dk.narrow(2, b.k0, b.kn).add_(g.dk);
+      dv.narrow(2, b.k0, b.kn).add_(g.dv);
+    }
+  };
+  const std::string shape = shape_str({1, h, kv, 2 * c, d});
+  const double pairs = 16.0 * double(c) * double(c) * double(h);
+  for (bool backward : {false, true}) {
+    Row r{"ring_blocks", name + " rank 3 of 8", shape, backward ? "fwd+bwd" : "fwd"};
+    r.fused_ms = median_ms([&] { run(nn::RingBlockKernel::flash, backward); });
+    r.aten_ms = median_ms([&] { run(nn::RingBlockKernel::composite, backward); });
+    r.flops = pairs * double(d) * (backward ? 10.0 : 4.0);
+    g_rows.push_back(r);
+  }
+  sync();
+}
+
+void ring_block_cases() {
+  ring_block_case("1b", 32, 4, 2048, 64);    // 32k tokens over 8 ranks
+  ring_block_case("7b", 32, 32, 2048, 128);  // 32k tokens over 8 ranks
+}
+
 // ---- the ops `--op` selects (named as the kernel column of the table) ----
 struct Op {
   const char* name;
@@ -940,6 +1006,8 @@ const std::vector<Op>& ops() {
        sdpa_cases},
       {"attention", "our sm_90a attention (dense, packed documents) vs SDPA cuDNN / flash", true,
        attention_cases},
+      {"ring_blocks", "ring_attn's blocks on one rank (8-rank ring, 32k tokens): flash vs fp32",
+       true, ring_block_cases},
 #ifdef COLOSSAL_WITH_CUDNN_FRONTEND
       {"sdpa_fe", "cuDNN frontend SDPA graphs (dense, packed documents, deterministic)", true,
        sdpa_frontend_cases},

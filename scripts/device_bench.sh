@@ -60,6 +60,14 @@ kernel_test() {  # kernel_test NAME: one of tests/kernels' GPU tests, its verdic
     [ $t = test_attention_cuda ] && { touch "$LOGS/own_attention_failed"; tail -5 "$LOGS/$t.log"; }
   fi
 }
+# Ring attention's blocks on the GPU: ATen's flash kernels merged by log-sum-exp against fp64,
+# and ring_attention end to end on one rank.
+ring_test() {
+  if timeout 300 "$BUILD/tests/nn/test_nn_ring_blocks" > "$LOGS/test_nn_ring_blocks.log" 2>&1; then
+    note "PASS test_nn_ring_blocks: $(grep -E 'PASSED|SKIPPED' "$LOGS/test_nn_ring_blocks.log" | head -2 | tr '\n' ' ')"
+  else note "FAIL test_nn_ring_blocks"; grep -E -A6 "Failure|error" "$LOGS/test_nn_ring_blocks.log" | head -30; fi
+  grep -E '^(flash|composite)|^  (out|dq|dk|dv) ' "$LOGS/test_nn_ring_blocks.log" | paste -sd' ' | cut -c1-1500
+}
 # overlap_step on the GPU at one rank: the side-stream and deferred updates equal the
 # synchronous step bit for bit (fused kernels on and off), and the CPU cases.
 step_overlap_test() {
@@ -99,7 +107,7 @@ for phase in "$@"; do
     ;&
   build)
     step build
-    if ! TARGETS="colossal_cli test_kernels test_kernels_cuda test_attention_cuda test_model_cuda test_vocab_ce_cuda test_gemini_1rank test_zero_1rank test_step_overlap test_pipeline_stages test_pipeline_executor bench_kernels" BUILD=$BUILD \
+    if ! TARGETS="colossal_cli test_kernels test_kernels_cuda test_attention_cuda test_model_cuda test_vocab_ce_cuda test_nn_ring_blocks test_gemini_1rank test_zero_1rank test_step_overlap test_pipeline_stages test_pipeline_executor bench_kernels" BUILD=$BUILD \
          scripts/device_build.sh -DCOLOSSAL_WERROR=OFF > "$LOGS/build.log" 2>&1; then
       tail -40 "$LOGS/build.log"; exit 1
     fi
@@ -128,6 +136,7 @@ for phase in "$@"; do
       note "PASS test_zero_1rank ZeroCuda*: $(grep -E 'PASSED|SKIPPED' "$LOGS/test_zero_cuda.log" | head -2 | tr '\n' ' ')"
     else note "FAIL test_zero_1rank ZeroCuda*"; grep -E -A6 "Failure|error" "$LOGS/test_zero_cuda.log" | head -30; fi
     step_overlap_test
+    ring_test
     # Pipeline chunks on the GPU: the deferred residual resolved at every chunk boundary.
     if timeout 300 "$BUILD/tests/pipeline/test_pipeline_stages" --gtest_filter='*Cuda' \
          > "$LOGS/test_pipeline_stages_cuda.log" 2>&1; then
@@ -170,7 +179,7 @@ for phase in "$@"; do
     [ -f "$LOGS/own_attention_failed" ] && ops="${ops//attention/}" && note "attn: our kernels failed their test; --op attention left out"
     for op in $ops; do
       timeout 300 "$BUILD/bench/bench_kernels" --op $op --reps 10 $DI > "$LOGS/bk_$op.log" 2>&1
-      grep -E "^(sdpa|attention)" "$LOGS/bk_$op.log" | tee -a "$SUMMARY"
+      grep -E "^(sdpa|attention|ring_blocks)" "$LOGS/bk_$op.log" | tee -a "$SUMMARY"
       tail -2 "$LOGS/bk_$op.log"
     done ;;
   attnab)
@@ -338,6 +347,7 @@ SPECS
     done
     ours w1_graph -c 1b -p none -b 8 -l 2048 -s 15 -i 3 --cuda_graph ;;
   ovtest) step_overlap_test ;;
+  ringtest) ring_test ;;
   ovstep)
     # --overlap_step (the update on a side stream, each layer's forward waiting for its share)
     # against the synchronous step, same binary, in the order off on on off: W1, and W2 (7b)

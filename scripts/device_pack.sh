@@ -6,8 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 B=${1:-build}
 rm -rf build-carry
-mkdir -p build-carry/tests/kernels build-carry/tests/zero build-carry/tests/booster build-carry/tests/pipeline build-carry/tests/checkpoint build-carry/bench
-for f in colossal tests/kernels/test_kernels tests/kernels/test_kernels_cuda tests/kernels/test_attention_cuda tests/kernels/test_model_cuda tests/kernels/test_vocab_ce_cuda \
+mkdir -p build-carry/tests/kernels build-carry/tests/nn build-carry/tests/zero build-carry/tests/booster build-carry/tests/pipeline build-carry/tests/checkpoint build-carry/bench
+for f in colossal tests/kernels/test_kernels tests/kernels/test_kernels_cuda tests/kernels/test_attention_cuda tests/kernels/test_model_cuda tests/kernels/test_vocab_ce_cuda tests/nn/test_nn_ring_blocks \
          tests/zero/test_gemini_1rank tests/zero/test_zero_1rank tests/booster/test_step_overlap tests/pipeline/test_pipeline_stages tests/pipeline/test_pipeline_executor tests/checkpoint/test_async_writer \
          bench/bench_kernels; do
   cp "$B/$f" "build-carry/$f"

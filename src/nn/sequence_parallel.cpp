@@ -5,12 +5,17 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <string>
 #include <utility>
 #include <vector>
 
+#include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
+#include "colossal/core/logging.h"
 #include "colossal/nn/parallel_ops.h"
 
 namespace colossal::nn {
@@ -154,8 +159,9 @@ struct Ring {
 };
 
 struct RingSaved : torch::CustomClassHolder {
-  explicit RingSaved(Ring r) : ring(std::move(r)) {}
+  RingSaved(Ring r, RingBlockKernel k) : ring(std::move(r)), kernel(k) {}
   Ring ring;
+  RingBlockKernel kernel;  // chosen at the forward, kept for its backward
 };
 
 // Which rows of this rank's queries attend to which rows of the block of rank `src` (both in the
@@ -196,26 +202,19 @@ struct RingAttnFn : torch::autograd::Function<RingAttnFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const c10::intrusive_ptr<RingSaved>& saved) {
     const Ring& ring = saved->ring;
-    const int64_t len = q.size(2), c = len / 2, groups = q.size(1) / k.size(1);
+    const int64_t len = q.size(2), c = len / 2;
     const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
-    at::Tensor qf = q.to(at::kFloat);
-    at::Tensor out = at::zeros(q.sizes(), qf.options());
+    const RingBlockKernel kernel = saved->kernel;
+    // The composite casts the queries once here rather than in every block.
+    const at::Tensor qin = kernel == RingBlockKernel::composite ? q.to(at::kFloat) : q;
+    at::Tensor out = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
     at::Tensor lse = at::full({q.size(0), q.size(1), len}, -std::numeric_limits<float>::infinity(),
-                              qf.options());
+                              out.options());
     auto compute = [&](int64_t src, const at::Tensor& kv) {
       const Part p = part_of(ring, src, c);
-      at::Tensor qp = qf.narrow(2, p.q0, p.qn);
-      at::Tensor kb = expand_heads(kv[0].narrow(2, p.k0, p.kn).to(at::kFloat), groups);
-      at::Tensor vb = expand_heads(kv[1].narrow(2, p.k0, p.kn).to(at::kFloat), groups);
-      at::Tensor s = block_scores(qp, kb, p.causal, scale);
-      at::Tensor l_blk = at::logsumexp(s, -1);
-      at::Tensor o_blk = at::matmul((s - l_blk.unsqueeze(-1)).exp_(), vb);
-      // Merge by log-sum-exp: out = (e^lse out + e^l_blk o_blk) / e^(lse'), lse' = lse (+) l_blk.
-      at::Tensor o_rows = out.narrow(2, p.q0, p.qn), l_rows = lse.narrow(2, p.q0, p.qn);
-      at::Tensor l_new = at::logaddexp(l_rows, l_blk);
-      o_rows.mul_((l_rows - l_new).exp_().unsqueeze(-1))
-          .add_(o_blk.mul_((l_blk - l_new).exp_().unsqueeze(-1)));
-      l_rows.copy_(l_new);
+      ring_merge(out.narrow(2, p.q0, p.qn), lse.narrow(2, p.q0, p.qn),
+                 ring_block_forward(kernel, qin.narrow(2, p.q0, p.qn), kv[0].narrow(2, p.k0, p.kn),
+                                    kv[1].narrow(2, p.k0, p.kn), p.causal, scale));
     };
     // The first block is this rank's own (the diagonal): every row gets a finite lse at once.
     at::Tensor outer_kv = at::stack({k, v}).contiguous();
@@ -243,46 +242,45 @@ struct RingAttnFn : torch::autograd::Function<RingAttnFn> {
         outer_kv = outer_recv;
       }
     }
+    at::Tensor result = out.to(q.scalar_type());
     ctx->saved_data["ring"] = c10::IValue::make_capsule(saved);
-    ctx->save_for_backward({q, k, v, out, lse});
-    return out.to(q.scalar_type());
+    // The flash backward reads the output as the forward returned it; the composite keeps the
+    // fp32 merge.
+    ctx->save_for_backward({q, k, v, kernel == RingBlockKernel::flash ? result : out, lse});
+    return result;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = c10::static_intrusive_pointer_cast<RingSaved>(ctx->saved_data["ring"].toCapsule());
     const Ring& ring = saved->ring;
+    const RingBlockKernel kernel = saved->kernel;
     auto vars = ctx->get_saved_variables();
     const at::Tensor &q = vars[0], &k = vars[1], &v = vars[2], &out = vars[3], &lse = vars[4];
-    const int64_t len = q.size(2), c = len / 2, groups = q.size(1) / k.size(1);
+    const int64_t len = q.size(2), c = len / 2;
     const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
-    at::Tensor qf = q.to(at::kFloat);
-    at::Tensor dout = grads[0].to(at::kFloat);
-    at::Tensor delta = (dout * out).sum(-1);  // rowsum(dO * O) of the softmax backward
-    at::Tensor dq = at::zeros(qf.sizes(), qf.options());
+    const bool composite = kernel == RingBlockKernel::composite;
+    const at::Tensor qin = composite ? q.to(at::kFloat) : q;
+    const at::Tensor dout =
+        composite ? grads[0].to(at::kFloat) : grads[0].to(q.scalar_type()).contiguous();
+    const at::TensorOptions f32 = q.options().dtype(at::kFloat);
+    at::Tensor dq = at::zeros(q.sizes(), f32);
     // Adds the gradient of the block of rank src to dq and to that block's accumulator dkv.
     auto compute = [&](int64_t src, const at::Tensor& kv, at::Tensor& dkv) {
       const Part p = part_of(ring, src, c);
-      at::Tensor qp = qf.narrow(2, p.q0, p.qn), dop = dout.narrow(2, p.q0, p.qn);
-      at::Tensor kb = expand_heads(kv[0].narrow(2, p.k0, p.kn).to(at::kFloat), groups);
-      at::Tensor vb = expand_heads(kv[1].narrow(2, p.k0, p.kn).to(at::kFloat), groups);
-      at::Tensor pr = block_scores(qp, kb, p.causal, scale)
-                          .sub_(lse.narrow(2, p.q0, p.qn).unsqueeze(-1))
-                          .exp_();  // the final softmax's probabilities of this block
-      at::Tensor dv_b = at::matmul(pr.transpose(-2, -1), dop);
-      at::Tensor ds = at::matmul(dop, vb.transpose(-2, -1))
-                          .sub_(delta.narrow(2, p.q0, p.qn).unsqueeze(-1))
-                          .mul_(pr);
-      dq.narrow(2, p.q0, p.qn).add_(at::matmul(ds, kb).mul_(scale));
-      at::Tensor dk_b = at::matmul(ds.transpose(-2, -1), qp).mul_(scale);
-      dkv[0].narrow(2, p.k0, p.kn).add_(reduce_heads(dk_b, groups));
-      dkv[1].narrow(2, p.k0, p.kn).add_(reduce_heads(dv_b, groups));
+      const RingBlockGrads g = ring_block_backward(
+          kernel, dout.narrow(2, p.q0, p.qn), qin.narrow(2, p.q0, p.qn),
+          kv[0].narrow(2, p.k0, p.kn), kv[1].narrow(2, p.k0, p.kn), out.narrow(2, p.q0, p.qn),
+          lse.narrow(2, p.q0, p.qn), p.causal, scale);
+      dq.narrow(2, p.q0, p.qn).add_(g.dq);
+      dkv[0].narrow(2, p.k0, p.kn).add_(g.dk);
+      dkv[1].narrow(2, p.k0, p.kn).add_(g.dv);
     };
     // Keys/values go around as in forward; each block's gradient accumulator travels with it
     // and, after one more hop, is back at the rank that owns the block: inner rings first
     // (the inner ring's sum arrives at the rank that got the block from the outer ring), then
     // the outer ring carries the sum over the inner rings home.
     at::Tensor outer_kv = at::stack({k, v}).contiguous();
-    at::Tensor outer_grad = at::zeros(outer_kv.sizes(), qf.options());
+    at::Tensor outer_grad = at::zeros(outer_kv.sizes(), f32);
     for (int64_t o = 0; o < ring.outer; ++o) {
       dist::Work outer_work;
       at::Tensor outer_recv;
@@ -290,7 +288,7 @@ struct RingAttnFn : torch::autograd::Function<RingAttnFn> {
         outer_work =
             ring.exchange(outer_kv, outer_recv, ring.outer_next(), ring.outer_prev(), kTagOuterKV);
       at::Tensor cur = outer_kv;
-      at::Tensor grad = at::zeros(outer_kv.sizes(), qf.options());
+      at::Tensor grad = at::zeros(outer_kv.sizes(), f32);
       for (int64_t t = 0; t < ring.inner; ++t) {
         dist::Work inner_work;
         at::Tensor inner_recv;
@@ -346,7 +344,109 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   ring.inner = inner_ring_size > 0 ? inner_ring_size : ring.size;
   ring.outer = ring.size / ring.inner;
   ring.causal = causal;
-  return RingAttnFn::apply(q, k, v, c10::make_intrusive<RingSaved>(std::move(ring)));
+  return RingAttnFn::apply(q, k, v,
+                           c10::make_intrusive<RingSaved>(std::move(ring), ring_block_kernel(q)));
+}
+
+// ---- One block of ring attention --------------------------------------------------------------
+RingBlockKernel ring_block_kernel(const at::Tensor& q) {
+  const char* env = std::getenv("COLOSSAL_RING_BLOCKS");
+  const std::string setting = env == nullptr ? "" : env;
+  COLOSSAL_CHECK_INPUT(setting.empty() || setting == "auto" || setting == "composite",
+                       "COLOSSAL_RING_BLOCKS must be auto or composite, got '", setting, "'");
+  if (setting == "composite" || !q.is_cuda()) return RingBlockKernel::composite;
+  const auto dt = q.scalar_type();
+  if ((dt != at::kHalf && dt != at::kBFloat16) || q.size(-1) % 8 != 0 || q.size(-1) > 256)
+    return RingBlockKernel::composite;
+  static const std::vector<CudaDeviceInfo> devices = cuda_devices();
+  const int idx = q.device().has_index() ? q.device().index() : 0;
+  const bool ampere = idx >= 0 && idx < static_cast<int>(devices.size()) &&
+                      devices[static_cast<size_t>(idx)].major >= 8;
+  return ampere ? RingBlockKernel::flash : RingBlockKernel::composite;
+}
+
+const char* to_string(RingBlockKernel kernel) {
+  return kernel == RingBlockKernel::flash ? "flash" : "composite";
+}
+
+namespace {
+
+void check_block(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                 bool causal) {
+  COLOSSAL_CHECK_INPUT(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() &&
+                           q.size(0) == k.size(0) && q.size(3) == k.size(3) && k.size(1) > 0 &&
+                           q.size(1) % k.size(1) == 0,
+                       op,
+                       ": q [B, H, qn, D] and k/v [B, Hkv, kn, D] with Hkv dividing H expected, "
+                       "got q ",
+                       q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+  COLOSSAL_CHECK_INPUT(!causal || q.size(2) == k.size(2), op, ": a causal block needs as many keys",
+                       " as queries, got ", q.size(2), " and ", k.size(2));
+}
+
+// [B, heads, n, D] as the flash kernels' [B, n, heads, D] (a view).
+at::Tensor bnhd(const at::Tensor& x) {
+  return x.transpose(1, 2);
+}
+
+}  // namespace
+
+RingBlockOut ring_block_forward(RingBlockKernel kernel, const at::Tensor& q, const at::Tensor& k,
+                                const at::Tensor& v, bool causal, double scale) {
+  check_block("ring_block_forward", q, k, v, causal);
+  if (kernel == RingBlockKernel::flash) {
+    auto r = at::_flash_attention_forward(bnhd(q), bnhd(k), bnhd(v), std::nullopt, std::nullopt,
+                                          q.size(2), k.size(2), 0.0, causal, false, scale);
+    return {bnhd(std::get<0>(r)).to(at::kFloat), std::get<1>(r)};
+  }
+  const int64_t groups = q.size(1) / k.size(1);
+  at::Tensor kb = expand_heads(k.to(at::kFloat), groups);
+  at::Tensor vb = expand_heads(v.to(at::kFloat), groups);
+  at::Tensor s = block_scores(q.to(at::kFloat), kb, causal, scale);
+  at::Tensor lse = at::logsumexp(s, -1);
+  return {at::matmul((s - lse.unsqueeze(-1)).exp_(), vb), lse};
+}
+
+void ring_merge(at::Tensor out, at::Tensor lse, const RingBlockOut& block) {
+  at::Tensor l_new = at::logaddexp(lse, block.lse);
+  out.mul_((lse - l_new).exp_().unsqueeze(-1))
+      .add_(block.out.mul((block.lse - l_new).exp_().unsqueeze(-1)));
+  lse.copy_(l_new);
+}
+
+RingBlockGrads ring_block_backward(RingBlockKernel kernel, const at::Tensor& dout,
+                                   const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& out, const at::Tensor& lse, bool causal,
+                                   double scale) {
+  check_block("ring_block_backward", q, k, v, causal);
+  COLOSSAL_CHECK_INPUT(
+      dout.sizes() == q.sizes() && out.sizes() == q.sizes() && lse.dim() == 3 &&
+          lse.size(0) == q.size(0) && lse.size(1) == q.size(1) && lse.size(2) == q.size(2),
+      "ring_block_backward: dout and out must be shaped as q ", q.sizes(),
+      " and lse [B, H, qn]; got ", dout.sizes(), ", ", out.sizes(), ", ", lse.sizes());
+  if (kernel == RingBlockKernel::flash) {
+    // No dropout: the kernels do not read the random-number state.
+    const at::TensorOptions u64 = q.options().dtype(at::kUInt64);
+    auto g = at::_flash_attention_backward(bnhd(dout).contiguous(), bnhd(q), bnhd(k), bnhd(v),
+                                           bnhd(out).contiguous(), lse.to(at::kFloat).contiguous(),
+                                           at::Tensor(), at::Tensor(), q.size(2), k.size(2), 0.0,
+                                           causal, at::zeros({2}, u64), at::zeros({}, u64), scale);
+    return {bnhd(std::get<0>(g)).to(at::kFloat), bnhd(std::get<1>(g)).to(at::kFloat),
+            bnhd(std::get<2>(g)).to(at::kFloat)};
+  }
+  const int64_t groups = q.size(1) / k.size(1);
+  at::Tensor qf = q.to(at::kFloat), dof = dout.to(at::kFloat);
+  at::Tensor kb = expand_heads(k.to(at::kFloat), groups);
+  at::Tensor vb = expand_heads(v.to(at::kFloat), groups);
+  at::Tensor delta = (dof * out.to(at::kFloat)).sum(-1);  // rowsum(dO * O)
+  at::Tensor pr = block_scores(qf, kb, causal, scale)
+                      .sub_(lse.to(at::kFloat).unsqueeze(-1))
+                      .exp_();  // the final softmax's probabilities of this block
+  at::Tensor dv = at::matmul(pr.transpose(-2, -1), dof);
+  at::Tensor ds = at::matmul(dof, vb.transpose(-2, -1)).sub_(delta.unsqueeze(-1)).mul_(pr);
+  at::Tensor dq = at::matmul(ds, kb).mul_(scale);
+  at::Tensor dk = at::matmul(ds.transpose(-2, -1), qf).mul_(scale);
+  return {dq, reduce_heads(dk, groups), reduce_heads(dv, groups)};
 }
 
 RingAttention::RingAttention(dist::Communicator sp, int64_t inner_ring_size)
@@ -359,6 +459,13 @@ at::Tensor RingAttention::forward(const at::Tensor& q, const at::Tensor& k, cons
                                   const AttentionMask& mask, const SequenceInfo& seq) {
   ForwardScope scope(*this);
   check_no_mask(mask, seq, "ring_attn");
+  // Logged by rank 0 at the first forward of the process and whenever the kernel changes (not
+  // once per layer: every layer holds its own RingAttention).
+  static std::atomic<int> last_logged{-1};
+  const RingBlockKernel kernel = ring_block_kernel(q);
+  if (last_logged.exchange(static_cast<int>(kernel)) != static_cast<int>(kernel) && sp_.rank() == 0)
+    log_info("ring_attn: blocks computed by the ", to_string(kernel), " kernel (", q.device(), ", ",
+             q.scalar_type(), ", head dim ", q.size(3), ")");
   return ring_attention(q, k, v, sp_, mask.causal, inner_);
 }
 

@@ -68,12 +68,53 @@ class AllToAllAttention : public CoreAttention {
   dist::Communicator sp_;
 };
 
+// ---- One block of ring attention (what RingAttention runs per block; exposed for the tests) --
+// A block: queries q [B, H, qn, D] against keys/values k, v [B, Hkv, kn, D] (Hkv dividing H;
+// causal only with qn == kn, aligned at the top left). Two kernels compute it:
+//   composite  ATen matmuls in fp32 on any device and dtype (the reference; materialises the
+//              block's [qn, kn] scores per head);
+//   flash      ATen's flash-attention kernels (at::_flash_attention_forward / _backward): on a
+//              CUDA device of compute capability 8.0 or newer, fp16/bf16, head dimension a
+//              multiple of 8 up to 256; GQA without copies, no [qn, kn] tensor.
+enum class RingBlockKernel { composite, flash };
+// flash where it applies to q, else composite. COLOSSAL_RING_BLOCKS=composite (read at every
+// call) forces the composite (a comparison on the GPU); any other value than "", "auto" and
+// "composite" is an InputError.
+RingBlockKernel ring_block_kernel(const at::Tensor& q);
+const char* to_string(RingBlockKernel kernel);
+
+struct RingBlockOut {
+  at::Tensor out;  // [B, H, qn, D] float32
+  at::Tensor lse;  // [B, H, qn] float32, natural log
+};
+RingBlockOut ring_block_forward(RingBlockKernel kernel, const at::Tensor& q, const at::Tensor& k,
+                                const at::Tensor& v, bool causal, double scale);
+
+// Merges a block into the running result of the same rows, in place: out = (e^lse out +
+// e^lse_b out_b) / e^lse', lse' = log(e^lse + e^lse_b). Rows not yet written hold lse = -inf.
+void ring_merge(at::Tensor out, at::Tensor lse, const RingBlockOut& block);
+
+struct RingBlockGrads {
+  at::Tensor dq;      // [B, H, qn, D] float32
+  at::Tensor dk, dv;  // [B, Hkv, kn, D] float32
+};
+// The block's share of the gradients for dout ([B, H, qn, D]), given the rows' merged output
+// `out` and log-sum-exp `lse` over every block (the softmax's probabilities of this block are
+// exp(scores - lse); rowsum(dout * out) is the softmax backward's correction). flash takes out
+// and dout in q's dtype (out as the forward returned it), composite in any dtype.
+RingBlockGrads ring_block_backward(RingBlockKernel kernel, const at::Tensor& dout,
+                                   const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& out, const at::Tensor& lse, bool causal,
+                                   double scale);
+
 // Zigzag ring attention. q [B, H, 2c, D], k/v [B, Hkv, 2c, D] with Hkv dividing H: this rank's
-// chunks r and 2*sp-1-r of c tokens each -> [B, H, 2c, D]. Blocks are computed in fp32 (the
-// log-sum-exp merge needs it) and the result cast back to q's dtype; the gradient accumulators
-// of keys/values travel in fp32. inner_ring_size 0: one ring. InputError when inner_ring_size
-// is not 0 and not a divisor of sp with 1 < inner_ring_size < sp, when the local length is odd, or
-// for an explicit mask or KV cache. mask.causal = false attends to every key.
+// chunks r and 2*sp-1-r of c tokens each -> [B, H, 2c, D]. Each block's attention is computed
+// by ring_block_kernel(q)'s kernel (ATen's flash attention on a GPU in fp16/bf16, the fp32
+// composite otherwise), merged in fp32 by its log-sum-exp, and the result cast back to q's
+// dtype; the gradient accumulators of keys/values travel in fp32. inner_ring_size 0: one ring.
+// InputError when inner_ring_size is not 0 and not a divisor of sp with 1 < inner_ring_size < sp,
+// when the local length is odd, or for an explicit mask or KV cache. mask.causal = false attends
+// to every key.
 class RingAttention : public CoreAttention {
  public:
   explicit RingAttention(dist::Communicator sp, int64_t inner_ring_size = 0);

@@ -1,0 +1,203 @@
+// Ring attention's blocks (nn/sequence_parallel.h: ring_block_forward / ring_merge /
+// ring_block_backward), the pieces each rank of ring_attn runs between its point-to-point hops.
+// A causal attention over n tokens is cut the way a ring cuts it: rows and keys in two unequal
+// parts A = [0, a) and B = [a, n), so the blocks are A x A (causal), B x A (every key; more
+// queries than keys or fewer) and B x B (causal). Merged by log-sum-exp they must give the whole
+// attention, and each block's backward, fed the merged output and log-sum-exp, must give the
+// whole attention's gradients once summed: checked against autograd through the fp64 composite.
+// The composite kernel is checked on the CPU (make test); ATen's flash kernels (what ring_attn
+// runs on a GPU in bf16) on the GPU, skipped without one (scripts/device_bench.sh ktests), plus
+// ring_attention itself on one GPU (a ring of one rank: its diagonal block).
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "colossal/core/accelerator.h"
+#include "colossal/core/error.h"
+#include "colossal/nn/sequence_parallel.h"
+
+using namespace colossal;
+using nn::RingBlockKernel;
+
+namespace {
+
+// softmax(q k^T * scale) v, causal from the top left, in fp64 with autograd; GQA by repeating.
+at::Tensor reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  const int64_t groups = q.size(1) / k.size(1);
+  at::Tensor kk = k.repeat_interleave(groups, 1), vv = v.repeat_interleave(groups, 1);
+  at::Tensor s = at::matmul(q, kk.transpose(-2, -1)) * scale;
+  at::Tensor upper = at::ones({q.size(2), k.size(2)}, q.options().dtype(at::kBool)).triu_(1);
+  s = s.masked_fill(upper, -std::numeric_limits<double>::infinity());
+  return at::matmul(at::softmax(s, -1), vv);
+}
+
+// ||got - want|| / ||want||, printed with `what` so the GPU log shows the measured errors.
+double rel_err(const at::Tensor& got, const at::Tensor& want, const char* what) {
+  at::Tensor g = got.to(at::kDouble).cpu(), w = want.to(at::kDouble).cpu();
+  EXPECT_FALSE(g.isnan().any().item<bool>()) << "NaN in " << what;
+  const double e = (g - w).norm().item<double>() / w.norm().item<double>();
+  std::printf("  %-4s %.2e\n", what, e);
+  return e;
+}
+
+struct Case {
+  int64_t batch, heads, kv_heads, n, a, dim;
+};
+
+// The blocks of one causal attention over Case's n tokens, split at a, through `kernel` on
+// tensors of `dtype` on `device`, against fp64 autograd. tol / grad_tol: the norm-relative
+// error allowed for the output / each gradient.
+void check_blocks(RingBlockKernel kernel, at::ScalarType dtype, const at::Device& device,
+                  const Case& c, double tol, double grad_tol, uint64_t seed) {
+  std::printf("%s %s B %lld H %lld/%lld n %lld a %lld D %lld\n", nn::to_string(kernel),
+              device.str().c_str(), static_cast<long long>(c.batch),
+              static_cast<long long>(c.heads), static_cast<long long>(c.kv_heads),
+              static_cast<long long>(c.n), static_cast<long long>(c.a),
+              static_cast<long long>(c.dim));
+  SCOPED_TRACE("B " + std::to_string(c.batch) + " H " + std::to_string(c.heads) + "/" +
+               std::to_string(c.kv_heads) + " n " + std::to_string(c.n) + " a " +
+               std::to_string(c.a) + " D " + std::to_string(c.dim));
+  at::manual_seed(seed);
+  const at::TensorOptions f64 = at::TensorOptions().dtype(at::kDouble);
+  // Inputs rounded to the tested dtype first, so the reference sees exactly the kernel's inputs.
+  auto input = [&](int64_t h) { return at::randn({c.batch, h, c.n, c.dim}, f64).to(dtype); };
+  const at::Tensor q = input(c.heads), k = input(c.kv_heads), v = input(c.kv_heads);
+  const at::Tensor dout = input(c.heads);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.dim));
+
+  at::Tensor q64 = q.to(at::kDouble).requires_grad_(), k64 = k.to(at::kDouble).requires_grad_(),
+             v64 = v.to(at::kDouble).requires_grad_();
+  const at::Tensor want = reference(q64, k64, v64, scale);
+  want.backward(dout.to(at::kDouble));
+
+  const at::Tensor qd = q.to(device), kd = k.to(device), vd = v.to(device), dd = dout.to(device);
+  const int64_t a = c.a, b = c.n - c.a;
+  auto rows = [](const at::Tensor& x, int64_t from, int64_t len) { return x.narrow(2, from, len); };
+  struct Block {
+    int64_t q0, qn, k0, kn;
+    bool causal;
+  };
+  const std::vector<Block> blocks = {{0, a, 0, a, true}, {a, b, 0, a, false}, {a, b, a, b, true}};
+  const at::TensorOptions f32 = qd.options().dtype(at::kFloat);
+  at::Tensor out = at::zeros(qd.sizes(), f32);
+  at::Tensor lse = at::full({c.batch, c.heads, c.n}, -std::numeric_limits<float>::infinity(), f32);
+  for (const Block& blk : blocks)
+    nn::ring_merge(
+        rows(out, blk.q0, blk.qn), lse.narrow(2, blk.q0, blk.qn),
+        nn::ring_block_forward(kernel, rows(qd, blk.q0, blk.qn), rows(kd, blk.k0, blk.kn),
+                               rows(vd, blk.k0, blk.kn), blk.causal, scale));
+  EXPECT_LE(rel_err(out, want.detach(), "out"), tol);
+
+  // Each block's backward is given the merged rows, as ring_attn's backward gives them: in the
+  // tested dtype for flash (the forward's returned output), fp32 for the composite.
+  const at::Tensor merged = kernel == RingBlockKernel::flash ? out.to(dtype) : out;
+  at::Tensor dq = at::zeros(qd.sizes(), f32), dk = at::zeros(kd.sizes(), f32),
+             dv = at::zeros(vd.sizes(), f32);
+  for (const Block& blk : blocks) {
+    const nn::RingBlockGrads g = nn::ring_block_backward(
+        kernel, rows(dd, blk.q0, blk.qn), rows(qd, blk.q0, blk.qn), rows(kd, blk.k0, blk.kn),
+        rows(vd, blk.k0, blk.kn), rows(merged, blk.q0, blk.qn), lse.narrow(2, blk.q0, blk.qn),
+        blk.causal, scale);
+    rows(dq, blk.q0, blk.qn).add_(g.dq);
+    rows(dk, blk.k0, blk.kn).add_(g.dk);
+    rows(dv, blk.k0, blk.kn).add_(g.dv);
+  }
+  EXPECT_LE(rel_err(dq, q64.grad(), "dq"), grad_tol);
+  EXPECT_LE(rel_err(dk, k64.grad(), "dk"), grad_tol);
+  EXPECT_LE(rel_err(dv, v64.grad(), "dv"), grad_tol);
+}
+
+const std::vector<Case>& cases() {
+  // Uneven parts both ways (B x A with more queries than keys, and fewer), odd lengths, GQA 1 / 4.
+  static const std::vector<Case> c = {
+      {2, 4, 4, 96, 37, 64}, {1, 8, 2, 161, 100, 128}, {2, 4, 1, 64, 32, 64}};
+  return c;
+}
+
+}  // namespace
+
+// The composite in fp32 on the CPU: fp32 rounding only (a few 1e-7 relative), 1e-5 allowed.
+TEST(RingBlocks, CompositeMergesToTheWholeAttention) {
+  uint64_t seed = 1;
+  for (const Case& c : cases())
+    check_blocks(RingBlockKernel::composite, at::kFloat, at::kCPU, c, 1e-5, 1e-5, seed++);
+}
+
+// The kernel choice: the composite off the GPU and in fp32; COLOSSAL_RING_BLOCKS checked.
+TEST(RingBlocks, KernelChoice) {
+  const at::Tensor cpu = at::zeros({1, 2, 4, 64}, at::kBFloat16);
+  EXPECT_EQ(nn::ring_block_kernel(cpu), RingBlockKernel::composite);
+  EXPECT_STREQ(nn::to_string(RingBlockKernel::flash), "flash");
+  ::setenv("COLOSSAL_RING_BLOCKS", "flashy", 1);
+  try {
+    nn::ring_block_kernel(cpu);
+    ADD_FAILURE() << "a bad COLOSSAL_RING_BLOCKS was accepted";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("flashy"), std::string::npos) << e.what();
+  }
+  ::unsetenv("COLOSSAL_RING_BLOCKS");
+  // A causal block of unequal sides has no top-left alignment both kernels share: refused.
+  EXPECT_THROW(nn::ring_block_forward(RingBlockKernel::composite, at::zeros({1, 2, 4, 8}),
+                                      at::zeros({1, 2, 6, 8}), at::zeros({1, 2, 6, 8}), true, 1.0),
+               InputError);
+}
+
+// ATen's flash kernels in bf16 on the GPU. bf16 keeps 8 significant bits (unit roundoff 2^-9,
+// 2e-3): the inputs are exact in both, but flash rounds P to bf16 for its P V GEMM and returns
+// each block's output in bf16 before the merge (output: two roundings, 1e-2 allowed); the
+// backward also rounds dS, and reads the merged output and dout in bf16 for rowsum(dO * O), whose
+// difference from dP cancels digits (gradients: 2e-2 allowed). A wrong log-sum-exp, block or
+// merge is off by tens of percent. The measured errors are printed.
+TEST(RingBlocks, FlashOnTheGpu) {
+  if (!Accelerator::cuda().available()) GTEST_SKIP() << "no CUDA device";
+  const at::Device dev = Accelerator::cuda().device();
+  ASSERT_EQ(
+      nn::ring_block_kernel(at::zeros({1, 2, 4, 64}, at::TensorOptions(dev).dtype(at::kBFloat16))),
+      RingBlockKernel::flash);
+  EXPECT_EQ(nn::ring_block_kernel(at::zeros({1, 2, 4, 64}, at::TensorOptions(dev))),
+            RingBlockKernel::composite);
+  ::setenv("COLOSSAL_RING_BLOCKS", "composite", 1);
+  EXPECT_EQ(
+      nn::ring_block_kernel(at::zeros({1, 2, 4, 64}, at::TensorOptions(dev).dtype(at::kBFloat16))),
+      RingBlockKernel::composite);
+  ::unsetenv("COLOSSAL_RING_BLOCKS");
+  uint64_t seed = 11;
+  for (const Case& c : cases()) {
+    check_blocks(RingBlockKernel::flash, at::kBFloat16, dev, c, 1e-2, 2e-2, seed);
+    // The composite on the GPU, same bf16 inputs: fp32 (TF32 left off by LibTorch's default).
+    check_blocks(RingBlockKernel::composite, at::kBFloat16, dev, c, 1e-4, 1e-4, seed++);
+  }
+}
+
+// ring_attention on one GPU (a ring of one rank runs only its diagonal block) through autograd,
+// bf16 in, against the fp64 reference: what ring_attn's layers run, end to end.
+TEST(RingBlocks, RingAttentionOnTheGpu) {
+  if (!Accelerator::cuda().available()) GTEST_SKIP() << "no CUDA device";
+  const at::Device dev = Accelerator::cuda().device();
+  at::manual_seed(5);
+  const at::TensorOptions f64 = at::TensorOptions().dtype(at::kDouble);
+  const at::Tensor q = at::randn({2, 8, 130, 128}, f64).to(at::kBFloat16);
+  const at::Tensor k = at::randn({2, 2, 130, 128}, f64).to(at::kBFloat16);
+  const at::Tensor v = at::randn({2, 2, 130, 128}, f64).to(at::kBFloat16);
+  const at::Tensor dout = at::randn({2, 8, 130, 128}, f64).to(at::kBFloat16);
+  at::Tensor qd = q.to(dev).requires_grad_(), kd = k.to(dev).requires_grad_(),
+             vd = v.to(dev).requires_grad_();
+  const at::Tensor out = nn::ring_attention(qd, kd, vd, dist::Communicator(), true);
+  EXPECT_EQ(out.scalar_type(), at::kBFloat16);
+  out.backward(dout.to(dev));
+  at::Tensor q64 = q.to(at::kDouble).requires_grad_(), k64 = k.to(at::kDouble).requires_grad_(),
+             v64 = v.to(at::kDouble).requires_grad_();
+  const at::Tensor want = reference(q64, k64, v64, 1.0 / std::sqrt(128.0));
+  want.backward(dout.to(at::kDouble));
+  // As FlashOnTheGpu, plus the output's and the gradients' own rounding to bf16 (2^-9).
+  EXPECT_LE(rel_err(out, want.detach(), "out"), 1e-2);
+  EXPECT_LE(rel_err(qd.grad(), q64.grad(), "dq"), 2e-2);
+  EXPECT_LE(rel_err(kd.grad(), k64.grad(), "dk"), 2e-2);
+  EXPECT_LE(rel_err(vd.grad(), v64.grad(), "dv"), 2e-2);
+}
