@@ -114,72 +114,70 @@ double median_of(std::vector<double> t) {
   return t[t.size() / 2];
 }
 
+// Medians of CUDA bodies timed by events in rotation, after warm-up: round i runs body i mod n
+// first (two bodies: a b, b a, a b, ...); `setup` runs untimed before each. Bodies timed one
+// after the other can meet different clocks: under a long enough load the card reaches its
+// power limit and lowers its SM clock (an H100 at W2 B4: about 12 % slower within 30 reps,
+// 0.13 s, both libraries alike; scripts/attn_clocks.py), so a body timed after a pause runs
+// faster. Rotating gives them the same clocks. One --timing_log line per body, in order.
+std::vector<double> cuda_medians_ms(const std::vector<std::function<void()>>& bodies,
+                                    const std::function<void()>& setup = nullptr) {
+  const size_t n = bodies.size();
+  for (int i = 0; i < g_opts.warmup; ++i)
+    for (const auto& body : bodies) {
+      if (setup) setup();
+      body();
+    }
+  const double start = epoch_s();
+  Accelerator& acc = Accelerator::cuda();
+  std::vector<std::vector<std::unique_ptr<Event>>> begin(n), end(n);
+  for (int i = 0; i < g_opts.reps; ++i)
+    for (size_t j = 0; j < n; ++j) {
+      const size_t which = (static_cast<size_t>(i) + j) % n;
+      if (setup) setup();
+      begin[which].push_back(acc.new_event(true));
+      end[which].push_back(acc.new_event(true));
+      begin[which].back()->record();
+      bodies[which]();
+      end[which].back()->record();
+    }
+  acc.synchronize();
+  std::vector<double> medians;
+  for (size_t w = 0; w < n; ++w) {
+    std::vector<double> t;
+    for (int i = 0; i < g_opts.reps; ++i)
+      t.push_back(begin[w][static_cast<size_t>(i)]->elapsed_ms(*end[w][static_cast<size_t>(i)]));
+    log_timing(start, t);
+    medians.push_back(median_of(std::move(t)));
+  }
+  return medians;
+}
+
 // Median milliseconds of `body` over reps, after warm-up; `setup` runs untimed before each rep.
 double median_ms(const std::function<void()>& body, const std::function<void()>& setup = nullptr) {
+  if (g_cuda) return cuda_medians_ms({body}, setup)[0];
   for (int i = 0; i < g_opts.warmup; ++i) {
     if (setup) setup();
     body();
   }
   const double start = epoch_s();
   std::vector<double> t;
-  if (g_cuda) {
-    Accelerator& acc = Accelerator::cuda();
-    std::vector<std::unique_ptr<Event>> a, b;
-    for (int i = 0; i < g_opts.reps; ++i) {
-      if (setup) setup();
-      a.push_back(acc.new_event(true));
-      b.push_back(acc.new_event(true));
-      a.back()->record();
-      body();
-      b.back()->record();
-    }
-    acc.synchronize();
-    for (int i = 0; i < g_opts.reps; ++i) t.push_back(a[i]->elapsed_ms(*b[i]));
-  } else {
-    for (int i = 0; i < g_opts.reps; ++i) {
-      if (setup) setup();
-      auto s = std::chrono::steady_clock::now();
-      body();
-      t.push_back(
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - s).count());
-    }
+  for (int i = 0; i < g_opts.reps; ++i) {
+    if (setup) setup();
+    auto s = std::chrono::steady_clock::now();
+    body();
+    t.push_back(
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - s).count());
   }
   log_timing(start, t);
   return median_of(t);
 }
 
-// Medians of two CUDA bodies timed in alternation (a b, b a, a b, ...), after both warmed up.
-// Bodies timed one after the other can meet different clocks: under a long enough load the card
-// reaches its power limit and lowers its SM clock (an H100 at W2 B4: about 12 % slower within
-// 30 reps, 0.13 s, both libraries alike; scripts/attn_clocks.py), so the body timed after a
-// pause runs faster.
-// Alternating gives both the same clocks. Two --timing_log lines, a's then b's.
+// Medians of two CUDA bodies timed in alternation (cuda_medians_ms), a's then b's.
 std::pair<double, double> median_ms_alternating(const std::function<void()>& a,
                                                 const std::function<void()>& b) {
-  for (int i = 0; i < g_opts.warmup; ++i) {
-    a();
-    b();
-  }
-  const double start = epoch_s();
-  Accelerator& acc = Accelerator::cuda();
-  std::vector<std::unique_ptr<Event>> ev[2][2];
-  for (int i = 0; i < g_opts.reps; ++i) {
-    for (int j = 0; j < 2; ++j) {
-      const int which = (i % 2 == 0) ? j : 1 - j;
-      ev[which][0].push_back(acc.new_event(true));
-      ev[which][1].push_back(acc.new_event(true));
-      ev[which][0].back()->record();
-      (which == 0 ? a : b)();
-      ev[which][1].back()->record();
-    }
-  }
-  acc.synchronize();
-  std::vector<double> t[2];
-  for (int w = 0; w < 2; ++w)
-    for (int i = 0; i < g_opts.reps; ++i) t[w].push_back(ev[w][0][i]->elapsed_ms(*ev[w][1][i]));
-  log_timing(start, t[0]);
-  log_timing(start, t[1]);
-  return {median_of(t[0]), median_of(t[1])};
+  const std::vector<double> m = cuda_medians_ms({a, b});
+  return {m[0], m[1]};
 }
 
 std::string shape_str(std::initializer_list<int64_t> s) {
