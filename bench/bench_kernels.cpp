@@ -904,9 +904,10 @@ void sdpa_cases() {
 // Rank 3 of an 8-rank zigzag ring: its own chunks (c tokens each) against its diagonal block
 // (causal) and the seven blocks that reach it (each 2c x c), merged by log-sum-exp, then each
 // block's backward with the merged rows: what one ring_attn layer computes per rank between
-// point-to-point hops. flash (ATen's kernels, what ring_attn runs on a GPU in bf16) in the fused
-// column, the fp32 composite (what it ran before) in the ATen column. FLOPs: the causal pairs
-// (16 c^2 per head) x 4 D forward, x 10 D forward+backward.
+// point-to-point hops. Rows "flash vs fp32": ATen's flash kernels in the fused column, the fp32
+// composite (what ring_attn ran before) in the ATen column; "own vs flash" (on an H100 / H200):
+// ours against flash. FLOPs: the causal pairs (16 c^2 per head) x 4 D forward, x 10 D
+// forward+backward.
 void ring_block_case(const std::string& name, int64_t h, int64_t kv, int64_t c, int64_t d) {
   constexpr int64_t kRanks = 8, kRank = 3;
   at::Tensor q = at::randn({1, h, 2 * c, d}, opts()), k = at::randn({1, kv, 2 * c, d}, opts()),
@@ -948,12 +949,27 @@ void ring_block_case(const std::string& name, int64_t h, int64_t kv, int64_t c, 
   };
   const std::string shape = shape_str({1, h, kv, 2 * c, d});
   const double pairs = 16.0 * double(c) * double(c) * double(h);
+  const bool own = kernels::own_attention_unsupported(q[0], k[0]).empty();
   for (bool backward : {false, true}) {
-    Row r{"ring_blocks", name + " rank 3 of 8", shape, backward ? "fwd+bwd" : "fwd"};
-    r.fused_ms = median_ms([&] { run(nn::RingBlockKernel::flash, backward); });
-    r.aten_ms = median_ms([&] { run(nn::RingBlockKernel::composite, backward); });
+    // The kernels timed in rotation (the same clocks for each).
+    std::vector<std::function<void()>> bodies = {
+        [&] { run(nn::RingBlockKernel::flash, backward); },
+        [&] { run(nn::RingBlockKernel::composite, backward); }};
+    if (own) bodies.push_back([&] { run(nn::RingBlockKernel::own, backward); });
+    const std::vector<double> ms = cuda_medians_ms(bodies);
+    const char* dir = backward ? "fwd+bwd" : "fwd";
+    Row r{"ring_blocks", name + " flash vs fp32", shape, dir};
+    r.fused_ms = ms[0];
+    r.aten_ms = ms[1];
     r.flops = pairs * double(d) * (backward ? 10.0 : 4.0);
     g_rows.push_back(r);
+    if (own) {
+      Row o{"ring_blocks", name + " own vs flash", shape, dir};
+      o.fused_ms = ms[2];
+      o.aten_ms = ms[0];
+      o.flops = r.flops;
+      g_rows.push_back(o);
+    }
   }
   sync();
 }
@@ -1004,7 +1020,7 @@ const std::vector<Op>& ops() {
        sdpa_cases},
       {"attention", "our sm_90a attention (dense, packed documents) vs SDPA cuDNN / flash", true,
        attention_cases},
-      {"ring_blocks", "ring_attn's blocks on one rank (8-rank ring, 32k tokens): flash vs fp32",
+      {"ring_blocks", "ring_attn's blocks on one rank (8-rank ring, 32k tokens): own, flash, fp32",
        true, ring_block_cases},
 #ifdef COLOSSAL_WITH_CUDNN_FRONTEND
       {"sdpa_fe", "cuDNN frontend SDPA graphs (dense, packed documents, deterministic)", true,

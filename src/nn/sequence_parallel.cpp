@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -16,6 +17,7 @@
 #include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
+#include "colossal/kernels/attention.h"
 #include "colossal/nn/parallel_ops.h"
 
 namespace colossal::nn {
@@ -244,9 +246,9 @@ struct RingAttnFn : torch::autograd::Function<RingAttnFn> {
     }
     at::Tensor result = out.to(q.scalar_type());
     ctx->saved_data["ring"] = c10::IValue::make_capsule(saved);
-    // The flash backward reads the output as the forward returned it; the composite keeps the
-    // fp32 merge.
-    ctx->save_for_backward({q, k, v, kernel == RingBlockKernel::flash ? result : out, lse});
+    // The kernels' backward reads the output as the forward returned it; the composite keeps
+    // the fp32 merge.
+    ctx->save_for_backward({q, k, v, kernel == RingBlockKernel::composite ? out : result, lse});
     return result;
   }
 
@@ -349,24 +351,60 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 }
 
 // ---- One block of ring attention --------------------------------------------------------------
+namespace {
+
+// Why ATen's flash kernels do not take q ("" when they do).
+std::string flash_unsupported(const at::Tensor& q) {
+  if (!q.is_cuda()) return "not on a CUDA device";
+  const auto dt = q.scalar_type();
+  if (dt != at::kHalf && dt != at::kBFloat16) return "not fp16 or bf16";
+  if (q.size(-1) % 8 != 0 || q.size(-1) > 256) return "head dim not a multiple of 8 up to 256";
+  static const std::vector<CudaDeviceInfo> devices = cuda_devices();
+  const int idx = q.device().has_index() ? q.device().index() : 0;
+  if (idx < 0 || idx >= static_cast<int>(devices.size()) ||
+      devices[static_cast<size_t>(idx)].major < 8)
+    return "a GPU older than compute capability 8.0";
+  return "";
+}
+
+// Why our kernels do not take q ("" when they do).
+std::string own_unsupported(const at::Tensor& q) {
+  return q.dim() == 4 ? kernels::own_attention_unsupported(q.select(0, 0), q.select(0, 0))
+                      : "q is not [B, H, n, D]";
+}
+
+}  // namespace
+
 RingBlockKernel ring_block_kernel(const at::Tensor& q) {
   const char* env = std::getenv("COLOSSAL_RING_BLOCKS");
   const std::string setting = env == nullptr ? "" : env;
-  COLOSSAL_CHECK_INPUT(setting.empty() || setting == "auto" || setting == "composite",
-                       "COLOSSAL_RING_BLOCKS must be auto or composite, got '", setting, "'");
-  if (setting == "composite" || !q.is_cuda()) return RingBlockKernel::composite;
-  const auto dt = q.scalar_type();
-  if ((dt != at::kHalf && dt != at::kBFloat16) || q.size(-1) % 8 != 0 || q.size(-1) > 256)
-    return RingBlockKernel::composite;
-  static const std::vector<CudaDeviceInfo> devices = cuda_devices();
-  const int idx = q.device().has_index() ? q.device().index() : 0;
-  const bool ampere = idx >= 0 && idx < static_cast<int>(devices.size()) &&
-                      devices[static_cast<size_t>(idx)].major >= 8;
-  return ampere ? RingBlockKernel::flash : RingBlockKernel::composite;
+  COLOSSAL_CHECK_INPUT(setting.empty() || setting == "auto" || setting == "own" ||
+                           setting == "flash" || setting == "composite",
+                       "COLOSSAL_RING_BLOCKS must be auto, own, flash or composite, got '", setting,
+                       "'");
+  if (setting == "composite") return RingBlockKernel::composite;
+  const std::string own = own_unsupported(q), flash = flash_unsupported(q);
+  COLOSSAL_CHECK_INPUT(setting != "own" || own.empty(),
+                       "COLOSSAL_RING_BLOCKS=own, but our kernels do not take these blocks: ", own);
+  COLOSSAL_CHECK_INPUT(setting != "flash" || flash.empty(),
+                       "COLOSSAL_RING_BLOCKS=flash, but ATen's flash kernels do not take these "
+                       "blocks: ",
+                       flash);
+  if (setting == "flash") return RingBlockKernel::flash;
+  if (own.empty()) return RingBlockKernel::own;
+  return flash.empty() ? RingBlockKernel::flash : RingBlockKernel::composite;
 }
 
 const char* to_string(RingBlockKernel kernel) {
-  return kernel == RingBlockKernel::flash ? "flash" : "composite";
+  switch (kernel) {
+    case RingBlockKernel::own:
+      return "own";
+    case RingBlockKernel::flash:
+      return "flash";
+    case RingBlockKernel::composite:
+      break;
+  }
+  return "composite";
 }
 
 namespace {
@@ -389,11 +427,59 @@ at::Tensor bnhd(const at::Tensor& x) {
   return x.transpose(1, 2);
 }
 
+// Our kernels take self-attention over packed sequences: queries and keys of each sequence
+// share one offset. A ring's blocks fit that in three ways, each batch row's block cut into two
+// sequences where the sides differ:
+//   square  (qn == kn, causal or not)  the block as it is;
+//   tall    (qn == 2 kn, not causal)   each half of the queries against the same keys;
+//   wide    (kn == 2 qn, not causal)   the queries against each half of the keys, merged after.
+enum class OwnLayout { square, tall, wide };
+
+OwnLayout own_layout(const char* op, int64_t qn, int64_t kn, bool causal) {
+  if (qn == kn) return OwnLayout::square;
+  COLOSSAL_CHECK_INPUT(!causal && (qn == 2 * kn || kn == 2 * qn), op,
+                       ": our kernels take a block of as many keys as queries, or of twice or half "
+                       "as many without the causal mask; got ",
+                       qn, " queries and ", kn, " keys");
+  return qn == 2 * kn ? OwnLayout::tall : OwnLayout::wide;
+}
+
+// [B, heads, n, D] as our kernels' rows [B * copies * n, heads, D] (batch row b's tokens
+// `copies` times in a row; a copy).
+at::Tensor own_rows(const at::Tensor& x, int64_t copies) {
+  at::Tensor t = x.transpose(1, 2);  // [B, n, heads, D]
+  if (copies > 1) t = t.unsqueeze(1).expand({t.size(0), copies, t.size(1), t.size(2), t.size(3)});
+  return t.reshape({-1, x.size(1), x.size(3)}).contiguous();
+}
+
+// Offsets of `count` sequences of `len` tokens, on the host (uploaded by the kernels' call).
+at::Tensor own_offsets(int64_t count, int64_t len) {
+  return at::arange(0, count + 1, at::kInt).mul_(static_cast<int32_t>(len));
+}
+
 }  // namespace
 
 RingBlockOut ring_block_forward(RingBlockKernel kernel, const at::Tensor& q, const at::Tensor& k,
                                 const at::Tensor& v, bool causal, double scale) {
   check_block("ring_block_forward", q, k, v, causal);
+  if (kernel == RingBlockKernel::own) {
+    const int64_t B = q.size(0), H = q.size(1), qn = q.size(2), kn = k.size(2), D = q.size(3);
+    const OwnLayout layout = own_layout("ring_block_forward", qn, kn, causal);
+    const int64_t len = std::min(qn, kn), seqs = layout == OwnLayout::square ? B : 2 * B;
+    const int64_t qc = layout == OwnLayout::wide ? 2 : 1, kc = layout == OwnLayout::tall ? 2 : 1;
+    const kernels::AttentionResult r =
+        kernels::attention_forward(own_rows(q, qc), own_rows(k, kc), own_rows(v, kc),
+                                   own_offsets(seqs, len), len, causal, scale);
+    if (layout != OwnLayout::wide)
+      return {r.out.view({B, qn, H, D}).transpose(1, 2).to(at::kFloat),
+              r.lse.view({H, B, qn}).permute({1, 0, 2})};
+    // Two partial results per query (one per half of the keys), merged as the ring merges.
+    at::Tensor out = r.out.view({B, 2, qn, H, D}).to(at::kFloat).permute({1, 0, 3, 2, 4});
+    at::Tensor lse = r.lse.view({H, B, 2, qn}).permute({2, 1, 0, 3});
+    RingBlockOut merged{out[0].clone(), lse[0].clone()};
+    ring_merge(merged.out, merged.lse, {out[1], lse[1]});
+    return merged;
+  }
   if (kernel == RingBlockKernel::flash) {
     auto r = at::_flash_attention_forward(bnhd(q), bnhd(k), bnhd(v), std::nullopt, std::nullopt,
                                           q.size(2), k.size(2), 0.0, causal, false, scale);
@@ -424,6 +510,25 @@ RingBlockGrads ring_block_backward(RingBlockKernel kernel, const at::Tensor& dou
           lse.size(0) == q.size(0) && lse.size(1) == q.size(1) && lse.size(2) == q.size(2),
       "ring_block_backward: dout and out must be shaped as q ", q.sizes(),
       " and lse [B, H, qn]; got ", dout.sizes(), ", ", out.sizes(), ", ", lse.sizes());
+  if (kernel == RingBlockKernel::own) {
+    const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), qn = q.size(2), kn = k.size(2),
+                  D = q.size(3);
+    const OwnLayout layout = own_layout("ring_block_backward", qn, kn, causal);
+    const int64_t len = std::min(qn, kn), seqs = layout == OwnLayout::square ? B : 2 * B;
+    const int64_t qc = layout == OwnLayout::wide ? 2 : 1, kc = layout == OwnLayout::tall ? 2 : 1;
+    // Both halves of the keys see the same merged rows (their probabilities are exp(s - lse)).
+    at::Tensor l = lse.to(at::kFloat).permute({1, 0, 2});  // [H, B, qn]
+    if (qc > 1) l = l.unsqueeze(2).expand({H, B, qc, qn});
+    const kernels::AttentionGrads g = kernels::attention_backward(
+        own_rows(q, qc), own_rows(k, kc), own_rows(v, kc), own_rows(out.to(q.scalar_type()), qc),
+        own_rows(dout.to(q.scalar_type()), qc), l.reshape({H, -1}).contiguous(),
+        own_offsets(seqs, len), len, causal, scale);
+    // Each copy's share summed: the query copies' dQ (wide), the key copies' dK / dV (tall).
+    auto back = [&](const at::Tensor& x, int64_t copies, int64_t n, int64_t heads) {
+      return x.view({B, copies, n, heads, D}).to(at::kFloat).sum(1).transpose(1, 2);
+    };
+    return {back(g.dq, qc, qn, H), back(g.dk, kc, kn, Hkv), back(g.dv, kc, kn, Hkv)};
+  }
   if (kernel == RingBlockKernel::flash) {
     // No dropout: the kernels do not read the random-number state.
     const at::TensorOptions u64 = q.options().dtype(at::kUInt64);

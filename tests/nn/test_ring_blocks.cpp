@@ -5,21 +5,23 @@
 // queries than keys or fewer) and B x B (causal). Merged by log-sum-exp they must give the whole
 // attention, and each block's backward, fed the merged output and log-sum-exp, must give the
 // whole attention's gradients once summed: checked against autograd through the fp64 composite.
-// The composite kernel is checked on the CPU (make test); ATen's flash kernels (what ring_attn
-// runs on a GPU in bf16) on the GPU, skipped without one (scripts/device_bench.sh ktests), plus
-// ring_attention itself on one GPU (a ring of one rank: its diagonal block).
+// The composite kernel is checked on the CPU (make test); ours and ATen's flash kernels (what
+// ring_attn runs on a GPU in bf16) on the GPU, skipped without one (scripts/device_bench.sh
+// ktests), plus ring_attention itself on one GPU (a ring of one rank: its diagonal block).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
 
 #include "colossal/core/accelerator.h"
 #include "colossal/core/error.h"
+#include "colossal/kernels/attention.h"
 #include "colossal/nn/sequence_parallel.h"
 
 using namespace colossal;
@@ -114,9 +116,12 @@ void check_blocks(RingBlockKernel kernel, at::ScalarType dtype, const at::Device
 }
 
 const std::vector<Case>& cases() {
-  // Uneven parts both ways (B x A with more queries than keys, and fewer), odd lengths, GQA 1 / 4.
-  static const std::vector<Case> c = {
-      {2, 4, 4, 96, 37, 64}, {1, 8, 2, 161, 100, 128}, {2, 4, 1, 64, 32, 64}};
+  // A third of the tokens in one part, as a ring's blocks are: B x A has twice as many queries
+  // as keys (a = n / 3) or half as many (a = 2n / 3). Odd lengths, GQA 1 / 4, head dims 64 / 128.
+  static const std::vector<Case> c = {{2, 4, 4, 96, 32, 64},
+                                      {2, 4, 1, 96, 64, 64},
+                                      {1, 8, 2, 189, 63, 128},
+                                      {1, 8, 8, 189, 126, 128}};
   return c;
 }
 
@@ -129,18 +134,31 @@ TEST(RingBlocks, CompositeMergesToTheWholeAttention) {
     check_blocks(RingBlockKernel::composite, at::kFloat, at::kCPU, c, 1e-5, 1e-5, seed++);
 }
 
-// The kernel choice: the composite off the GPU and in fp32; COLOSSAL_RING_BLOCKS checked.
+// The error's text contains `needle`.
+void expect_input_error(const std::function<void()>& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "no InputError (expected one naming '" << needle << "')";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+// The kernel choice: the composite off the GPU; COLOSSAL_RING_BLOCKS checked, and a forced
+// kernel that cannot take the blocks refused with its reason.
 TEST(RingBlocks, KernelChoice) {
   const at::Tensor cpu = at::zeros({1, 2, 4, 64}, at::kBFloat16);
   EXPECT_EQ(nn::ring_block_kernel(cpu), RingBlockKernel::composite);
   EXPECT_STREQ(nn::to_string(RingBlockKernel::flash), "flash");
+  EXPECT_STREQ(nn::to_string(RingBlockKernel::own), "own");
   ::setenv("COLOSSAL_RING_BLOCKS", "flashy", 1);
-  try {
-    nn::ring_block_kernel(cpu);
-    ADD_FAILURE() << "a bad COLOSSAL_RING_BLOCKS was accepted";
-  } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find("flashy"), std::string::npos) << e.what();
-  }
+  expect_input_error([&] { nn::ring_block_kernel(cpu); }, "flashy");
+  ::setenv("COLOSSAL_RING_BLOCKS", "flash", 1);
+  expect_input_error([&] { nn::ring_block_kernel(cpu); }, "not on a CUDA device");
+  ::setenv("COLOSSAL_RING_BLOCKS", "own", 1);
+  expect_input_error([&] { nn::ring_block_kernel(cpu); }, "COLOSSAL_RING_BLOCKS=own");
+  ::setenv("COLOSSAL_RING_BLOCKS", "composite", 1);
+  EXPECT_EQ(nn::ring_block_kernel(cpu), RingBlockKernel::composite);
   ::unsetenv("COLOSSAL_RING_BLOCKS");
   // A causal block of unequal sides has no top-left alignment both kernels share: refused.
   EXPECT_THROW(nn::ring_block_forward(RingBlockKernel::composite, at::zeros({1, 2, 4, 8}),
@@ -148,35 +166,42 @@ TEST(RingBlocks, KernelChoice) {
                InputError);
 }
 
-// ATen's flash kernels in bf16 on the GPU. bf16 keeps 8 significant bits (unit roundoff 2^-9,
-// 2e-3): the inputs are exact in both, but flash rounds P to bf16 for its P V GEMM and returns
-// each block's output in bf16 before the merge (output: two roundings, 1e-2 allowed); the
-// backward also rounds dS, and reads the merged output and dout in bf16 for rowsum(dO * O), whose
-// difference from dP cancels digits (gradients: 2e-2 allowed). A wrong log-sum-exp, block or
-// merge is off by tens of percent. The measured errors are printed.
-TEST(RingBlocks, FlashOnTheGpu) {
+// ATen's flash kernels and ours in bf16 on the GPU. bf16 keeps 8 significant bits (unit
+// roundoff 2^-9, 2e-3): the inputs are exact in both, but the kernels round P to bf16 for the
+// P V GEMM and return each block's output in bf16 before the merge (output: two roundings, 1e-2
+// allowed); the backward also rounds dS, and reads the merged output and dout in bf16 for
+// rowsum(dO * O), whose difference from dP cancels digits (gradients: 2e-2 allowed). A wrong
+// log-sum-exp, block, merge or layout is off by tens of percent. The measured errors are
+// printed. Ours run where they apply (an H100 / H200; an InputError elsewhere says why).
+TEST(RingBlocks, KernelsOnTheGpu) {
   if (!Accelerator::cuda().available()) GTEST_SKIP() << "no CUDA device";
   const at::Device dev = Accelerator::cuda().device();
-  ASSERT_EQ(
-      nn::ring_block_kernel(at::zeros({1, 2, 4, 64}, at::TensorOptions(dev).dtype(at::kBFloat16))),
-      RingBlockKernel::flash);
+  const at::Tensor bf16 = at::zeros({1, 2, 4, 64}, at::TensorOptions(dev).dtype(at::kBFloat16));
+  const bool own = kernels::own_attention_unsupported(bf16[0], bf16[0]).empty();
+  EXPECT_EQ(nn::ring_block_kernel(bf16), own ? RingBlockKernel::own : RingBlockKernel::flash);
   EXPECT_EQ(nn::ring_block_kernel(at::zeros({1, 2, 4, 64}, at::TensorOptions(dev))),
             RingBlockKernel::composite);
-  ::setenv("COLOSSAL_RING_BLOCKS", "composite", 1);
-  EXPECT_EQ(
-      nn::ring_block_kernel(at::zeros({1, 2, 4, 64}, at::TensorOptions(dev).dtype(at::kBFloat16))),
-      RingBlockKernel::composite);
+  ::setenv("COLOSSAL_RING_BLOCKS", "flash", 1);
+  EXPECT_EQ(nn::ring_block_kernel(bf16), RingBlockKernel::flash);
   ::unsetenv("COLOSSAL_RING_BLOCKS");
   uint64_t seed = 11;
   for (const Case& c : cases()) {
+    if (own) check_blocks(RingBlockKernel::own, at::kBFloat16, dev, c, 1e-2, 2e-2, seed);
     check_blocks(RingBlockKernel::flash, at::kBFloat16, dev, c, 1e-2, 2e-2, seed);
     // The composite on the GPU, same bf16 inputs: fp32 (TF32 left off by LibTorch's default).
     check_blocks(RingBlockKernel::composite, at::kBFloat16, dev, c, 1e-4, 1e-4, seed++);
   }
+  if (own) {  // a shape outside the three a ring makes
+    const at::Tensor q = at::zeros({1, 2, 6, 64}, bf16.options()),
+                     k = at::zeros({1, 2, 4, 64}, bf16.options());
+    expect_input_error([&] { nn::ring_block_forward(RingBlockKernel::own, q, k, k, false, 0.125); },
+                       "6 queries and 4 keys");
+  }
 }
 
 // ring_attention on one GPU (a ring of one rank runs only its diagonal block) through autograd,
-// bf16 in, against the fp64 reference: what ring_attn's layers run, end to end.
+// bf16 in, against the fp64 reference: what ring_attn's layers run, end to end, with each kernel
+// that applies.
 TEST(RingBlocks, RingAttentionOnTheGpu) {
   if (!Accelerator::cuda().available()) GTEST_SKIP() << "no CUDA device";
   const at::Device dev = Accelerator::cuda().device();
@@ -186,18 +211,27 @@ TEST(RingBlocks, RingAttentionOnTheGpu) {
   const at::Tensor k = at::randn({2, 2, 130, 128}, f64).to(at::kBFloat16);
   const at::Tensor v = at::randn({2, 2, 130, 128}, f64).to(at::kBFloat16);
   const at::Tensor dout = at::randn({2, 8, 130, 128}, f64).to(at::kBFloat16);
-  at::Tensor qd = q.to(dev).requires_grad_(), kd = k.to(dev).requires_grad_(),
-             vd = v.to(dev).requires_grad_();
-  const at::Tensor out = nn::ring_attention(qd, kd, vd, dist::Communicator(), true);
-  EXPECT_EQ(out.scalar_type(), at::kBFloat16);
-  out.backward(dout.to(dev));
   at::Tensor q64 = q.to(at::kDouble).requires_grad_(), k64 = k.to(at::kDouble).requires_grad_(),
              v64 = v.to(at::kDouble).requires_grad_();
   const at::Tensor want = reference(q64, k64, v64, 1.0 / std::sqrt(128.0));
   want.backward(dout.to(at::kDouble));
-  // As FlashOnTheGpu, plus the output's and the gradients' own rounding to bf16 (2^-9).
-  EXPECT_LE(rel_err(out, want.detach(), "out"), 1e-2);
-  EXPECT_LE(rel_err(qd.grad(), q64.grad(), "dq"), 2e-2);
-  EXPECT_LE(rel_err(kd.grad(), k64.grad(), "dk"), 2e-2);
-  EXPECT_LE(rel_err(vd.grad(), v64.grad(), "dv"), 2e-2);
+  std::vector<std::string> kernels_to_run = {"flash"};
+  if (kernels::own_attention_unsupported(q.to(dev)[0], k.to(dev)[0]).empty())
+    kernels_to_run.push_back("own");
+  for (const std::string& kernel : kernels_to_run) {
+    SCOPED_TRACE(kernel);
+    std::printf("ring_attention %s\n", kernel.c_str());
+    ::setenv("COLOSSAL_RING_BLOCKS", kernel.c_str(), 1);
+    at::Tensor qd = q.to(dev).requires_grad_(), kd = k.to(dev).requires_grad_(),
+               vd = v.to(dev).requires_grad_();
+    const at::Tensor out = nn::ring_attention(qd, kd, vd, dist::Communicator(), true);
+    EXPECT_EQ(out.scalar_type(), at::kBFloat16);
+    out.backward(dout.to(dev));
+    // As KernelsOnTheGpu, plus the output's and the gradients' own rounding to bf16 (2^-9).
+    EXPECT_LE(rel_err(out, want.detach(), "out"), 1e-2);
+    EXPECT_LE(rel_err(qd.grad(), q64.grad(), "dq"), 2e-2);
+    EXPECT_LE(rel_err(kd.grad(), k64.grad(), "dk"), 2e-2);
+    EXPECT_LE(rel_err(vd.grad(), v64.grad(), "dv"), 2e-2);
+  }
+  ::unsetenv("COLOSSAL_RING_BLOCKS");
 }

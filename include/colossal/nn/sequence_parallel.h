@@ -70,16 +70,22 @@ class AllToAllAttention : public CoreAttention {
 
 // ---- One block of ring attention (what RingAttention runs per block; exposed for the tests) --
 // A block: queries q [B, H, qn, D] against keys/values k, v [B, Hkv, kn, D] (Hkv dividing H;
-// causal only with qn == kn, aligned at the top left). Two kernels compute it:
-//   composite  ATen matmuls in fp32 on any device and dtype (the reference; materialises the
-//              block's [qn, kn] scores per head);
+// causal only with qn == kn, aligned at the top left). Three kernels compute it:
+//   own        our sm_90a kernels (kernels/attention.h; H100 / H200, bf16, head dims 64 and 128),
+//              which take self-attention over packed sequences: a block of qn == kn as it is,
+//              and the ring's other two shapes (qn == 2 kn and kn == 2 qn, not causal) cut into
+//              two sequences per batch row (the shorter side's tokens copied twice; the wide
+//              block's two halves merged by their log-sum-exp). Other shapes: InputError.
 //   flash      ATen's flash-attention kernels (at::_flash_attention_forward / _backward): on a
 //              CUDA device of compute capability 8.0 or newer, fp16/bf16, head dimension a
-//              multiple of 8 up to 256; GQA without copies, no [qn, kn] tensor.
-enum class RingBlockKernel { composite, flash };
-// flash where it applies to q, else composite. COLOSSAL_RING_BLOCKS=composite (read at every
-// call) forces the composite (a comparison on the GPU); any other value than "", "auto" and
-// "composite" is an InputError.
+//              multiple of 8 up to 256; any shape; GQA without copies.
+//   composite  ATen matmuls in fp32 on any device and dtype (the reference; materialises the
+//              block's [qn, kn] scores per head).
+enum class RingBlockKernel { composite, flash, own };
+// own where our kernels take q, else flash where it applies, else composite.
+// COLOSSAL_RING_BLOCKS (read at every call) = own, flash or composite forces one (for a
+// comparison; own or flash where it does not apply is an InputError naming why); any other value
+// than "" and "auto" is an InputError.
 RingBlockKernel ring_block_kernel(const at::Tensor& q);
 const char* to_string(RingBlockKernel kernel);
 
@@ -100,8 +106,8 @@ struct RingBlockGrads {
 };
 // The block's share of the gradients for dout ([B, H, qn, D]), given the rows' merged output
 // `out` and log-sum-exp `lse` over every block (the softmax's probabilities of this block are
-// exp(scores - lse); rowsum(dout * out) is the softmax backward's correction). flash takes out
-// and dout in q's dtype (out as the forward returned it), composite in any dtype.
+// exp(scores - lse); rowsum(dout * out) is the softmax backward's correction). own and flash
+// take out and dout in q's dtype (out as the forward returned it), composite in any dtype.
 RingBlockGrads ring_block_backward(RingBlockKernel kernel, const at::Tensor& dout,
                                    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const at::Tensor& out, const at::Tensor& lse, bool causal,
@@ -109,12 +115,12 @@ RingBlockGrads ring_block_backward(RingBlockKernel kernel, const at::Tensor& dou
 
 // Zigzag ring attention. q [B, H, 2c, D], k/v [B, Hkv, 2c, D] with Hkv dividing H: this rank's
 // chunks r and 2*sp-1-r of c tokens each -> [B, H, 2c, D]. Each block's attention is computed
-// by ring_block_kernel(q)'s kernel (ATen's flash attention on a GPU in fp16/bf16, the fp32
-// composite otherwise), merged in fp32 by its log-sum-exp, and the result cast back to q's
-// dtype; the gradient accumulators of keys/values travel in fp32. inner_ring_size 0: one ring.
-// InputError when inner_ring_size is not 0 and not a divisor of sp with 1 < inner_ring_size < sp,
-// when the local length is odd, or for an explicit mask or KV cache. mask.causal = false attends
-// to every key.
+// by ring_block_kernel(q)'s kernel (ours on an H100 / H200 in bf16, else ATen's flash attention
+// on a GPU in fp16/bf16, else the fp32 composite), merged in fp32 by its log-sum-exp, and the
+// result cast back to q's dtype; the gradient accumulators of keys/values travel in fp32.
+// inner_ring_size 0: one ring. InputError when inner_ring_size is not 0 and not a divisor of sp
+// with 1 < inner_ring_size < sp, when the local length is odd, or for an explicit mask or KV
+// cache. mask.causal = false attends to every key.
 class RingAttention : public CoreAttention {
  public:
   explicit RingAttention(dist::Communicator sp, int64_t inner_ring_size = 0);
