@@ -161,9 +161,11 @@ struct Ring {
 };
 
 struct RingSaved : torch::CustomClassHolder {
-  RingSaved(Ring r, RingBlockKernel k) : ring(std::move(r)), kernel(k) {}
+  RingSaved(Ring r, RingBlockKernel k, bool det)
+      : ring(std::move(r)), kernel(k), deterministic(det) {}
   Ring ring;
   RingBlockKernel kernel;  // chosen at the forward, kept for its backward
+  bool deterministic;
 };
 
 // Which rows of this rank's queries attend to which rows of the block of rank `src` (both in the
@@ -272,7 +274,7 @@ struct RingAttnFn : torch::autograd::Function<RingAttnFn> {
       const RingBlockGrads g = ring_block_backward(
           kernel, dout.narrow(2, p.q0, p.qn), qin.narrow(2, p.q0, p.qn),
           kv[0].narrow(2, p.k0, p.kn), kv[1].narrow(2, p.k0, p.kn), out.narrow(2, p.q0, p.qn),
-          lse.narrow(2, p.q0, p.qn), p.causal, scale);
+          lse.narrow(2, p.q0, p.qn), p.causal, scale, saved->deterministic);
       dq.narrow(2, p.q0, p.qn).add_(g.dq);
       dkv[0].narrow(2, p.k0, p.kn).add_(g.dk);
       dkv[1].narrow(2, p.k0, p.kn).add_(g.dv);
@@ -329,7 +331,8 @@ struct RingAttnFn : torch::autograd::Function<RingAttnFn> {
 }  // namespace
 
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                          const dist::Communicator& sp, bool causal, int64_t inner_ring_size) {
+                          const dist::Communicator& sp, bool causal, int64_t inner_ring_size,
+                          bool deterministic) {
   COLOSSAL_CHECK_INPUT(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() &&
                            q.size(0) == k.size(0) && q.size(2) == k.size(2) &&
                            q.size(3) == k.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
@@ -346,8 +349,10 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   ring.inner = inner_ring_size > 0 ? inner_ring_size : ring.size;
   ring.outer = ring.size / ring.inner;
   ring.causal = causal;
-  return RingAttnFn::apply(q, k, v,
-                           c10::make_intrusive<RingSaved>(std::move(ring), ring_block_kernel(q)));
+  return RingAttnFn::apply(
+      q, k, v,
+      c10::make_intrusive<RingSaved>(std::move(ring), ring_block_kernel(q, deterministic),
+                                     deterministic));
 }
 
 // ---- One block of ring attention --------------------------------------------------------------
@@ -375,7 +380,7 @@ std::string own_unsupported(const at::Tensor& q) {
 
 }  // namespace
 
-RingBlockKernel ring_block_kernel(const at::Tensor& q) {
+RingBlockKernel ring_block_kernel(const at::Tensor& q, bool deterministic) {
   const char* env = std::getenv("COLOSSAL_RING_BLOCKS");
   const std::string setting = env == nullptr ? "" : env;
   COLOSSAL_CHECK_INPUT(setting.empty() || setting == "auto" || setting == "own" ||
@@ -390,9 +395,13 @@ RingBlockKernel ring_block_kernel(const at::Tensor& q) {
                        "COLOSSAL_RING_BLOCKS=flash, but ATen's flash kernels do not take these "
                        "blocks: ",
                        flash);
+  COLOSSAL_CHECK_INPUT(
+      setting != "flash" || !deterministic,
+      "COLOSSAL_RING_BLOCKS=flash has no deterministic backward (--deterministic): "
+      "use own or composite");
   if (setting == "flash") return RingBlockKernel::flash;
   if (own.empty()) return RingBlockKernel::own;
-  return flash.empty() ? RingBlockKernel::flash : RingBlockKernel::composite;
+  return flash.empty() && !deterministic ? RingBlockKernel::flash : RingBlockKernel::composite;
 }
 
 const char* to_string(RingBlockKernel kernel) {
@@ -503,8 +512,10 @@ void ring_merge(at::Tensor out, at::Tensor lse, const RingBlockOut& block) {
 RingBlockGrads ring_block_backward(RingBlockKernel kernel, const at::Tensor& dout,
                                    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const at::Tensor& out, const at::Tensor& lse, bool causal,
-                                   double scale) {
+                                   double scale, bool deterministic) {
   check_block("ring_block_backward", q, k, v, causal);
+  COLOSSAL_CHECK_INPUT(!deterministic || kernel != RingBlockKernel::flash,
+                       "ring_block_backward: the flash kernel has no deterministic backward");
   COLOSSAL_CHECK_INPUT(
       dout.sizes() == q.sizes() && out.sizes() == q.sizes() && lse.dim() == 3 &&
           lse.size(0) == q.size(0) && lse.size(1) == q.size(1) && lse.size(2) == q.size(2),
@@ -522,7 +533,7 @@ RingBlockGrads ring_block_backward(RingBlockKernel kernel, const at::Tensor& dou
     const kernels::AttentionGrads g = kernels::attention_backward(
         own_rows(q, qc), own_rows(k, kc), own_rows(v, kc), own_rows(out.to(q.scalar_type()), qc),
         own_rows(dout.to(q.scalar_type()), qc), l.reshape({H, -1}).contiguous(),
-        own_offsets(seqs, len), len, causal, scale);
+        own_offsets(seqs, len), len, causal, scale, deterministic);
     // Each copy's share summed: the query copies' dQ (wide), the key copies' dK / dV (tall).
     auto back = [&](const at::Tensor& x, int64_t copies, int64_t n, int64_t heads) {
       return x.view({B, copies, n, heads, D}).to(at::kFloat).sum(1).transpose(1, 2);
@@ -567,11 +578,11 @@ at::Tensor RingAttention::forward(const at::Tensor& q, const at::Tensor& k, cons
   // Logged by rank 0 at the first forward of the process and whenever the kernel changes (not
   // once per layer: every layer holds its own RingAttention).
   static std::atomic<int> last_logged{-1};
-  const RingBlockKernel kernel = ring_block_kernel(q);
+  const RingBlockKernel kernel = ring_block_kernel(q, deterministic_);
   if (last_logged.exchange(static_cast<int>(kernel)) != static_cast<int>(kernel) && sp_.rank() == 0)
     log_info("ring_attn: blocks computed by the ", to_string(kernel), " kernel (", q.device(), ", ",
              q.scalar_type(), ", head dim ", q.size(3), ")");
-  return ring_attention(q, k, v, sp_, mask.causal, inner_);
+  return ring_attention(q, k, v, sp_, mask.causal, inner_, deterministic_);
 }
 
 }  // namespace colossal::nn

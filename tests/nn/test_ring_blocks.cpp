@@ -160,6 +160,14 @@ TEST(RingBlocks, KernelChoice) {
   ::setenv("COLOSSAL_RING_BLOCKS", "composite", 1);
   EXPECT_EQ(nn::ring_block_kernel(cpu), RingBlockKernel::composite);
   ::unsetenv("COLOSSAL_RING_BLOCKS");
+  // flash has no deterministic backward: refused before any work.
+  const at::Tensor x = at::zeros({1, 2, 4, 8});
+  expect_input_error(
+      [&] {
+        nn::ring_block_backward(RingBlockKernel::flash, x, x, x, x, x, at::zeros({1, 2, 4}), true,
+                                1.0, /*deterministic=*/true);
+      },
+      "no deterministic backward");
   // A causal block of unequal sides has no top-left alignment both kernels share: refused.
   EXPECT_THROW(nn::ring_block_forward(RingBlockKernel::composite, at::zeros({1, 2, 4, 8}),
                                       at::zeros({1, 2, 6, 8}), at::zeros({1, 2, 6, 8}), true, 1.0),
@@ -181,8 +189,12 @@ TEST(RingBlocks, KernelsOnTheGpu) {
   EXPECT_EQ(nn::ring_block_kernel(bf16), own ? RingBlockKernel::own : RingBlockKernel::flash);
   EXPECT_EQ(nn::ring_block_kernel(at::zeros({1, 2, 4, 64}, at::TensorOptions(dev))),
             RingBlockKernel::composite);
+  // Deterministic: ours (its fixed-order dQ sums) or the composite, never flash.
+  EXPECT_EQ(nn::ring_block_kernel(bf16, true),
+            own ? RingBlockKernel::own : RingBlockKernel::composite);
   ::setenv("COLOSSAL_RING_BLOCKS", "flash", 1);
   EXPECT_EQ(nn::ring_block_kernel(bf16), RingBlockKernel::flash);
+  expect_input_error([&] { nn::ring_block_kernel(bf16, true); }, "no deterministic backward");
   ::unsetenv("COLOSSAL_RING_BLOCKS");
   uint64_t seed = 11;
   for (const Case& c : cases()) {
@@ -234,4 +246,20 @@ TEST(RingBlocks, RingAttentionOnTheGpu) {
     EXPECT_LE(rel_err(vd.grad(), v64.grad(), "dv"), 2e-2);
   }
   ::unsetenv("COLOSSAL_RING_BLOCKS");
+  // Deterministic (--deterministic): two runs give the same bits.
+  std::vector<at::Tensor> first;
+  for (int run = 0; run < 2; ++run) {
+    at::Tensor qd = q.to(dev).requires_grad_(), kd = k.to(dev).requires_grad_(),
+               vd = v.to(dev).requires_grad_();
+    const at::Tensor out = nn::ring_attention(qd, kd, vd, dist::Communicator(), true, 0, true);
+    out.backward(dout.to(dev));
+    const std::vector<at::Tensor> got = {out, qd.grad(), kd.grad(), vd.grad()};
+    if (run == 0) {
+      first = got;
+      EXPECT_LE(rel_err(qd.grad(), q64.grad(), "dq"), 2e-2);
+      continue;
+    }
+    for (size_t i = 0; i < got.size(); ++i)
+      EXPECT_TRUE(at::equal(got[i], first[i])) << "deterministic run differs in tensor " << i;
+  }
 }

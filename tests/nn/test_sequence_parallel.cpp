@@ -160,6 +160,18 @@ TEST(SequenceParallel, RingAttnEqualsFullAttention) {
   }
 }
 
+// --attn_backend own's use_own_attention hands --deterministic to ring_attn's slots (their
+// blocks run our kernels where they apply) and leaves them ring attention.
+TEST(SequenceParallel, OwnAttentionGivesRingItsDeterministicSetting) {
+  torch::nn::Module root;
+  auto ring = root.register_module("core_attn", std::make_shared<RingAttention>(dist::world()));
+  EXPECT_FALSE(ring->deterministic());
+  const auto [own, slots] = use_own_attention(root, /*deterministic=*/true);
+  EXPECT_EQ(slots, 0);
+  EXPECT_TRUE(ring->deterministic());
+  EXPECT_NE(dynamic_cast<RingAttention*>(root.named_children()["core_attn"].get()), nullptr);
+}
+
 TEST(SequenceParallel, RingAttnLongSequence) {
   dist::Communicator g = dist::world();
   const int64_t s = 4096;

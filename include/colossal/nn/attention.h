@@ -123,6 +123,8 @@ class OwnAttention : public CoreAttention {
 // SdpaAttention (a slot already given another kind, a sequence-parallel wrapper, stays as it
 // is); returns it (its counters cover every layer) and the number of slots replaced. Reads the
 // kernels' schedule first, so a bad COLOSSAL_ATTENTION_SCHEDULE is an InputError before any work.
+// RingAttention slots (ring_attn, which runs our kernels per block where they apply) are given
+// the deterministic setting.
 std::pair<std::shared_ptr<OwnAttention>, int64_t> use_own_attention(torch::nn::Module& root,
                                                                     bool deterministic);
 

@@ -82,11 +82,12 @@ class AllToAllAttention : public CoreAttention {
 //   composite  ATen matmuls in fp32 on any device and dtype (the reference; materialises the
 //              block's [qn, kn] scores per head).
 enum class RingBlockKernel { composite, flash, own };
-// own where our kernels take q, else flash where it applies, else composite.
-// COLOSSAL_RING_BLOCKS (read at every call) = own, flash or composite forces one (for a
-// comparison; own or flash where it does not apply is an InputError naming why); any other value
-// than "" and "auto" is an InputError.
-RingBlockKernel ring_block_kernel(const at::Tensor& q);
+// own where our kernels take q, else flash where it applies, else composite. deterministic (a
+// bitwise repeatable backward, --deterministic): own (its deterministic mode) or composite, never
+// flash. COLOSSAL_RING_BLOCKS (read at every call) = own, flash or composite forces one (for a
+// comparison; own or flash where it does not apply, or flash when deterministic, is an
+// InputError naming why); any other value than "" and "auto" is an InputError.
+RingBlockKernel ring_block_kernel(const at::Tensor& q, bool deterministic = false);
 const char* to_string(RingBlockKernel kernel);
 
 struct RingBlockOut {
@@ -108,10 +109,11 @@ struct RingBlockGrads {
 // `out` and log-sum-exp `lse` over every block (the softmax's probabilities of this block are
 // exp(scores - lse); rowsum(dout * out) is the softmax backward's correction). own and flash
 // take out and dout in q's dtype (out as the forward returned it), composite in any dtype.
+// deterministic: own's fixed-order dQ sums (flash: an InputError; composite is always).
 RingBlockGrads ring_block_backward(RingBlockKernel kernel, const at::Tensor& dout,
                                    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const at::Tensor& out, const at::Tensor& lse, bool causal,
-                                   double scale);
+                                   double scale, bool deterministic = false);
 
 // Zigzag ring attention. q [B, H, 2c, D], k/v [B, Hkv, 2c, D] with Hkv dividing H: this rank's
 // chunks r and 2*sp-1-r of c tokens each -> [B, H, 2c, D]. Each block's attention is computed
@@ -128,16 +130,21 @@ class RingAttention : public CoreAttention {
                      const AttentionMask& mask, const SequenceInfo& seq) override;
   const dist::Communicator& group() const { return sp_; }
   int64_t inner_ring_size() const { return inner_; }
+  // A bitwise repeatable backward (ring_block_kernel's deterministic choice); use_own_attention
+  // sets it with --deterministic.
+  void set_deterministic(bool on) { deterministic_ = on; }
+  bool deterministic() const { return deterministic_; }
 
  private:
   dist::Communicator sp_;
   int64_t inner_;
+  bool deterministic_ = false;
 };
 
 // The function RingAttention runs (an autograd function; scale 1/sqrt(D) as SDPA's).
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const dist::Communicator& sp, bool causal = true,
-                          int64_t inner_ring_size = 0);
+                          int64_t inner_ring_size = 0, bool deterministic = false);
 
 // InputError unless inner_ring_size is 0 (one ring) or a divisor of sp_size with
 // 1 < inner_ring_size < sp_size.
