@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -461,9 +462,15 @@ at::Tensor own_rows(const at::Tensor& x, int64_t copies) {
   return t.reshape({-1, x.size(1), x.size(3)}).contiguous();
 }
 
-// Offsets of `count` sequences of `len` tokens, on the host (uploaded by the kernels' call).
+// Offsets of `count` sequences of `len` tokens, on the host. The same tensor for the same
+// offsets: the kernels keep the upload of their work lists while the same host tensor comes
+// again (the ring's off-diagonal blocks one after another, and every layer).
 at::Tensor own_offsets(int64_t count, int64_t len) {
-  return at::arange(0, count + 1, at::kInt).mul_(static_cast<int32_t>(len));
+  thread_local std::map<std::pair<int64_t, int64_t>, at::Tensor> cache;
+  if (cache.size() > 64) cache.clear();  // a run has a few shapes; never grows without bound
+  at::Tensor& t = cache[{count, len}];
+  if (!t.defined()) t = at::arange(0, count + 1, at::kInt).mul_(static_cast<int32_t>(len));
+  return t;
 }
 
 }  // namespace
