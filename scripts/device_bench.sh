@@ -66,7 +66,7 @@ ring_test() {
   if timeout 300 "$BUILD/tests/nn/test_nn_ring_blocks" > "$LOGS/test_nn_ring_blocks.log" 2>&1; then
     note "PASS test_nn_ring_blocks: $(grep -E 'PASSED|SKIPPED' "$LOGS/test_nn_ring_blocks.log" | head -2 | tr '\n' ' ')"
   else note "FAIL test_nn_ring_blocks"; grep -E -A6 "Failure|error" "$LOGS/test_nn_ring_blocks.log" | head -30; fi
-  grep -E '^(flash|composite)|^  (out|dq|dk|dv) ' "$LOGS/test_nn_ring_blocks.log" | paste -sd' ' | cut -c1-1500
+  grep -E '^(own|flash|composite|ring_attention)|^  (out|dq|dk|dv) ' "$LOGS/test_nn_ring_blocks.log" | paste -sd' ' | cut -c1-1500
 }
 # overlap_step on the GPU at one rank: the side-stream and deferred updates equal the
 # synchronous step bit for bit (fused kernels on and off), and the CPU cases.

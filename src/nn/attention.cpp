@@ -195,8 +195,8 @@ std::pair<std::shared_ptr<OwnAttention>, int64_t> use_own_attention(torch::nn::M
     if (m && typeid(*m) == typeid(SdpaAttention)) paths.push_back(item.key());
   }
   for (const std::string& path : paths) replace_module(root, path, own);
-  // ring_attn's slots keep their kind; their blocks run our kernels where these apply
-  // (ring_block_kernel) and follow the deterministic setting.
+  // ring_attn's slots keep their kind; their blocks pick their kernel (ring_block_kernel) and
+  // follow the deterministic setting.
   for (const auto& item : root.named_modules("", false))
     if (auto* ring = dynamic_cast<RingAttention*>(item.value().get()))
       ring->set_deterministic(deterministic);

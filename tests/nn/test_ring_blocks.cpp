@@ -96,9 +96,9 @@ void check_blocks(RingBlockKernel kernel, at::ScalarType dtype, const at::Device
                                rows(vd, blk.k0, blk.kn), blk.causal, scale));
   EXPECT_LE(rel_err(out, want.detach(), "out"), tol);
 
-  // Each block's backward is given the merged rows, as ring_attn's backward gives them: in the
-  // tested dtype for flash (the forward's returned output), fp32 for the composite.
-  const at::Tensor merged = kernel == RingBlockKernel::flash ? out.to(dtype) : out;
+  // Each block's backward is given the merged rows, as ring_attn's backward gives them: fp32 for
+  // the composite, else in the tested dtype (the output the forward returns).
+  const at::Tensor merged = kernel == RingBlockKernel::composite ? out : out.to(dtype);
   at::Tensor dq = at::zeros(qd.sizes(), f32), dk = at::zeros(kd.sizes(), f32),
              dv = at::zeros(vd.sizes(), f32);
   for (const Block& blk : blocks) {
@@ -125,15 +125,6 @@ const std::vector<Case>& cases() {
   return c;
 }
 
-}  // namespace
-
-// The composite in fp32 on the CPU: fp32 rounding only (a few 1e-7 relative), 1e-5 allowed.
-TEST(RingBlocks, CompositeMergesToTheWholeAttention) {
-  uint64_t seed = 1;
-  for (const Case& c : cases())
-    check_blocks(RingBlockKernel::composite, at::kFloat, at::kCPU, c, 1e-5, 1e-5, seed++);
-}
-
 // The error's text contains `needle`.
 void expect_input_error(const std::function<void()>& f, const std::string& needle) {
   try {
@@ -142,6 +133,15 @@ void expect_input_error(const std::function<void()>& f, const std::string& needl
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
   }
+}
+
+}  // namespace
+
+// The composite in fp32 on the CPU: fp32 rounding only (a few 1e-7 relative), 1e-5 allowed.
+TEST(RingBlocks, CompositeMergesToTheWholeAttention) {
+  uint64_t seed = 1;
+  for (const Case& c : cases())
+    check_blocks(RingBlockKernel::composite, at::kFloat, at::kCPU, c, 1e-5, 1e-5, seed++);
 }
 
 // The kernel choice: the composite off the GPU; COLOSSAL_RING_BLOCKS checked, and a forced

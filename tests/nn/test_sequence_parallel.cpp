@@ -161,7 +161,7 @@ TEST(SequenceParallel, RingAttnEqualsFullAttention) {
 }
 
 // --attn_backend own's use_own_attention hands --deterministic to ring_attn's slots (their
-// blocks run our kernels where they apply) and leaves them ring attention.
+// blocks may run our kernels) and leaves them ring attention.
 TEST(SequenceParallel, OwnAttentionGivesRingItsDeterministicSetting) {
   torch::nn::Module root;
   auto ring = root.register_module("core_attn", std::make_shared<RingAttention>(dist::world()));
@@ -211,14 +211,34 @@ TEST(SequenceParallel, LlamaPlanEqualsTheWholeModel) {
   struct Case {
     SP mode;
     int64_t inner;
+    bool own = false;  // --attn_backend own --deterministic first, as the trainer does
   };
-  std::vector<Case> cases = {{SP::AllToAll, 0}, {SP::RingAttn, 0}};
+  std::vector<Case> cases = {
+      {SP::AllToAll, 0}, {SP::RingAttn, 0}, {SP::AllToAll, 0, true}, {SP::RingAttn, 0, true}};
   if (w == 4) cases.push_back({SP::RingAttn, 2});
   for (const Case& cs : cases) {
-    SCOPED_TRACE(std::string(dist::to_string(cs.mode)) + " inner " + std::to_string(cs.inner));
+    SCOPED_TRACE(std::string(dist::to_string(cs.mode)) + " inner " + std::to_string(cs.inner) +
+                 (cs.own ? " own" : ""));
     auto sp = std::make_shared<CausalLM>(c, at::TensorOptions().device(at::kMeta));
+    if (cs.own) {
+      EXPECT_EQ(use_own_attention(*sp, /*deterministic=*/true).second, 2);
+    }
     EXPECT_EQ(apply_plan(*sp, sequence_parallel_plan(c, cs.mode, g, cs.inner), {}),
               c.num_hidden_layers);
+    // The plan keeps what use_own_attention put in the slots: all_to_all's inner attention is
+    // ours (on the CPU it hands each call to SDPA), ring_attn takes the deterministic setting.
+    int64_t slots = 0;
+    for (const auto& item : sp->named_modules("", false)) {
+      if (auto* a2a = dynamic_cast<AllToAllAttention*>(item.value().get())) {
+        ++slots;
+        EXPECT_EQ(dynamic_cast<OwnAttention*>(a2a->inner.get()) != nullptr, cs.own) << item.key();
+      }
+      if (auto* ring = dynamic_cast<RingAttention*>(item.value().get())) {
+        ++slots;
+        EXPECT_EQ(ring->deterministic(), cs.own) << item.key();
+      }
+    }
+    EXPECT_EQ(slots, c.num_hidden_layers);
     init_parameters(*sp, io);
     SequenceShard shard = shard_sequence(ids, targets, g, cs.mode);
     ForwardOptions fo;

@@ -103,6 +103,7 @@ std::string own_attention_fallback(const at::Tensor& q, const at::Tensor& k,
 class OwnAttention : public CoreAttention {
  public:
   explicit OwnAttention(bool deterministic = false) : deterministic_(deterministic) {}
+  bool deterministic() const { return deterministic_; }
   at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const AttentionMask& mask, const SequenceInfo& seq) override;
   int64_t own_calls() const { return own_calls_; }
@@ -123,8 +124,10 @@ class OwnAttention : public CoreAttention {
 // SdpaAttention (a slot already given another kind, a sequence-parallel wrapper, stays as it
 // is); returns it (its counters cover every layer) and the number of slots replaced. Reads the
 // kernels' schedule first, so a bad COLOSSAL_ATTENTION_SCHEDULE is an InputError before any work.
-// RingAttention slots (ring_attn, which runs our kernels per block where they apply) are given
-// the deterministic setting.
+// RingAttention slots (ring_attn, whose blocks may run our kernels: nn::ring_block_kernel) are
+// given the deterministic setting. A sequence-parallel plan applied afterwards
+// (models::sequence_parallel_plan) keeps what this put in a slot: all_to_all runs it as its inner
+// attention, ring_attn takes its deterministic setting.
 std::pair<std::shared_ptr<OwnAttention>, int64_t> use_own_attention(torch::nn::Module& root,
                                                                     bool deterministic);
 

@@ -2,6 +2,7 @@
 #include "colossal/models/llama/plan.h"
 
 #include "colossal/core/error.h"
+#include "colossal/nn/attention.h"
 #include "colossal/nn/sequence_parallel.h"
 
 namespace colossal::models {
@@ -69,13 +70,21 @@ nn::ParallelPlan sequence_parallel_plan(const ModelConfig& cfg, dist::SequencePa
         cfg.num_attention_heads % n == 0,
         "sequence parallelism all_to_all: num_attention_heads = ", cfg.num_attention_heads,
         " is not divisible by the sequence parallel size sp = ", n);
-    make = [sp](const std::string&, const std::shared_ptr<torch::nn::Module>&) {
-      return std::make_shared<nn::AllToAllAttention>(sp);
+    // A slot that --attn_backend own gave our kernels (nn::use_own_attention) keeps them as the
+    // inner attention over the whole sequence; otherwise SDPA.
+    make = [sp](const std::string&, const std::shared_ptr<torch::nn::Module>& current) {
+      return std::make_shared<nn::AllToAllAttention>(
+          sp, std::dynamic_pointer_cast<nn::OwnAttention>(current));
     };
   } else {
     nn::check_inner_ring_size(inner_ring_size, n);
-    make = [sp, inner_ring_size](const std::string&, const std::shared_ptr<torch::nn::Module>&) {
-      return std::make_shared<nn::RingAttention>(sp, inner_ring_size);
+    // A slot that held our kernels passes on their deterministic setting (--deterministic).
+    make = [sp, inner_ring_size](const std::string&,
+                                 const std::shared_ptr<torch::nn::Module>& current) {
+      auto ring = std::make_shared<nn::RingAttention>(sp, inner_ring_size);
+      if (auto own = std::dynamic_pointer_cast<nn::OwnAttention>(current))
+        ring->set_deterministic(own->deterministic());
+      return ring;
     };
   }
   return {{"model.layers.*.self_attn.core_attn", make, std::nullopt}};
