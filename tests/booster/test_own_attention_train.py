@@ -7,6 +7,7 @@ kernels themselves are tested on the GPU (tests/kernels/test_attention_cuda.cpp 
 test in test_model_cuda.cpp).
 """
 import os
+import re
 import sys
 
 import pytest
@@ -63,3 +64,26 @@ def test_a_bad_backward_interleave_is_a_named_error_before_training(work):
     p = train(work, "badbi", ["--attn_backend", "own"], ok=False, env={"COLOSSAL_ATTENTION_BWD_INTERLEAVE": "101"})
     assert p.returncode == 2 and "COLOSSAL_ATTENTION_BWD_INTERLEAVE '101'" in p.stderr, p.stderr[-2000:]
     assert "Exception raised from" not in p.stderr and "step 1" not in p.stdout
+
+
+@pytest.mark.parametrize("mode", ["all_to_all", "ring_attn"])
+def test_sequence_parallel_keeps_our_kernels_and_the_deterministic_setting(work, mode):
+    """The hybrid plugin's sequence-parallel plan replaces the core-attention slots after
+    `--attn_backend own` filled them: all_to_all keeps ours as its inner attention (counted in the
+    report; on the CPU each call goes to SDPA), ring_attn takes `--deterministic` (its blocks on
+    the CPU are the fp32 composite either way). The curve is the plain run's bit for bit."""
+    sp = ["--plugin", "hybrid", "--sp", "2", "--sp_mode", mode]
+    plain, _ = run_losses(work / f"sp_{mode}", ["--model", str(work / "model.json"), "--data", str(work / "tokens.bin"),
+                                                "--seq_len", str(SEQ), "--steps", "3", "--lr", "3e-3", "--shuffle",
+                                                "false", "--precision", "fp32", "--seed", "7"] + sp, 2)
+    own, log = run_losses(work / f"sp_{mode}_own", ["--model", str(work / "model.json"), "--data",
+                                                    str(work / "tokens.bin"), "--seq_len", str(SEQ), "--steps", "3",
+                                                    "--lr", "3e-3", "--shuffle", "false", "--precision", "fp32",
+                                                    "--seed", "7", "--attn_backend", "own", "--deterministic",
+                                                    "true"] + sp, 2)
+    assert own == plain
+    if mode == "all_to_all":
+        m = re.search(r"attention kernels: own 0 calls \(.*\), SDPA (\d+)", log)
+        assert m and int(m.group(1)) > 0, log[-2000:]  # before, Ulysses's inner was SDPA itself
+    else:
+        assert "ring_attn: blocks computed by the composite kernel" in log, log[-2000:]
