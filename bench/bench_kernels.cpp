@@ -934,7 +934,9 @@ void ring_block_case(const std::string& name, int64_t h, int64_t kv, int64_t c, 
           nn::ring_block_forward(kernel, qin.narrow(2, b.q0, b.qn), k.narrow(2, b.k0, b.kn),
                                  v.narrow(2, b.k0, b.kn), b.causal, scale));
     if (!backward) return;
-    const at::Tensor merged = kernel == nn::RingBlockKernel::flash ? out.to(q.scalar_type()) : out;
+    // As the ring passes them: fp32 to the composite, else the returned output in q's dtype.
+    const at::Tensor merged =
+        kernel == nn::RingBlockKernel::composite ? out : out.to(q.scalar_type());
     at::Tensor dq = at::zeros(q.sizes(), out.options()), dk = at::zeros(k.sizes(), out.options()),
                dv = at::zeros(k.sizes(), out.options());
     for (const Block& b : blocks) {
