@@ -350,10 +350,15 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   ring.inner = inner_ring_size > 0 ? inner_ring_size : ring.size;
   ring.outer = ring.size / ring.inner;
   ring.causal = causal;
-  return RingAttnFn::apply(
-      q, k, v,
-      c10::make_intrusive<RingSaved>(std::move(ring), ring_block_kernel(q, deterministic),
-                                     deterministic));
+  // Logged by rank 0 at the first forward of the process and whenever the kernel changes (not
+  // once per layer: every layer holds its own RingAttention).
+  static std::atomic<int> last_logged{-1};
+  const RingBlockKernel kernel = ring_block_kernel(q, deterministic);
+  if (last_logged.exchange(static_cast<int>(kernel)) != static_cast<int>(kernel) && ring.rank == 0)
+    log_info("ring_attn: blocks computed by the ", to_string(kernel), " kernel (", q.device(), ", ",
+             q.scalar_type(), ", head dim ", q.size(3), ")");
+  return RingAttnFn::apply(q, k, v,
+                           c10::make_intrusive<RingSaved>(std::move(ring), kernel, deterministic));
 }
 
 // ---- One block of ring attention --------------------------------------------------------------
@@ -586,13 +591,6 @@ at::Tensor RingAttention::forward(const at::Tensor& q, const at::Tensor& k, cons
                                   const AttentionMask& mask, const SequenceInfo& seq) {
   ForwardScope scope(*this);
   check_no_mask(mask, seq, "ring_attn");
-  // Logged by rank 0 at the first forward of the process and whenever the kernel changes (not
-  // once per layer: every layer holds its own RingAttention).
-  static std::atomic<int> last_logged{-1};
-  const RingBlockKernel kernel = ring_block_kernel(q, deterministic_);
-  if (last_logged.exchange(static_cast<int>(kernel)) != static_cast<int>(kernel) && sp_.rank() == 0)
-    log_info("ring_attn: blocks computed by the ", to_string(kernel), " kernel (", q.device(), ", ",
-             q.scalar_type(), ", head dim ", q.size(3), ")");
   return ring_attention(q, k, v, sp_, mask.causal, inner_, deterministic_);
 }
 

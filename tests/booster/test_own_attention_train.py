@@ -21,10 +21,10 @@ def work(tmp_path_factory):
     return make_work(tmp_path_factory.mktemp("own_attention"))
 
 
-def train(d, name, extra, ok=True, env=None):
+def train(d, name, extra, ok=True, env=None, nproc=0):
     return run_losses(d / name, ["--model", str(d / "model.json"), "--data", str(d / "tokens.bin"), "--seq_len",
                                  str(SEQ), "--steps", "4", "--lr", "3e-3", "--shuffle", "false", "--precision", "fp32",
-                                 "--seed", "7"] + extra, 0, ok, env)
+                                 "--seed", "7"] + extra, nproc, ok, env)
 
 
 def test_own_backend_falls_back_to_sdpa_on_the_cpu_and_says_so(work):
@@ -70,17 +70,12 @@ def test_a_bad_backward_interleave_is_a_named_error_before_training(work):
 def test_sequence_parallel_keeps_our_kernels_and_the_deterministic_setting(work, mode):
     """The hybrid plugin's sequence-parallel plan replaces the core-attention slots after
     `--attn_backend own` filled them: all_to_all keeps ours as its inner attention (counted in the
-    report; on the CPU each call goes to SDPA), ring_attn takes `--deterministic` (its blocks on
-    the CPU are the fp32 composite either way). The curve is the plain run's bit for bit."""
+    report; on the CPU each call goes to SDPA). ring_attn's blocks on the CPU are the fp32
+    composite either way, so here it only has to train and say so; that it takes `--deterministic`
+    is checked in tests/nn/test_sequence_parallel.cpp. The curve is the plain run's bit for bit."""
     sp = ["--plugin", "hybrid", "--sp", "2", "--sp_mode", mode]
-    plain, _ = run_losses(work / f"sp_{mode}", ["--model", str(work / "model.json"), "--data", str(work / "tokens.bin"),
-                                                "--seq_len", str(SEQ), "--steps", "3", "--lr", "3e-3", "--shuffle",
-                                                "false", "--precision", "fp32", "--seed", "7"] + sp, 2)
-    own, log = run_losses(work / f"sp_{mode}_own", ["--model", str(work / "model.json"), "--data",
-                                                    str(work / "tokens.bin"), "--seq_len", str(SEQ), "--steps", "3",
-                                                    "--lr", "3e-3", "--shuffle", "false", "--precision", "fp32",
-                                                    "--seed", "7", "--attn_backend", "own", "--deterministic",
-                                                    "true"] + sp, 2)
+    plain, _ = train(work, f"sp_{mode}", sp, nproc=2)
+    own, log = train(work, f"sp_{mode}_own", ["--attn_backend", "own", "--deterministic", "true"] + sp, nproc=2)
     assert own == plain
     if mode == "all_to_all":
         m = re.search(r"attention kernels: own 0 calls \(.*\), SDPA (\d+)", log)

@@ -142,7 +142,8 @@ class RingAttention : public CoreAttention {
   bool deterministic_ = false;
 };
 
-// The function RingAttention runs (an autograd function; scale 1/sqrt(D) as SDPA's).
+// The function RingAttention runs (an autograd function; scale 1/sqrt(D) as SDPA's). Its block
+// kernel (ring_block_kernel) is logged by rank 0 at the first call and when it changes.
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const dist::Communicator& sp, bool causal = true,
                           int64_t inner_ring_size = 0, bool deterministic = false);
