@@ -37,6 +37,7 @@
 #include "colossal/core/accelerator.h"
 #include "colossal/data/documents.h"
 #include "colossal/kernels/attention.h"
+#include "colossal/kernels/attention_merge.h"
 #include "colossal/kernels/fp8.h"
 #include "colossal/kernels/fused.h"
 #include "colossal/kernels/quant.h"
@@ -922,32 +923,36 @@ void ring_block_case(const std::string& name, int64_t h, int64_t kv, int64_t c, 
     if (src < kRank) blocks.push_back({0, 2 * c, 0, c, false});
     if (src > kRank) blocks.push_back({c, c, 0, 2 * c, false});
   }
-  // One rank's blocks; the backward too when `backward`.
+  // One rank's blocks; the backward too when `backward`. As ring_attn stores them: the inputs,
+  // the running result and the accumulators tokens-major ([1, S, heads, D] memory).
+  auto tokens_major = [](const at::Tensor& x) {
+    return x.transpose(1, 2).contiguous().transpose(1, 2);
+  };
+  q = tokens_major(q);
+  k = tokens_major(k);
+  v = tokens_major(v);
+  dout = tokens_major(dout);
   auto run = [&](nn::RingBlockKernel kernel, bool backward) {
     const at::Tensor qin = kernel == nn::RingBlockKernel::composite ? q.to(at::kFloat) : q;
-    at::Tensor out = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+    at::Tensor out = tokens_major(at::zeros(q.sizes(), q.options().dtype(at::kFloat)));
     at::Tensor lse =
         at::full({1, h, 2 * c}, -std::numeric_limits<float>::infinity(), out.options());
     for (const Block& b : blocks)
-      nn::ring_merge(
-          out.narrow(2, b.q0, b.qn), lse.narrow(2, b.q0, b.qn),
-          nn::ring_block_forward(kernel, qin.narrow(2, b.q0, b.qn), k.narrow(2, b.k0, b.kn),
-                                 v.narrow(2, b.k0, b.kn), b.causal, scale));
+      nn::ring_block_forward(kernel, qin.narrow(2, b.q0, b.qn), k.narrow(2, b.k0, b.kn),
+                             v.narrow(2, b.k0, b.kn), b.causal, scale, out.narrow(2, b.q0, b.qn),
+                             lse.narrow(2, b.q0, b.qn));
     if (!backward) return;
     // As the ring passes them: fp32 to the composite, else the returned output in q's dtype.
     const at::Tensor merged =
         kernel == nn::RingBlockKernel::composite ? out : out.to(q.scalar_type());
-    at::Tensor dq = at::zeros(q.sizes(), out.options()), dk = at::zeros(k.sizes(), out.options()),
-               dv = at::zeros(k.sizes(), out.options());
-    for (const Block& b : blocks) {
-      const nn::RingBlockGrads g = nn::ring_block_backward(
+    at::Tensor dq = at::zeros_like(out), dk = at::zeros_like(k, out.options()),
+               dv = at::zeros_like(k, out.options());
+    for (const Block& b : blocks)
+      nn::ring_block_backward(
           kernel, dout.narrow(2, b.q0, b.qn), qin.narrow(2, b.q0, b.qn), k.narrow(2, b.k0, b.kn),
           v.narrow(2, b.k0, b.kn), merged.narrow(2, b.q0, b.qn), lse.narrow(2, b.q0, b.qn),
-          b.causal, scale);
-      dq.narrow(2, b.q0, b.qn).add_(g.dq);
-      dk.narrow(2, b.k0, b.kn).add_(g.dk);
-      dv.narrow(2, b.k0, b.kn).add_(g.dv);
-    }
+          b.causal, scale,
+          {dq.narrow(2, b.q0, b.qn), dk.narrow(2, b.k0, b.kn), dv.narrow(2, b.k0, b.kn)});
   };
   const std::string shape = shape_str({1, h, kv, 2 * c, d});
   const double pairs = 16.0 * double(c) * double(c) * double(h);
@@ -972,6 +977,22 @@ void ring_block_case(const std::string& name, int64_t h, int64_t kv, int64_t c, 
       o.flops = r.flops;
       g_rows.push_back(o);
     }
+  }
+  // The merge alone: a bf16 result of 2c rows into the fp32 running result, our one-pass
+  // kernel against the ATen composite (what every block ran before). Bytes: out read and
+  // written, the part read, in fp32 / bf16.
+  {
+    at::Tensor out = tokens_major(at::randn(q.sizes(), q.options().dtype(at::kFloat)));
+    at::Tensor lse = at::randn({1, h, 2 * c}, out.options());
+    const at::Tensor part = q, part_lse = at::randn({1, h, 2 * c}, out.options());
+    const std::vector<double> ms =
+        cuda_medians_ms({[&] { kernels::attention_merge(out, lse, part, part_lse); },
+                         [&] { kernels::attention_merge_reference(out, lse, part, part_lse); }});
+    Row r{"ring_blocks", name + " merge", shape, "fwd"};
+    r.fused_ms = ms[0];
+    r.aten_ms = ms[1];
+    r.bytes = double(q.numel()) * (4.0 + 4.0 + 2.0);
+    g_rows.push_back(r);
   }
   sync();
 }

@@ -68,6 +68,16 @@ int64_t sum_squares_blocks(const int64_t* numels, int count);
 void sum_squares(const void* const* tensors, const int64_t* numels, int count, DType dt,
                  float* partials, Stream stream);
 
+// ---- Attention merge by log-sum-exp (kernels/attention_merge.h), in place: out [B, H, n, D]
+// fp32 and part [B, H, n, D] of dtype dt with unit last strides and the strides below (in
+// elements); lse and part_lse [B, H, n] fp32. ----
+struct MergeShape {
+  int64_t b, h, n, d;
+  int64_t out_s[3], part_s[3], lse_s[3], plse_s[3];  // strides of dims B, H, n
+};
+void attention_merge(float* out, float* lse, const void* part, const float* part_lse,
+                     const MergeShape& shape, DType dt, Stream stream);
+
 // ---- Softmax cross-entropy gradient, in place: logits [rows, V] contiguous; targets [rows]
 // (ignore_index rows: loss 0, gradient 0); scale: device fp32 scalar or nullptr (= 1). Writes
 // row_loss [rows] fp32 = logsumexp - logit[target] and logits := (softmax - onehot) * scale. ----

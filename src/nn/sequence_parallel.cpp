@@ -19,6 +19,7 @@
 #include "colossal/core/error.h"
 #include "colossal/core/logging.h"
 #include "colossal/kernels/attention.h"
+#include "colossal/kernels/attention_merge.h"
 #include "colossal/nn/parallel_ops.h"
 
 namespace colossal::nn {
@@ -203,6 +204,22 @@ at::Tensor block_scores(const at::Tensor& q, const at::Tensor& k, bool causal, d
   return s;
 }
 
+// A [B, n, heads, D]-contiguous tensor seen as [B, heads, n, D] (the ring's storage order).
+at::Tensor tokens_major(const at::Tensor& like, at::ScalarType dtype, bool zero) {
+  const std::vector<int64_t> shape = {like.size(0), like.size(2), like.size(1), like.size(3)};
+  const at::TensorOptions opts = like.options().dtype(dtype);
+  return (zero ? at::zeros(shape, opts) : at::empty(shape, opts)).transpose(1, 2);
+}
+
+// k and v stacked tokens-major, [2, B, S, Hkv, D] contiguous (what travels), and the
+// [2, B, Hkv, S, D] view of it that the blocks read.
+at::Tensor kv_stack(const at::Tensor& k, const at::Tensor& v) {
+  return at::stack({k.transpose(1, 2), v.transpose(1, 2)});
+}
+at::Tensor kv_view(const at::Tensor& stacked) {
+  return stacked.transpose(2, 3);
+}
+
 struct RingAttnFn : torch::autograd::Function<RingAttnFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const c10::intrusive_ptr<RingSaved>& saved) {
@@ -212,17 +229,18 @@ struct RingAttnFn : torch::autograd::Function<RingAttnFn> {
     const RingBlockKernel kernel = saved->kernel;
     // The composite casts the queries once here rather than in every block.
     const at::Tensor qin = kernel == RingBlockKernel::composite ? q.to(at::kFloat) : q;
-    at::Tensor out = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+    at::Tensor out = tokens_major(q, at::kFloat, true);
     at::Tensor lse = at::full({q.size(0), q.size(1), len}, -std::numeric_limits<float>::infinity(),
                               out.options());
-    auto compute = [&](int64_t src, const at::Tensor& kv) {
+    auto compute = [&](int64_t src, const at::Tensor& stacked) {
       const Part p = part_of(ring, src, c);
-      ring_merge(out.narrow(2, p.q0, p.qn), lse.narrow(2, p.q0, p.qn),
-                 ring_block_forward(kernel, qin.narrow(2, p.q0, p.qn), kv[0].narrow(2, p.k0, p.kn),
-                                    kv[1].narrow(2, p.k0, p.kn), p.causal, scale));
+      const at::Tensor kv = kv_view(stacked);
+      ring_block_forward(kernel, qin.narrow(2, p.q0, p.qn), kv[0].narrow(2, p.k0, p.kn),
+                         kv[1].narrow(2, p.k0, p.kn), p.causal, scale, out.narrow(2, p.q0, p.qn),
+                         lse.narrow(2, p.q0, p.qn));
     };
     // The first block is this rank's own (the diagonal): every row gets a finite lse at once.
-    at::Tensor outer_kv = at::stack({k, v}).contiguous();
+    at::Tensor outer_kv = kv_stack(k, v);
     for (int64_t o = 0; o < ring.outer; ++o) {
       dist::Work outer_work;
       at::Tensor outer_recv;
@@ -247,7 +265,7 @@ struct RingAttnFn : torch::autograd::Function<RingAttnFn> {
         outer_kv = outer_recv;
       }
     }
-    at::Tensor result = out.to(q.scalar_type());
+    at::Tensor result = out.to(q.scalar_type());  // keeps out's tokens-major strides
     ctx->saved_data["ring"] = c10::IValue::make_capsule(saved);
     // The kernels' backward reads the output as the forward returned it; the composite keeps
     // the fp32 merge.
@@ -265,26 +283,26 @@ struct RingAttnFn : torch::autograd::Function<RingAttnFn> {
     const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
     const bool composite = kernel == RingBlockKernel::composite;
     const at::Tensor qin = composite ? q.to(at::kFloat) : q;
-    const at::Tensor dout =
-        composite ? grads[0].to(at::kFloat) : grads[0].to(q.scalar_type()).contiguous();
-    const at::TensorOptions f32 = q.options().dtype(at::kFloat);
-    at::Tensor dq = at::zeros(q.sizes(), f32);
-    // Adds the gradient of the block of rank src to dq and to that block's accumulator dkv.
-    auto compute = [&](int64_t src, const at::Tensor& kv, at::Tensor& dkv) {
+    // As it comes (o_proj's gradient is tokens-major already): the blocks read it in place.
+    const at::Tensor dout = grads[0].to(composite ? at::kFloat : q.scalar_type());
+    at::Tensor dq = tokens_major(q, at::kFloat, true);
+    // Adds the gradient of the block of rank src to dq and to that block's accumulator.
+    auto compute = [&](int64_t src, const at::Tensor& stacked, const at::Tensor& grad) {
       const Part p = part_of(ring, src, c);
-      const RingBlockGrads g = ring_block_backward(
+      const at::Tensor kv = kv_view(stacked), dkv = kv_view(grad);
+      ring_block_backward(
           kernel, dout.narrow(2, p.q0, p.qn), qin.narrow(2, p.q0, p.qn),
           kv[0].narrow(2, p.k0, p.kn), kv[1].narrow(2, p.k0, p.kn), out.narrow(2, p.q0, p.qn),
-          lse.narrow(2, p.q0, p.qn), p.causal, scale, saved->deterministic);
-      dq.narrow(2, p.q0, p.qn).add_(g.dq);
-      dkv[0].narrow(2, p.k0, p.kn).add_(g.dk);
-      dkv[1].narrow(2, p.k0, p.kn).add_(g.dv);
+          lse.narrow(2, p.q0, p.qn), p.causal, scale,
+          {dq.narrow(2, p.q0, p.qn), dkv[0].narrow(2, p.k0, p.kn), dkv[1].narrow(2, p.k0, p.kn)},
+          saved->deterministic);
     };
     // Keys/values go around as in forward; each block's gradient accumulator travels with it
     // and, after one more hop, is back at the rank that owns the block: inner rings first
     // (the inner ring's sum arrives at the rank that got the block from the outer ring), then
     // the outer ring carries the sum over the inner rings home.
-    at::Tensor outer_kv = at::stack({k, v}).contiguous();
+    const at::TensorOptions f32 = q.options().dtype(at::kFloat);
+    at::Tensor outer_kv = kv_stack(k, v);
     at::Tensor outer_grad = at::zeros(outer_kv.sizes(), f32);
     for (int64_t o = 0; o < ring.outer; ++o) {
       dist::Work outer_work;
@@ -324,8 +342,9 @@ struct RingAttnFn : torch::autograd::Function<RingAttnFn> {
         outer_kv = outer_recv;
       }
     }
-    return {dq.to(q.scalar_type()), outer_grad[0].to(k.scalar_type()),
-            outer_grad[1].to(v.scalar_type()), at::Tensor()};
+    const at::Tensor dkv = kv_view(outer_grad);
+    return {dq.to(q.scalar_type()), dkv[0].to(k.scalar_type()), dkv[1].to(v.scalar_type()),
+            at::Tensor()};
   }
 };
 
@@ -484,9 +503,26 @@ at::Tensor own_offsets(int64_t count, int64_t len) {
 
 }  // namespace
 
-RingBlockOut ring_block_forward(RingBlockKernel kernel, const at::Tensor& q, const at::Tensor& k,
-                                const at::Tensor& v, bool causal, double scale) {
+namespace {
+
+// out [B, H, qn, D] and lse [B, H, qn] float32, the rows of q [B, H, qn, D].
+void check_rows(const char* op, const char* out_name, const at::Tensor& q, const at::Tensor& out,
+                const at::Tensor& lse) {
+  COLOSSAL_CHECK_INPUT(out.scalar_type() == at::kFloat && lse.scalar_type() == at::kFloat &&
+                           out.sizes() == q.sizes() && lse.dim() == 3 &&
+                           lse.sizes() == q.sizes().slice(0, 3),
+                       op, ": ", out_name, " must be float32 shaped as q ", q.sizes(),
+                       " and lse float32 [B, H, qn]; got ", out.scalar_type(), " ", out.sizes(),
+                       " and ", lse.scalar_type(), " ", lse.sizes());
+}
+
+}  // namespace
+
+void ring_block_forward(RingBlockKernel kernel, const at::Tensor& q, const at::Tensor& k,
+                        const at::Tensor& v, bool causal, double scale, const at::Tensor& out,
+                        const at::Tensor& lse) {
   check_block("ring_block_forward", q, k, v, causal);
+  check_rows("ring_block_forward", "out", q, out, lse);
   if (kernel == RingBlockKernel::own) {
     const int64_t B = q.size(0), H = q.size(1), qn = q.size(2), kn = k.size(2), D = q.size(3);
     const OwnLayout layout = own_layout("ring_block_forward", qn, kn, causal);
@@ -495,40 +531,34 @@ RingBlockOut ring_block_forward(RingBlockKernel kernel, const at::Tensor& q, con
     const kernels::AttentionResult r =
         kernels::attention_forward(own_rows(q, qc), own_rows(k, kc), own_rows(v, kc),
                                    own_offsets(seqs, len), len, causal, scale);
-    if (layout != OwnLayout::wide)
-      return {r.out.view({B, qn, H, D}).transpose(1, 2).to(at::kFloat),
-              r.lse.view({H, B, qn}).permute({1, 0, 2})};
-    // Two partial results per query (one per half of the keys), merged as the ring merges.
-    at::Tensor out = r.out.view({B, 2, qn, H, D}).to(at::kFloat).permute({1, 0, 3, 2, 4});
-    at::Tensor lse = r.lse.view({H, B, 2, qn}).permute({2, 1, 0, 3});
-    RingBlockOut merged{out[0].clone(), lse[0].clone()};
-    ring_merge(merged.out, merged.lse, {out[1], lse[1]});
-    return merged;
+    // The wide block's two partial results per query (one per half of the keys) are merged
+    // one after the other, as blocks are.
+    const at::Tensor o = r.out.view({B, qc, qn, H, D});
+    const at::Tensor l = r.lse.view({H, B, qc, qn});
+    for (int64_t part = 0; part < qc; ++part)
+      kernels::attention_merge(out, lse, o.select(1, part).transpose(1, 2),
+                               l.select(2, part).permute({1, 0, 2}));
+    return;
   }
   if (kernel == RingBlockKernel::flash) {
     auto r = at::_flash_attention_forward(bnhd(q), bnhd(k), bnhd(v), std::nullopt, std::nullopt,
                                           q.size(2), k.size(2), 0.0, causal, false, scale);
-    return {bnhd(std::get<0>(r)).to(at::kFloat), std::get<1>(r)};
+    kernels::attention_merge(out, lse, bnhd(std::get<0>(r)), std::get<1>(r));
+    return;
   }
   const int64_t groups = q.size(1) / k.size(1);
   at::Tensor kb = expand_heads(k.to(at::kFloat), groups);
   at::Tensor vb = expand_heads(v.to(at::kFloat), groups);
   at::Tensor s = block_scores(q.to(at::kFloat), kb, causal, scale);
-  at::Tensor lse = at::logsumexp(s, -1);
-  return {at::matmul((s - lse.unsqueeze(-1)).exp_(), vb), lse};
+  at::Tensor block_lse = at::logsumexp(s, -1);
+  kernels::attention_merge(out, lse, at::matmul((s - block_lse.unsqueeze(-1)).exp_(), vb),
+                           block_lse);
 }
 
-void ring_merge(at::Tensor out, at::Tensor lse, const RingBlockOut& block) {
-  at::Tensor l_new = at::logaddexp(lse, block.lse);
-  out.mul_((lse - l_new).exp_().unsqueeze(-1))
-      .add_(block.out.mul((block.lse - l_new).exp_().unsqueeze(-1)));
-  lse.copy_(l_new);
-}
-
-RingBlockGrads ring_block_backward(RingBlockKernel kernel, const at::Tensor& dout,
-                                   const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                   const at::Tensor& out, const at::Tensor& lse, bool causal,
-                                   double scale, bool deterministic) {
+void ring_block_backward(RingBlockKernel kernel, const at::Tensor& dout, const at::Tensor& q,
+                         const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                         const at::Tensor& lse, bool causal, double scale,
+                         const RingBlockGrads& grads, bool deterministic) {
   check_block("ring_block_backward", q, k, v, causal);
   COLOSSAL_CHECK_INPUT(!deterministic || kernel != RingBlockKernel::flash,
                        "ring_block_backward: the flash kernel has no deterministic backward");
@@ -537,6 +567,13 @@ RingBlockGrads ring_block_backward(RingBlockKernel kernel, const at::Tensor& dou
           lse.size(0) == q.size(0) && lse.size(1) == q.size(1) && lse.size(2) == q.size(2),
       "ring_block_backward: dout and out must be shaped as q ", q.sizes(),
       " and lse [B, H, qn]; got ", dout.sizes(), ", ", out.sizes(), ", ", lse.sizes());
+  auto f32_like = [](const at::Tensor& t, const at::Tensor& like) {
+    return t.defined() && t.scalar_type() == at::kFloat && t.sizes() == like.sizes();
+  };
+  COLOSSAL_CHECK_INPUT(f32_like(grads.dq, q) && f32_like(grads.dk, k) && f32_like(grads.dv, k),
+                       "ring_block_backward: the accumulators dq, dk, dv must be float32 shaped as "
+                       "q ",
+                       q.sizes(), " and k ", k.sizes());
   if (kernel == RingBlockKernel::own) {
     const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), qn = q.size(2), kn = k.size(2),
                   D = q.size(3);
@@ -550,11 +587,16 @@ RingBlockGrads ring_block_backward(RingBlockKernel kernel, const at::Tensor& dou
         own_rows(q, qc), own_rows(k, kc), own_rows(v, kc), own_rows(out.to(q.scalar_type()), qc),
         own_rows(dout.to(q.scalar_type()), qc), l.reshape({H, -1}).contiguous(),
         own_offsets(seqs, len), len, causal, scale, deterministic);
-    // Each copy's share summed: the query copies' dQ (wide), the key copies' dK / dV (tall).
-    auto back = [&](const at::Tensor& x, int64_t copies, int64_t n, int64_t heads) {
-      return x.view({B, copies, n, heads, D}).to(at::kFloat).sum(1).transpose(1, 2);
+    // Each copy's share added: the query copies' dQ (wide), the key copies' dK / dV (tall).
+    auto add = [&](const at::Tensor& acc, const at::Tensor& x, int64_t copies, int64_t n,
+                   int64_t heads) {
+      const at::Tensor parts = x.view({B, copies, n, heads, D});
+      for (int64_t part = 0; part < copies; ++part) acc.add_(parts.select(1, part).transpose(1, 2));
     };
-    return {back(g.dq, qc, qn, H), back(g.dk, kc, kn, Hkv), back(g.dv, kc, kn, Hkv)};
+    add(grads.dq, g.dq, qc, qn, H);
+    add(grads.dk, g.dk, kc, kn, Hkv);
+    add(grads.dv, g.dv, kc, kn, Hkv);
+    return;
   }
   if (kernel == RingBlockKernel::flash) {
     // No dropout: the kernels do not read the random-number state.
@@ -563,8 +605,10 @@ RingBlockGrads ring_block_backward(RingBlockKernel kernel, const at::Tensor& dou
                                            bnhd(out).contiguous(), lse.to(at::kFloat).contiguous(),
                                            at::Tensor(), at::Tensor(), q.size(2), k.size(2), 0.0,
                                            causal, at::zeros({2}, u64), at::zeros({}, u64), scale);
-    return {bnhd(std::get<0>(g)).to(at::kFloat), bnhd(std::get<1>(g)).to(at::kFloat),
-            bnhd(std::get<2>(g)).to(at::kFloat)};
+    grads.dq.add_(bnhd(std::get<0>(g)));
+    grads.dk.add_(bnhd(std::get<1>(g)));
+    grads.dv.add_(bnhd(std::get<2>(g)));
+    return;
   }
   const int64_t groups = q.size(1) / k.size(1);
   at::Tensor qf = q.to(at::kFloat), dof = dout.to(at::kFloat);
@@ -574,11 +618,10 @@ RingBlockGrads ring_block_backward(RingBlockKernel kernel, const at::Tensor& dou
   at::Tensor pr = block_scores(qf, kb, causal, scale)
                       .sub_(lse.to(at::kFloat).unsqueeze(-1))
                       .exp_();  // the final softmax's probabilities of this block
-  at::Tensor dv = at::matmul(pr.transpose(-2, -1), dof);
   at::Tensor ds = at::matmul(dof, vb.transpose(-2, -1)).sub_(delta.unsqueeze(-1)).mul_(pr);
-  at::Tensor dq = at::matmul(ds, kb).mul_(scale);
-  at::Tensor dk = at::matmul(ds.transpose(-2, -1), qf).mul_(scale);
-  return {dq, reduce_heads(dk, groups), reduce_heads(dv, groups)};
+  grads.dv.add_(reduce_heads(at::matmul(pr.transpose(-2, -1), dof), groups));
+  grads.dq.add_(at::matmul(ds, kb).mul_(scale));
+  grads.dk.add_(reduce_heads(at::matmul(ds.transpose(-2, -1), qf).mul_(scale), groups));
 }
 
 RingAttention::RingAttention(dist::Communicator sp, int64_t inner_ring_size)

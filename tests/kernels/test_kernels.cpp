@@ -297,6 +297,72 @@ TEST(SumSquares, MatchesTheSumOfSquaresAndNamesBadArguments) {
   }
 }
 
+// ---- Attention merge by log-sum-exp ----
+// Two halves of the keys' attention, merged, give the attention over all keys (fp64 softmax of
+// the concatenated scores); a row empty in both stays as it is; bad arguments are named.
+TEST(AttentionMerge, TwoHalvesGiveTheWholeAttention) {
+  at::manual_seed(21);
+  const int64_t B = 2, H = 3, n = 5, D = 6, kn = 7;
+  const at::Tensor q = at::randn({B, H, n, D}, at::kDouble),
+                   k = at::randn({B, H, 2 * kn, D}, at::kDouble),
+                   v = at::randn({B, H, 2 * kn, D}, at::kDouble);
+  const at::Tensor s = at::matmul(q, k.transpose(-2, -1));
+  const at::Tensor want = at::matmul(at::softmax(s, -1), v);
+  auto half = [&](int64_t i) {
+    const at::Tensor si = s.narrow(-1, i * kn, kn);
+    const at::Tensor lse = at::logsumexp(si, -1);
+    return std::pair{at::matmul(at::softmax(si, -1), v.narrow(2, i * kn, kn)), lse};
+  };
+  for (at::ScalarType part_dt : {at::kFloat, at::kBFloat16}) {
+    // The running result starts empty (out 0, lse -inf); row 0 of batch 1, head 2 gets nothing.
+    at::Tensor out = at::zeros({B, H, n, D});
+    at::Tensor lse = at::full({B, H, n}, -INFINITY);
+    for (int64_t i = 0; i < 2; ++i) {
+      auto [o, l] = half(i);
+      at::Tensor lf = l.to(at::kFloat);
+      lf[1][2][0] = -INFINITY;
+      K::attention_merge(out, lse, o.to(part_dt), lf);
+    }
+    const double tol = part_dt == at::kFloat ? 1e-6 : 8e-3;  // bf16 parts: 2^-8 each
+    at::Tensor got = out.to(at::kDouble), w = want.clone();
+    w[1][2][0].zero_();
+    EXPECT_LT((got - w).abs().max().item<double>(), tol) << c10::toString(part_dt);
+    EXPECT_TRUE(std::isinf(lse[1][2][0].item<float>()));
+    at::Tensor lse_want = at::logsumexp(s, -1).to(at::kFloat);
+    lse_want[1][2][0] = -INFINITY;
+    EXPECT_TRUE(at::allclose(lse, lse_want, 1e-6, 1e-6));
+  }
+  // Strided views (a tokens-major running result) merge like contiguous ones.
+  at::Tensor out_t = at::randn({B, n, H, D}).transpose(1, 2), lse_t = at::randn({B, H, n});
+  at::Tensor out_c = out_t.contiguous(), lse_c = lse_t.clone();
+  const at::Tensor part = at::randn({B, H, n, D}), part_lse = at::randn({B, H, n});
+  K::attention_merge(out_t, lse_t, part, part_lse);
+  K::attention_merge(out_c, lse_c, part, part_lse);
+  EXPECT_TRUE(at::equal(out_t, out_c));
+  EXPECT_TRUE(at::equal(lse_t, lse_c));
+  auto expect_error = [](const std::function<void()>& f, const std::string& needle) {
+    try {
+      f();
+      ADD_FAILURE() << "no InputError naming " << needle;
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_error([&] { K::attention_merge(out_c.to(at::kBFloat16), lse_c, part, part_lse); },
+               "out has dtype");
+  expect_error([&] { K::attention_merge(out_c, lse_c, part.narrow(2, 0, 2), part_lse); },
+               "part_out has shape");
+  expect_error([&] { K::attention_merge(out_c, lse_c.narrow(2, 0, 2), part, part_lse); },
+               "lse must be [B, H, n]");
+  expect_error([&] { K::attention_merge(out_c, lse_c, part, part_lse.to(at::kDouble)); },
+               "part_lse has dtype");
+  expect_error(
+      [&] {
+        K::attention_merge(at::randn({B, H, D, n}).transpose(2, 3), lse_c, part, part_lse);
+      },
+      "unit last stride");
+}
+
 // ---- Concatenated linear ----
 TEST(LinearConcat, EqualsSeparateLinearsAndTheirGradients) {
   // Thin weights run as one GEMM against the concatenation; wide ones (>= 1024 rows) as one

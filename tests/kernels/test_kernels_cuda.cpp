@@ -180,6 +180,47 @@ TEST(CudaKernels, Rotary) {
   }
 }
 
+// The merge by log-sum-exp: one pass on the GPU against the ATen composite on the same GPU and
+// against the CPU: fp32, bf16 and fp16 parts; head dims 64, 128 and 6 (the scalar kernel); a
+// tokens-major running result (as ring_attn keeps it) and heads-major parts; rows that are
+// empty in the running result (-inf: the first block) and in both (left as they are). The
+// products and the sum are rounded where the composite rounds them; exp / log1p may differ in
+// the last bit between the two, so 1e-6 relative is allowed.
+TEST(CudaKernels, AttentionMerge) {
+  REQUIRE_GPU();
+  for (auto dt : kTypes) {
+    for (int64_t d : {64, 128, 6}) {
+      at::manual_seed(31);
+      const int64_t b = 2, h = 3, n = 37;
+      const std::string what = std::string(c10::toString(dt)) + " D " + std::to_string(d);
+      at::Tensor out = at::randn({b, n, h, d}).transpose(1, 2);  // tokens-major
+      at::Tensor lse = at::randn({b, h, n});
+      lse.select(2, 0).fill_(-INFINITY);  // the first block's rows: nothing merged yet
+      out.select(2, 0).zero_();
+      at::Tensor part = at::randn({b, h, n, d}).to(dt);
+      at::Tensor part_lse = at::randn({b, h, n});
+      part_lse.select(2, 0)[0].fill_(-INFINITY);  // batch 0, row 0: empty in both
+      at::Tensor og = out.to(gpu()), lg = lse.to(gpu()), orf = og.clone(), lrf = lg.clone();
+      const at::Tensor pg = part.to(gpu()), plg = part_lse.to(gpu());
+      K::attention_merge(og, lg, pg, plg);
+      K::attention_merge_reference(orf, lrf, pg, plg);
+      ASSERT_TRUE(all_finite(og)) << what;
+      EXPECT_TRUE(at::allclose(og, orf, 1e-6, 1e-6))
+          << what << " excess " << excess(og, orf, 1e-6, 1e-6);
+      EXPECT_TRUE(at::allclose(lg, lrf, 1e-6, 1e-6, /*equal_nan=*/false)) << what;
+      EXPECT_TRUE(at::isneginf(lg.select(2, 0)[0]).all().item<bool>()) << what;
+      at::Tensor oc = out.clone(), lc = lse.clone();
+      K::attention_merge(oc, lc, part, part_lse);  // the CPU path
+      EXPECT_TRUE(at::allclose(og.cpu(), oc, 1e-6, 1e-6)) << what;
+      // A part 2 bytes off 16-byte alignment takes the scalar kernel.
+      at::Tensor og2 = out.to(gpu()), lg2 = lse.to(gpu());
+      const at::Tensor pm = misaligned(pg.reshape({b * h * n, d})).view({b, h, n, d});
+      K::attention_merge(og2, lg2, pm, plg);
+      EXPECT_TRUE(at::allclose(og2, orf, 1e-6, 1e-6)) << what << " misaligned";
+    }
+  }
+}
+
 TEST(CudaKernels, SwiGLU) {
   REQUIRE_GPU();
   for (auto dt : kTypes) {

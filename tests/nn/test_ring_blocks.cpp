@@ -1,13 +1,14 @@
-// Ring attention's blocks (nn/sequence_parallel.h: ring_block_forward / ring_merge /
-// ring_block_backward), the pieces each rank of ring_attn runs between its point-to-point hops.
-// A causal attention over n tokens is cut the way a ring cuts it: rows and keys in two unequal
-// parts A = [0, a) and B = [a, n), so the blocks are A x A (causal), B x A (every key; more
-// queries than keys or fewer) and B x B (causal). Merged by log-sum-exp they must give the whole
-// attention, and each block's backward, fed the merged output and log-sum-exp, must give the
-// whole attention's gradients once summed: checked against autograd through the fp64 composite.
-// The composite kernel is checked on the CPU (make test); ours and ATen's flash kernels (what
-// ring_attn runs on a GPU in bf16) on the GPU, skipped without one (scripts/device_bench.sh
-// ktests), plus ring_attention itself on one GPU (a ring of one rank: its diagonal block).
+// Ring attention's blocks (nn/sequence_parallel.h: ring_block_forward, which merges into the
+// rows' running result, and ring_block_backward, which adds into the gradient accumulators), the
+// pieces each rank of ring_attn runs between its point-to-point hops. A causal attention over n
+// tokens is cut the way a ring cuts it: rows and keys in two unequal parts A = [0, a) and B = [a,
+// n), so the blocks are A x A (causal), B x A (every key; more queries than keys or fewer) and B x
+// B (causal). Merged by log-sum-exp they must give the whole attention, and each block's backward,
+// fed the merged output and log-sum-exp, must give the whole attention's gradients once summed:
+// checked against autograd through the fp64 composite. The composite kernel is checked on the CPU
+// (make test); ours and ATen's flash kernels (what ring_attn runs on a GPU in bf16) on the GPU,
+// skipped without one (scripts/device_bench.sh ktests), plus ring_attention itself on one GPU (a
+// ring of one rank: its diagonal block).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -90,10 +91,9 @@ void check_blocks(RingBlockKernel kernel, at::ScalarType dtype, const at::Device
   at::Tensor out = at::zeros(qd.sizes(), f32);
   at::Tensor lse = at::full({c.batch, c.heads, c.n}, -std::numeric_limits<float>::infinity(), f32);
   for (const Block& blk : blocks)
-    nn::ring_merge(
-        rows(out, blk.q0, blk.qn), lse.narrow(2, blk.q0, blk.qn),
-        nn::ring_block_forward(kernel, rows(qd, blk.q0, blk.qn), rows(kd, blk.k0, blk.kn),
-                               rows(vd, blk.k0, blk.kn), blk.causal, scale));
+    nn::ring_block_forward(kernel, rows(qd, blk.q0, blk.qn), rows(kd, blk.k0, blk.kn),
+                           rows(vd, blk.k0, blk.kn), blk.causal, scale, rows(out, blk.q0, blk.qn),
+                           lse.narrow(2, blk.q0, blk.qn));
   EXPECT_LE(rel_err(out, want.detach(), "out"), tol);
 
   // Each block's backward is given the merged rows, as ring_attn's backward gives them: fp32 for
@@ -101,15 +101,12 @@ void check_blocks(RingBlockKernel kernel, at::ScalarType dtype, const at::Device
   const at::Tensor merged = kernel == RingBlockKernel::composite ? out : out.to(dtype);
   at::Tensor dq = at::zeros(qd.sizes(), f32), dk = at::zeros(kd.sizes(), f32),
              dv = at::zeros(vd.sizes(), f32);
-  for (const Block& blk : blocks) {
-    const nn::RingBlockGrads g = nn::ring_block_backward(
+  for (const Block& blk : blocks)
+    nn::ring_block_backward(
         kernel, rows(dd, blk.q0, blk.qn), rows(qd, blk.q0, blk.qn), rows(kd, blk.k0, blk.kn),
         rows(vd, blk.k0, blk.kn), rows(merged, blk.q0, blk.qn), lse.narrow(2, blk.q0, blk.qn),
-        blk.causal, scale);
-    rows(dq, blk.q0, blk.qn).add_(g.dq);
-    rows(dk, blk.k0, blk.kn).add_(g.dk);
-    rows(dv, blk.k0, blk.kn).add_(g.dv);
-  }
+        blk.causal, scale,
+        {rows(dq, blk.q0, blk.qn), rows(dk, blk.k0, blk.kn), rows(dv, blk.k0, blk.kn)});
   EXPECT_LE(rel_err(dq, q64.grad(), "dq"), grad_tol);
   EXPECT_LE(rel_err(dk, k64.grad(), "dk"), grad_tol);
   EXPECT_LE(rel_err(dv, v64.grad(), "dv"), grad_tol);
@@ -161,17 +158,36 @@ TEST(RingBlocks, KernelChoice) {
   EXPECT_EQ(nn::ring_block_kernel(cpu), RingBlockKernel::composite);
   ::unsetenv("COLOSSAL_RING_BLOCKS");
   // flash has no deterministic backward: refused before any work.
-  const at::Tensor x = at::zeros({1, 2, 4, 8});
+  const at::Tensor x = at::zeros({1, 2, 4, 8}), l = at::zeros({1, 2, 4});
   expect_input_error(
       [&] {
-        nn::ring_block_backward(RingBlockKernel::flash, x, x, x, x, x, at::zeros({1, 2, 4}), true,
-                                1.0, /*deterministic=*/true);
+        nn::ring_block_backward(RingBlockKernel::flash, x, x, x, x, x, l, true, 1.0, {x, x, x},
+                                /*deterministic=*/true);
       },
       "no deterministic backward");
   // A causal block of unequal sides has no top-left alignment both kernels share: refused.
-  EXPECT_THROW(nn::ring_block_forward(RingBlockKernel::composite, at::zeros({1, 2, 4, 8}),
-                                      at::zeros({1, 2, 6, 8}), at::zeros({1, 2, 6, 8}), true, 1.0),
+  EXPECT_THROW(nn::ring_block_forward(RingBlockKernel::composite, x, at::zeros({1, 2, 6, 8}),
+                                      at::zeros({1, 2, 6, 8}), true, 1.0, x, l),
                InputError);
+  // The running result and the accumulators: float32, shaped as the rows they hold.
+  expect_input_error(
+      [&] {
+        nn::ring_block_forward(RingBlockKernel::composite, x, x, x, true, 1.0, x.to(at::kDouble),
+                               l);
+      },
+      "out must be float32");
+  expect_input_error(
+      [&] {
+        nn::ring_block_forward(RingBlockKernel::composite, x, x, x, true, 1.0, x,
+                               at::zeros({1, 2, 3}));
+      },
+      "lse float32 [B, H, qn]");
+  expect_input_error(
+      [&] {
+        nn::ring_block_backward(RingBlockKernel::composite, x, x, x, x, x, l, true, 1.0,
+                                {x, x, at::zeros({1, 2, 4, 8}, at::kBFloat16)});
+      },
+      "accumulators dq, dk, dv must be float32");
 }
 
 // ATen's flash kernels and ours in bf16 on the GPU. bf16 keeps 8 significant bits (unit
@@ -211,8 +227,13 @@ TEST(RingBlocks, KernelsOnTheGpu) {
   if (own) {  // a shape outside the three a ring makes
     const at::Tensor q = at::zeros({1, 2, 6, 64}, bf16.options()),
                      k = at::zeros({1, 2, 4, 64}, bf16.options());
-    expect_input_error([&] { nn::ring_block_forward(RingBlockKernel::own, q, k, k, false, 0.125); },
-                       "6 queries and 4 keys");
+    const at::Tensor out = at::zeros({1, 2, 6, 64}, bf16.options().dtype(at::kFloat));
+    expect_input_error(
+        [&] {
+          nn::ring_block_forward(RingBlockKernel::own, q, k, k, false, 0.125, out,
+                                 at::zeros({1, 2, 6}, out.options()));
+        },
+        "6 queries and 4 keys");
   }
 }
 
@@ -235,21 +256,29 @@ TEST(RingBlocks, RingAttentionOnTheGpu) {
   std::vector<std::string> kernels_to_run = {"flash"};
   if (kernels::own_attention_unsupported(q.to(dev)[0], k.to(dev)[0]).empty())
     kernels_to_run.push_back("own");
-  for (const std::string& kernel : kernels_to_run) {
-    SCOPED_TRACE(kernel);
-    std::printf("ring_attention %s\n", kernel.c_str());
-    ::setenv("COLOSSAL_RING_BLOCKS", kernel.c_str(), 1);
-    at::Tensor qd = q.to(dev).requires_grad_(), kd = k.to(dev).requires_grad_(),
-               vd = v.to(dev).requires_grad_();
-    const at::Tensor out = nn::ring_attention(qd, kd, vd, dist::Communicator(), true);
-    EXPECT_EQ(out.scalar_type(), at::kBFloat16);
-    out.backward(dout.to(dev));
-    // As KernelsOnTheGpu, plus the output's and the gradients' own rounding to bf16 (2^-9).
-    EXPECT_LE(rel_err(out, want.detach(), "out"), 1e-2);
-    EXPECT_LE(rel_err(qd.grad(), q64.grad(), "dq"), 2e-2);
-    EXPECT_LE(rel_err(kd.grad(), k64.grad(), "dk"), 2e-2);
-    EXPECT_LE(rel_err(vd.grad(), v64.grad(), "dv"), 2e-2);
-  }
+  // Inputs as [B, H, S, D] tensors, and tokens-major ([B, S, H, D] memory seen as [B, H, S, D]:
+  // what the model's projections and rotary kernel hand over, read without copies).
+  for (const std::string& kernel : kernels_to_run)
+    for (bool tokens_major : {false, true}) {
+      SCOPED_TRACE(kernel + (tokens_major ? " tokens-major" : " heads-major"));
+      std::printf("ring_attention %s %s\n", kernel.c_str(),
+                  tokens_major ? "tokens-major" : "heads-major");
+      ::setenv("COLOSSAL_RING_BLOCKS", kernel.c_str(), 1);
+      auto leaf = [&](const at::Tensor& x) {
+        return (tokens_major ? x.transpose(1, 2).contiguous() : x).to(dev).requires_grad_();
+      };
+      auto as_bhsd = [&](const at::Tensor& x) { return tokens_major ? x.transpose(1, 2) : x; };
+      at::Tensor qd = leaf(q), kd = leaf(k), vd = leaf(v);
+      const at::Tensor out =
+          nn::ring_attention(as_bhsd(qd), as_bhsd(kd), as_bhsd(vd), dist::Communicator(), true);
+      EXPECT_EQ(out.scalar_type(), at::kBFloat16);
+      out.backward(dout.to(dev));
+      // As KernelsOnTheGpu, plus the output's and the gradients' own rounding to bf16 (2^-9).
+      EXPECT_LE(rel_err(out, want.detach(), "out"), 1e-2);
+      EXPECT_LE(rel_err(as_bhsd(qd.grad()), q64.grad(), "dq"), 2e-2);
+      EXPECT_LE(rel_err(as_bhsd(kd.grad()), k64.grad(), "dk"), 2e-2);
+      EXPECT_LE(rel_err(as_bhsd(vd.grad()), v64.grad(), "dv"), 2e-2);
+    }
   ::unsetenv("COLOSSAL_RING_BLOCKS");
   // Deterministic (--deterministic): two runs give the same bits.
   std::vector<at::Tensor> first;

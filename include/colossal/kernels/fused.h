@@ -12,11 +12,12 @@
 // is fused too).
 #pragma once
 
-#include "colossal/kernels/adamw.h"          // fused_adamw, AdamWStep
-#include "colossal/kernels/cross_entropy.h"  // cross_entropy_grad_
-#include "colossal/kernels/enabled.h"        // set_enabled, enabled, has_fused_kernels
-#include "colossal/kernels/linear_concat.h"  // linear_concat
-#include "colossal/kernels/rms_norm.h"       // rms_norm, add_rms_norm
-#include "colossal/kernels/rotary.h"         // apply_rotary
-#include "colossal/kernels/sum_squares.h"    // sum_squares
-#include "colossal/kernels/swiglu.h"         // swiglu, swiglu_packed
+#include "colossal/kernels/adamw.h"            // fused_adamw, AdamWStep
+#include "colossal/kernels/attention_merge.h"  // attention_merge
+#include "colossal/kernels/cross_entropy.h"    // cross_entropy_grad_
+#include "colossal/kernels/enabled.h"          // set_enabled, enabled, has_fused_kernels
+#include "colossal/kernels/linear_concat.h"    // linear_concat
+#include "colossal/kernels/rms_norm.h"         // rms_norm, add_rms_norm
+#include "colossal/kernels/rotary.h"           // apply_rotary
+#include "colossal/kernels/sum_squares.h"      // sum_squares
+#include "colossal/kernels/swiglu.h"           // swiglu, swiglu_packed

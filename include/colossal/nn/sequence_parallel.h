@@ -91,36 +91,42 @@ enum class RingBlockKernel { composite, flash, own };
 RingBlockKernel ring_block_kernel(const at::Tensor& q, bool deterministic = false);
 const char* to_string(RingBlockKernel kernel);
 
-struct RingBlockOut {
-  at::Tensor out;  // [B, H, qn, D] float32
-  at::Tensor lse;  // [B, H, qn] float32, natural log
-};
-RingBlockOut ring_block_forward(RingBlockKernel kernel, const at::Tensor& q, const at::Tensor& k,
-                                const at::Tensor& v, bool causal, double scale);
+// Computes the block's attention and merges it into its rows' running result, in place
+// (kernels::attention_merge, by log-sum-exp): out [B, H, qn, D] float32 and lse [B, H, qn]
+// float32 (a row not yet written holds out 0 and lse -inf; any strides with a unit last stride
+// on out). After the blocks of all of a row's keys, out holds the row's attention and lse its
+// log-sum-exp. A kernel's own output is merged as it comes (bf16 for own and flash): no float32
+// copy of it is made.
+void ring_block_forward(RingBlockKernel kernel, const at::Tensor& q, const at::Tensor& k,
+                        const at::Tensor& v, bool causal, double scale, const at::Tensor& out,
+                        const at::Tensor& lse);
 
-// Merges a block into the running result of the same rows, in place: out = (e^lse out +
-// e^lse_b out_b) / e^lse', lse' = log(e^lse + e^lse_b). Rows not yet written hold lse = -inf.
-void ring_merge(at::Tensor out, at::Tensor lse, const RingBlockOut& block);
-
+// Float32 gradient accumulators of a block (views into the ring's): dq [B, H, qn, D], dk and
+// dv [B, Hkv, kn, D].
 struct RingBlockGrads {
-  at::Tensor dq;      // [B, H, qn, D] float32
-  at::Tensor dk, dv;  // [B, Hkv, kn, D] float32
+  at::Tensor dq;
+  at::Tensor dk, dv;
 };
-// The block's share of the gradients for dout ([B, H, qn, D]), given the rows' merged output
-// `out` and log-sum-exp `lse` over every block (the softmax's probabilities of this block are
-// exp(scores - lse); rowsum(dout * out) is the softmax backward's correction). own and flash
-// take out and dout in q's dtype (out as the forward returned it), composite in any dtype.
-// deterministic: own's fixed-order dQ sums (flash: an InputError; composite is always).
-RingBlockGrads ring_block_backward(RingBlockKernel kernel, const at::Tensor& dout,
-                                   const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                   const at::Tensor& out, const at::Tensor& lse, bool causal,
-                                   double scale, bool deterministic = false);
+// Adds the block's share of the gradients for dout ([B, H, qn, D]) to `grads`, in place, given
+// the rows' merged output `out` and log-sum-exp `lse` over every block (the softmax's
+// probabilities of this block are exp(scores - lse); rowsum(dout * out) is the softmax
+// backward's correction). own and flash take out and dout in q's dtype (out as the forward
+// returned it), composite in any dtype; their gradients are added as they come (bf16 into the
+// float32 accumulators, no float32 copy). deterministic: own's fixed-order dQ sums (flash: an
+// InputError; composite is always).
+void ring_block_backward(RingBlockKernel kernel, const at::Tensor& dout, const at::Tensor& q,
+                         const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                         const at::Tensor& lse, bool causal, double scale,
+                         const RingBlockGrads& grads, bool deterministic = false);
 
 // Zigzag ring attention. q [B, H, 2c, D], k/v [B, Hkv, 2c, D] with Hkv dividing H: this rank's
 // chunks r and 2*sp-1-r of c tokens each -> [B, H, 2c, D]. Each block's attention is computed
 // by ring_block_kernel(q)'s kernel (ours on an H100 / H200 in bf16, else ATen's flash attention
 // on a GPU in fp16/bf16, else the fp32 composite), merged in fp32 by its log-sum-exp, and the
 // result cast back to q's dtype; the gradient accumulators of keys/values travel in fp32.
+// Everything the ring keeps or sends is stored tokens-major ([B, S, heads, D] memory, seen as
+// [B, heads, S, D]): the layout the projections and the rotary kernel hand over, the result's
+// reader (o_proj) takes, and in which a batch row's block is our kernels' rows without a copy.
 // inner_ring_size 0: one ring. InputError when inner_ring_size is not 0 and not a divisor of sp
 // with 1 < inner_ring_size < sp, when the local length is odd, or for an explicit mask or KV
 // cache. mask.causal = false attends to every key.
