@@ -204,11 +204,12 @@ at::Tensor block_scores(const at::Tensor& q, const at::Tensor& k, bool causal, d
   return s;
 }
 
-// A [B, n, heads, D]-contiguous tensor seen as [B, heads, n, D] (the ring's storage order).
-at::Tensor tokens_major(const at::Tensor& like, at::ScalarType dtype, bool zero) {
-  const std::vector<int64_t> shape = {like.size(0), like.size(2), like.size(1), like.size(3)};
-  const at::TensorOptions opts = like.options().dtype(dtype);
-  return (zero ? at::zeros(shape, opts) : at::empty(shape, opts)).transpose(1, 2);
+// Float32 zeros shaped as `like` [B, heads, n, D], stored [B, n, heads, D]-contiguous (the
+// ring's storage order).
+at::Tensor tokens_major_zeros(const at::Tensor& like) {
+  return at::zeros({like.size(0), like.size(2), like.size(1), like.size(3)},
+                   like.options().dtype(at::kFloat))
+      .transpose(1, 2);
 }
 
 // k and v stacked tokens-major, [2, B, S, Hkv, D] contiguous (what travels), and the
@@ -229,7 +230,7 @@ struct RingAttnFn : torch::autograd::Function<RingAttnFn> {
     const RingBlockKernel kernel = saved->kernel;
     // The composite casts the queries once here rather than in every block.
     const at::Tensor qin = kernel == RingBlockKernel::composite ? q.to(at::kFloat) : q;
-    at::Tensor out = tokens_major(q, at::kFloat, true);
+    at::Tensor out = tokens_major_zeros(q);
     at::Tensor lse = at::full({q.size(0), q.size(1), len}, -std::numeric_limits<float>::infinity(),
                               out.options());
     auto compute = [&](int64_t src, const at::Tensor& stacked) {
@@ -285,7 +286,7 @@ struct RingAttnFn : torch::autograd::Function<RingAttnFn> {
     const at::Tensor qin = composite ? q.to(at::kFloat) : q;
     // As it comes (o_proj's gradient is tokens-major already): the blocks read it in place.
     const at::Tensor dout = grads[0].to(composite ? at::kFloat : q.scalar_type());
-    at::Tensor dq = tokens_major(q, at::kFloat, true);
+    at::Tensor dq = tokens_major_zeros(q);
     // Adds the gradient of the block of rank src to dq and to that block's accumulator.
     auto compute = [&](int64_t src, const at::Tensor& stacked, const at::Tensor& grad) {
       const Part p = part_of(ring, src, c);
@@ -501,19 +502,13 @@ at::Tensor own_offsets(int64_t count, int64_t len) {
   return t;
 }
 
-}  // namespace
-
-namespace {
-
 // out [B, H, qn, D] and lse [B, H, qn] float32, the rows of q [B, H, qn, D].
-void check_rows(const char* op, const char* out_name, const at::Tensor& q, const at::Tensor& out,
-                const at::Tensor& lse) {
-  COLOSSAL_CHECK_INPUT(out.scalar_type() == at::kFloat && lse.scalar_type() == at::kFloat &&
-                           out.sizes() == q.sizes() && lse.dim() == 3 &&
-                           lse.sizes() == q.sizes().slice(0, 3),
-                       op, ": ", out_name, " must be float32 shaped as q ", q.sizes(),
-                       " and lse float32 [B, H, qn]; got ", out.scalar_type(), " ", out.sizes(),
-                       " and ", lse.scalar_type(), " ", lse.sizes());
+void check_rows(const char* op, const at::Tensor& q, const at::Tensor& out, const at::Tensor& lse) {
+  COLOSSAL_CHECK_INPUT(
+      out.scalar_type() == at::kFloat && lse.scalar_type() == at::kFloat &&
+          out.sizes() == q.sizes() && lse.dim() == 3 && lse.sizes() == q.sizes().slice(0, 3),
+      op, ": out must be float32 shaped as q ", q.sizes(), " and lse float32 [B, H, qn]; got ",
+      out.scalar_type(), " ", out.sizes(), " and ", lse.scalar_type(), " ", lse.sizes());
 }
 
 }  // namespace
@@ -522,7 +517,7 @@ void ring_block_forward(RingBlockKernel kernel, const at::Tensor& q, const at::T
                         const at::Tensor& v, bool causal, double scale, const at::Tensor& out,
                         const at::Tensor& lse) {
   check_block("ring_block_forward", q, k, v, causal);
-  check_rows("ring_block_forward", "out", q, out, lse);
+  check_rows("ring_block_forward", q, out, lse);
   if (kernel == RingBlockKernel::own) {
     const int64_t B = q.size(0), H = q.size(1), qn = q.size(2), kn = k.size(2), D = q.size(3);
     const OwnLayout layout = own_layout("ring_block_forward", qn, kn, causal);
