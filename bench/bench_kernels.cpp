@@ -934,7 +934,7 @@ void ring_block_case(const std::string& name, int64_t h, int64_t kv, int64_t c, 
   dout = tokens_major(dout);
   auto run = [&](nn::RingBlockKernel kernel, bool backward) {
     const at::Tensor qin = kernel == nn::RingBlockKernel::composite ? q.to(at::kFloat) : q;
-    at::Tensor out = tokens_major(at::zeros(q.sizes(), q.options().dtype(at::kFloat)));
+    at::Tensor out = at::zeros({1, 2 * c, h, d}, q.options().dtype(at::kFloat)).transpose(1, 2);
     at::Tensor lse =
         at::full({1, h, 2 * c}, -std::numeric_limits<float>::infinity(), out.options());
     for (const Block& b : blocks)
