@@ -428,10 +428,11 @@ RingBlockKernel ring_block_kernel(const at::Tensor& q, bool deterministic) {
   if (setting == "flash") return RingBlockKernel::flash;
   if (setting == "own") return RingBlockKernel::own;
   // Measured on an H100 (docs/benchmarks.md, 2026-12-07: one rank of an 8-rank ring over 32k
-  // tokens, forward+backward): ours 1.09x flash's speed at head dim 64, 0.98x at 128.
-  if (own.empty() && (deterministic || q.size(-1) == 64)) return RingBlockKernel::own;
+  // tokens, forward+backward, blocks merged in one pass): ours 1.28x flash's speed at head dims
+  // 64 and 128.
+  if (own.empty()) return RingBlockKernel::own;
   if (flash.empty() && !deterministic) return RingBlockKernel::flash;
-  return own.empty() ? RingBlockKernel::own : RingBlockKernel::composite;
+  return RingBlockKernel::composite;
 }
 
 const char* to_string(RingBlockKernel kernel) {

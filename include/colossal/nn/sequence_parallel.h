@@ -82,8 +82,9 @@ class AllToAllAttention : public CoreAttention {
 //   composite  ATen matmuls in fp32 on any device and dtype (the reference; materialises the
 //              block's [qn, kn] scores per head).
 enum class RingBlockKernel { composite, flash, own };
-// The fastest measured of those that take q (an H100, docs/benchmarks.md 2026-12-07): own at
-// head dim 64 (1.09x flash's forward+backward), flash at 128 (own 0.98x), else composite.
+// The fastest measured of those that take q (an H100, docs/benchmarks.md 2026-12-07, after the
+// one-pass merge): own (1.28x flash's forward+backward at head dims 64 and 128), else flash,
+// else composite.
 // deterministic (a bitwise repeatable backward, --deterministic): own (its deterministic mode) or
 // composite, never flash. COLOSSAL_RING_BLOCKS (read at every call) = own, flash or composite
 // forces one (for a comparison; own or flash where it does not apply, or flash when deterministic,
