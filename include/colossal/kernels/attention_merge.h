@@ -12,8 +12,9 @@ namespace colossal::kernels {
 // [B, H, n, D] (float32, bfloat16 or half) and part_lse [B, H, n] float32 are a partial result
 // over other keys. Afterwards
 //   lse' = log(e^lse + e^part_lse),  out' = e^(lse - lse') out + e^(part_lse - lse') part_out,
-// computed in fp32; a row where both are -inf is left as it is. Any strides with a unit last
-// stride on out and part_out. On CUDA one pass (each row's weights computed once, out read and
+// computed in fp32; a row where both are -inf is left as it is. out: any strides with a unit
+// last stride; part_out, lse, part_lse: any strides (part_out is copied first when its last
+// stride is not 1). On CUDA one pass (each row's weights computed once, out read and
 // written once, part_out read once); elsewhere (CPU included) attention_merge_reference.
 // InputError naming the bad argument (dtype, shape, device, a non-unit last stride of out).
 void attention_merge(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
