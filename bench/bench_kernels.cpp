@@ -978,6 +978,62 @@ void ring_block_case(const std::string& name, int64_t h, int64_t kv, int64_t c, 
       g_rows.push_back(o);
     }
   }
+  // Our kernels alone on the same blocks, their inputs prepared outside the timed region as
+  // ring_block_forward makes them (the off-diagonal blocks as two sequences of c, the shorter
+  // side copied twice), no merge, no accumulation: the per-rank time the blocks could reach.
+  // "own alone vs own blocks": the kernels alone in the fused column, the ring's blocks in the
+  // ATen column; the difference is what the ring adds around the kernels (the copies, merges,
+  // adds and per-block allocations).
+  if (own) {
+    auto rows = [](const at::Tensor& x) {  // [1, heads, n, D] -> [n, heads, D] contiguous
+      return x[0].transpose(0, 1).contiguous();
+    };
+    struct Prepared {
+      at::Tensor q, k, v, dout, cu, out, lse;
+      int64_t len;
+      bool causal;
+    };
+    std::vector<Prepared> prep;
+    for (const Block& b : blocks) {
+      Prepared p;
+      const at::Tensor qb = rows(q.narrow(2, b.q0, b.qn)), kb = rows(k.narrow(2, b.k0, b.kn)),
+                       vb = rows(v.narrow(2, b.k0, b.kn)), db = rows(dout.narrow(2, b.q0, b.qn));
+      const bool tall = b.qn == 2 * b.kn, wide = b.kn == 2 * b.qn;
+      p.q = wide ? at::cat({qb, qb}) : qb;
+      p.dout = wide ? at::cat({db, db}) : db;
+      p.k = tall ? at::cat({kb, kb}) : kb;
+      p.v = tall ? at::cat({vb, vb}) : vb;
+      p.len = std::min(b.qn, b.kn);
+      p.causal = b.causal;
+      // One offsets tensor per shape, as the ring passes them (the kernels keep their work
+      // lists' upload while the same host tensor comes again).
+      p.cu = prep.empty() || prep.back().len != p.len
+                 ? at::arange(0, p.q.size(0) + 1, p.len, at::kInt)
+                 : prep.back().cu;
+      const kernels::AttentionResult r =
+          kernels::attention_forward(p.q, p.k, p.v, p.cu, p.len, p.causal, scale);
+      p.out = r.out;
+      p.lse = r.lse;
+      prep.push_back(p);
+    }
+    for (bool backward : {false, true}) {
+      const std::vector<double> ms = cuda_medians_ms(
+          {[&] {
+             for (const Prepared& p : prep) {
+               kernels::attention_forward(p.q, p.k, p.v, p.cu, p.len, p.causal, scale);
+               if (backward)
+                 kernels::attention_backward(p.q, p.k, p.v, p.out, p.dout, p.lse, p.cu, p.len,
+                                             p.causal, scale);
+             }
+           },
+           [&] { run(nn::RingBlockKernel::own, backward); }});
+      Row r{"ring_blocks", name + " own alone vs own blocks", shape, backward ? "fwd+bwd" : "fwd"};
+      r.fused_ms = ms[0];
+      r.aten_ms = ms[1];
+      r.flops = pairs * double(d) * (backward ? 10.0 : 4.0);
+      g_rows.push_back(r);
+    }
+  }
   // The merge alone: a bf16 result of 2c rows into the fp32 running result, our one-pass
   // kernel against the ATen composite (what every block ran before). Bytes: out read and
   // written, the part read, in fp32 / bf16.
