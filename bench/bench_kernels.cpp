@@ -29,6 +29,7 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <map>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -978,40 +979,42 @@ void ring_block_case(const std::string& name, int64_t h, int64_t kv, int64_t c, 
       g_rows.push_back(o);
     }
   }
-  // Our kernels alone on the same blocks, their inputs prepared outside the timed region as
-  // ring_block_forward makes them (the off-diagonal blocks as two sequences of c, the shorter
-  // side copied twice), no merge, no accumulation: the per-rank time the blocks could reach.
-  // "own alone vs own blocks": the kernels alone in the fused column, the ring's blocks in the
-  // ATen column; the difference is what the ring adds around the kernels (the copies, merges,
-  // adds and per-block allocations).
+  // Our kernels alone on the same blocks, their inputs prepared outside the timed region as our
+  // kernels' rows (each block one sequence, its keys with offsets of their own, as
+  // ring_block_forward passes them), no merge, no accumulation: the per-rank time the blocks
+  // could reach. "own alone vs own blocks": the kernels alone in the fused column, the ring's
+  // blocks in the ATen column; the difference is what the ring adds around the kernels.
   if (own) {
     auto rows = [](const at::Tensor& x) {  // [1, heads, n, D] -> [n, heads, D] contiguous
       return x[0].transpose(0, 1).contiguous();
     };
+    // One offsets tensor per length, as the ring passes them (the kernels keep their work
+    // lists' upload while the same host tensors come again).
+    std::map<int64_t, at::Tensor> offsets;
+    auto offsets_of = [&](int64_t n) {
+      at::Tensor& t = offsets[n];
+      if (!t.defined()) t = at::tensor(std::vector<int32_t>{0, static_cast<int32_t>(n)});
+      return t;
+    };
     struct Prepared {
-      at::Tensor q, k, v, dout, cu, out, lse;
-      int64_t len;
+      at::Tensor q, k, v, dout, cu_q, cu_k, out, lse;
+      int64_t qn, kn;
       bool causal;
     };
     std::vector<Prepared> prep;
     for (const Block& b : blocks) {
       Prepared p;
-      const at::Tensor qb = rows(q.narrow(2, b.q0, b.qn)), kb = rows(k.narrow(2, b.k0, b.kn)),
-                       vb = rows(v.narrow(2, b.k0, b.kn)), db = rows(dout.narrow(2, b.q0, b.qn));
-      const bool tall = b.qn == 2 * b.kn, wide = b.kn == 2 * b.qn;
-      p.q = wide ? at::cat({qb, qb}) : qb;
-      p.dout = wide ? at::cat({db, db}) : db;
-      p.k = tall ? at::cat({kb, kb}) : kb;
-      p.v = tall ? at::cat({vb, vb}) : vb;
-      p.len = std::min(b.qn, b.kn);
+      p.q = rows(q.narrow(2, b.q0, b.qn));
+      p.k = rows(k.narrow(2, b.k0, b.kn));
+      p.v = rows(v.narrow(2, b.k0, b.kn));
+      p.dout = rows(dout.narrow(2, b.q0, b.qn));
+      p.qn = b.qn;
+      p.kn = b.kn;
+      p.cu_q = offsets_of(b.qn);
+      p.cu_k = offsets_of(b.kn);
       p.causal = b.causal;
-      // One offsets tensor per shape, as the ring passes them (the kernels keep their work
-      // lists' upload while the same host tensor comes again).
-      p.cu = prep.empty() || prep.back().len != p.len
-                 ? at::arange(0, p.q.size(0) + 1, p.len, at::kInt)
-                 : prep.back().cu;
       const kernels::AttentionResult r =
-          kernels::attention_forward(p.q, p.k, p.v, p.cu, p.len, p.causal, scale);
+          kernels::attention_forward(p.q, p.k, p.v, p.cu_q, p.cu_k, p.qn, p.kn, p.causal, scale);
       p.out = r.out;
       p.lse = r.lse;
       prep.push_back(p);
@@ -1020,10 +1023,11 @@ void ring_block_case(const std::string& name, int64_t h, int64_t kv, int64_t c, 
       const std::vector<double> ms = cuda_medians_ms(
           {[&] {
              for (const Prepared& p : prep) {
-               kernels::attention_forward(p.q, p.k, p.v, p.cu, p.len, p.causal, scale);
+               kernels::attention_forward(p.q, p.k, p.v, p.cu_q, p.cu_k, p.qn, p.kn, p.causal,
+                                          scale);
                if (backward)
-                 kernels::attention_backward(p.q, p.k, p.v, p.out, p.dout, p.lse, p.cu, p.len,
-                                             p.causal, scale);
+                 kernels::attention_backward(p.q, p.k, p.v, p.out, p.dout, p.lse, p.cu_q, p.cu_k,
+                                             p.qn, p.kn, p.causal, scale);
              }
            },
            [&] { run(nn::RingBlockKernel::own, backward); }});

@@ -298,15 +298,19 @@ namespace {
 int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }
-// Every (sequence, tile) pair of `block`-token tiles with its work (work(len, tile)), heaviest
-// first; equal work keeps the order of insertion (sequence, then tile).
+// Every (sequence, tile) pair of `block`-token tiles of the side `cut` with its work
+// (work(cut's length, the other side's length, tile)), heaviest first; equal work keeps the
+// order of insertion (sequence, then tile).
 template <class Work>
-std::vector<AttentionTile> work_list(const std::vector<int64_t>& cu, int64_t block, Work work) {
+std::vector<AttentionTile> work_list(const std::vector<int64_t>& cut,
+                                     const std::vector<int64_t>& other, int64_t block, Work work) {
+  COLOSSAL_CHECK_INPUT(cut.size() == other.size(), "attention work lists: ", cut.size() - 1,
+                       " query sequences against ", other.size() - 1, " key sequences");
   std::vector<AttentionTile> tiles;
-  for (size_t s = 0; s + 1 < cu.size(); ++s) {
-    const int64_t len = cu[s + 1] - cu[s];
+  for (size_t s = 0; s + 1 < cut.size(); ++s) {
+    const int64_t len = cut[s + 1] - cut[s], len_other = other[s + 1] - other[s];
     for (int64_t t = 0; t < ceil_div(len, block); ++t)
-      tiles.push_back({static_cast<int32_t>(s), static_cast<int32_t>(t), work(len, t)});
+      tiles.push_back({static_cast<int32_t>(s), static_cast<int32_t>(t), work(len, len_other, t)});
   }
   std::stable_sort(tiles.begin(), tiles.end(),
                    [](const AttentionTile& a, const AttentionTile& b) { return a.work > b.work; });
@@ -314,20 +318,30 @@ std::vector<AttentionTile> work_list(const std::vector<int64_t>& cu, int64_t blo
 }
 }  // namespace
 
-std::vector<AttentionTile> attention_forward_tiles(const std::vector<int64_t>& cu, bool causal) {
+std::vector<AttentionTile> attention_forward_tiles(const std::vector<int64_t>& cu_q,
+                                                   const std::vector<int64_t>& cu_k, bool causal) {
   constexpr int64_t BM = cuda::kAttentionFwdBlockM, BN = cuda::kAttentionFwdBlockN;
   // A query tile reads the key tiles up to its last row (causal), else all of them.
-  return work_list(cu, BM, [&](int64_t len, int64_t m) {
-    return causal ? std::min(ceil_div(len, BN), ceil_div((m + 1) * BM, BN)) : ceil_div(len, BN);
+  return work_list(cu_q, cu_k, BM, [&](int64_t, int64_t keys, int64_t m) {
+    return causal ? std::min(ceil_div(keys, BN), ceil_div((m + 1) * BM, BN)) : ceil_div(keys, BN);
   });
 }
 
-std::vector<AttentionTile> attention_backward_tiles(const std::vector<int64_t>& cu, bool causal) {
+std::vector<AttentionTile> attention_backward_tiles(const std::vector<int64_t>& cu_q,
+                                                    const std::vector<int64_t>& cu_k, bool causal) {
   constexpr int64_t BM = cuda::kAttentionBwdBlockM, BN = cuda::kAttentionBwdBlockN;
   // A key tile is seen by the query tiles from its own first row on (causal), else by all.
-  return work_list(cu, BN, [&](int64_t len, int64_t n) {
-    return ceil_div(len, BM) - (causal ? n * BN / BM : 0);
+  return work_list(cu_k, cu_q, BN, [&](int64_t, int64_t queries, int64_t n) {
+    return ceil_div(queries, BM) - (causal ? n * BN / BM : 0);
   });
+}
+
+std::vector<AttentionTile> attention_forward_tiles(const std::vector<int64_t>& cu, bool causal) {
+  return attention_forward_tiles(cu, cu, causal);
+}
+
+std::vector<AttentionTile> attention_backward_tiles(const std::vector<int64_t>& cu, bool causal) {
+  return attention_backward_tiles(cu, cu, causal);
 }
 
 namespace {
@@ -337,16 +351,19 @@ namespace {
 // the scale.
 struct Prepared {
   at::Tensor q, k, v;
-  // int32 on the device: the offsets [sequences + 1], then the forward's and the backward's
-  // work lists ((sequence, tile) pairs), then the backward's launch order.
+  // int32 on the device: the queries' offsets [sequences + 1], the keys' (the same values
+  // unless the call gave its own), then the forward's and the backward's work lists ((sequence,
+  // tile) pairs), then the backward's launch order.
   at::Tensor work;
-  int64_t T = 0, H = 0, D = 0, Hkv = 0, sequences = 0, longest = 0;
+  // T, longest: the queries' rows and longest sequence; Tk, longest_k: the keys'.
+  int64_t T = 0, Tk = 0, H = 0, D = 0, Hkv = 0, sequences = 0, longest = 0, longest_k = 0;
   int64_t fwd_tiles = 0, bwd_tiles = 0;
   // The head sections the lists were built for (the backward's launch order depends on them).
   AttentionSections sections;
   double scale = 0;
   const int* cu() const { return work.const_data_ptr<int>(); }
-  const int* fwd() const { return cu() + sequences + 1; }
+  const int* cu_k() const { return cu() + sequences + 1; }
+  const int* fwd() const { return cu_k() + sequences + 1; }
   const int* bwd() const { return fwd() + 2 * fwd_tiles; }
   // The backward's launch order (attention_backward_order), bwd_tiles x Hkv entries.
   const int* bwd_order() const { return bwd() + 2 * bwd_tiles; }
@@ -368,22 +385,24 @@ int64_t multiprocessors(const at::Device& device) {
 // the same tensor); offsets on the device were copied back to the host to be checked, so the
 // lists are built from that copy.
 void upload_work(Prepared& p, const at::Tensor& cu_seqlens, const std::vector<int64_t>& cu,
-                 bool causal, bool deterministic, const at::Device& device) {
+                 const at::Tensor& cu_seqlens_k, const std::vector<int64_t>& cu_k, bool causal,
+                 bool deterministic, const at::Device& device) {
   // Everything the lists and the launch order are built from, besides the offsets' values.
   struct Key {
-    int64_t version, kv_heads, kv_section, heads, interleave;
+    int64_t version, version_k, kv_heads, kv_section, heads, interleave;
     bool causal, deterministic;
     at::Device device;
     bool operator==(const Key&) const = default;
   };
   struct Last {
-    at::Tensor host, dev;
+    at::Tensor host, host_k, dev;
     Key key;
     int64_t fwd = 0, bwd = 0;
   };
   thread_local std::optional<Last> last;
   const int64_t setting = attention_bwd_interleave();
   const Key key{static_cast<int64_t>(cu_seqlens._version()),
+                cu_seqlens_k.defined() ? static_cast<int64_t>(cu_seqlens_k._version()) : -1,
                 p.Hkv,
                 p.sections.bwd_kv_heads,
                 p.H,
@@ -391,14 +410,16 @@ void upload_work(Prepared& p, const at::Tensor& cu_seqlens, const std::vector<in
                 causal,
                 deterministic,
                 device};
-  if (cu_seqlens.is_cpu() && last && last->host.is_same(cu_seqlens) && last->key == key) {
+  const bool host = cu_seqlens.is_cpu() && (!cu_seqlens_k.defined() || cu_seqlens_k.is_cpu());
+  if (host && last && last->host.is_same(cu_seqlens) && last->host_k.is_same(cu_seqlens_k) &&
+      last->key == key) {
     p.work = last->dev;
     p.fwd_tiles = last->fwd;
     p.bwd_tiles = last->bwd;
     return;
   }
-  const std::vector<AttentionTile> f = attention_forward_tiles(cu, causal);
-  const std::vector<AttentionTile> b = attention_backward_tiles(cu, causal);
+  const std::vector<AttentionTile> f = attention_forward_tiles(cu, cu_k, causal);
+  const std::vector<AttentionTile> b = attention_backward_tiles(cu, cu_k, causal);
   const int64_t interleave =
       setting != kAttentionBwdInterleaveAuto
           ? setting
@@ -407,8 +428,9 @@ void upload_work(Prepared& p, const at::Tensor& cu_seqlens, const std::vector<in
   const std::vector<int32_t> order =
       attention_backward_order(b, p.Hkv, p.sections.bwd_kv_heads, interleave);
   std::vector<int32_t> all;
-  all.reserve(cu.size() + 2 * (f.size() + b.size()) + order.size());
+  all.reserve(2 * cu.size() + 2 * (f.size() + b.size()) + order.size());
   for (int64_t c : cu) all.push_back(static_cast<int32_t>(c));
+  for (int64_t c : cu_k) all.push_back(static_cast<int32_t>(c));
   for (const auto* list : {&f, &b})
     for (const AttentionTile& t : *list) {
       all.push_back(t.seq);
@@ -420,7 +442,7 @@ void upload_work(Prepared& p, const at::Tensor& cu_seqlens, const std::vector<in
   // Without waiting for the device, which would sit idle while the host prepares each new
   // batch's list.
   p.work = upload_async(at::tensor(all, at::kInt), device);
-  if (cu_seqlens.is_cpu()) last = Last{cu_seqlens, p.work, key, p.fwd_tiles, p.bwd_tiles};
+  if (host) last = Last{cu_seqlens, cu_seqlens_k, p.work, key, p.fwd_tiles, p.bwd_tiles};
 }
 
 // Whether t ([T, heads, D]) is in the layout the kernels read as it is: the head dimension
@@ -436,9 +458,40 @@ at::Tensor as_rows(const at::Tensor& t, int64_t D) {
   return rows_ok(t, D) ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
+// cu_seqlens (int32 or int64 [sequences + 1]) on the host, checked: 0 first, `rows` last,
+// non-decreasing. Offsets on the device cost a copy and a synchronisation; offsets on the host
+// are uploaded once and reused while the same host tensor comes again (every layer of one
+// forward). `longest` gets the longest sequence.
+void check_offsets_type(const char* op, const char* name, const at::Tensor& cu_seqlens) {
+  COLOSSAL_CHECK_INPUT(
+      cu_seqlens.defined() && cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 2 &&
+          (cu_seqlens.scalar_type() == at::kInt || cu_seqlens.scalar_type() == at::kLong),
+      op, ": ", name, " must be int32 or int64 [sequences + 1]");
+}
+
+std::vector<int64_t> checked_offsets(const char* op, const char* name, const at::Tensor& cu_seqlens,
+                                     int64_t rows, int64_t& longest) {
+  check_offsets_type(op, name, cu_seqlens);
+  const at::Tensor host = cu_seqlens.to(at::kCPU, at::kLong).contiguous();
+  std::vector<int64_t> cu(host.const_data_ptr<int64_t>(),
+                          host.const_data_ptr<int64_t>() + host.numel());
+  const size_t n = cu.size() - 1;
+  COLOSSAL_CHECK_INPUT(cu[0] == 0 && cu[n] == rows, op, ": ", name,
+                       " must start at 0 and end at the rows, ", rows, "; got ", cu[0], " and ",
+                       cu[n]);
+  longest = 0;
+  for (size_t i = 0; i < n; ++i) {
+    COLOSSAL_CHECK_INPUT(cu[i + 1] >= cu[i], op, ": ", name, " decreases at ", i + 1, " (", cu[i],
+                         " then ", cu[i + 1], ")");
+    longest = std::max(longest, cu[i + 1] - cu[i]);
+  }
+  return cu;
+}
+
+// cu_seqlens_k undefined: the keys are the queries' rows (self-attention over packed sequences).
 Prepared prepare(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                 const at::Tensor& cu_seqlens, int64_t max_seqlen, bool causal, double scale,
-                 bool deterministic) {
+                 const at::Tensor& cu_seqlens, const at::Tensor& cu_seqlens_k, int64_t max_seqlen,
+                 int64_t max_seqlen_k, bool causal, double scale, bool deterministic) {
   COLOSSAL_CHECK_INPUT(q.defined() && k.defined() && v.defined(), op,
                        ": q, k and v must be defined");
   COLOSSAL_CHECK_INPUT(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, op,
@@ -446,50 +499,58 @@ Prepared prepare(const char* op, const at::Tensor& q, const at::Tensor& k, const
                        v.sizes());
   check_same(op, "k", k, "q", q);
   check_same(op, "v", v, "q", q);
+  const bool cross = cu_seqlens_k.defined();
   Prepared p;
   p.T = q.size(0);
+  p.Tk = k.size(0);
   p.H = q.size(1);
   p.D = q.size(2);
   p.Hkv = k.size(1);
+  const std::string rows = cross ? "Tk" : std::to_string(p.T);
   COLOSSAL_CHECK_INPUT(
-      k.size(0) == p.T && v.size(0) == p.T && k.sizes() == v.sizes() && k.size(2) == p.D, op,
-      ": k and v must be [", p.T, ", kv_heads, ", p.D, "] alike; got ", k.sizes(), " and ",
+      (cross || p.Tk == p.T) && v.size(0) == p.Tk && k.sizes() == v.sizes() && k.size(2) == p.D, op,
+      ": k and v must be [", rows, ", kv_heads, ", p.D, "] alike; got ", k.sizes(), " and ",
       v.sizes());
   COLOSSAL_CHECK_INPUT(p.Hkv > 0 && p.H % p.Hkv == 0, op, ": heads ", p.H,
                        " is not a multiple of kv_heads ", p.Hkv);
-  COLOSSAL_CHECK_INPUT(
-      cu_seqlens.defined() && cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 2 &&
-          (cu_seqlens.scalar_type() == at::kInt || cu_seqlens.scalar_type() == at::kLong),
-      op, ": cu_seqlens must be int32 or int64 [sequences + 1]");
+  const char* name_q = cross ? "cu_seqlens_q" : "cu_seqlens";
+  check_offsets_type(op, name_q, cu_seqlens);
+  if (cross) check_offsets_type(op, "cu_seqlens_k", cu_seqlens_k);
   const std::string why = own_attention_unsupported(q, k);
   COLOSSAL_CHECK_INPUT(why.empty(), op, ": ", why);
-  COLOSSAL_CHECK_INPUT(p.T < (int64_t(1) << 31), op, ": ", p.T,
-                       " tokens are too many for one call");
-  // Offsets checked on the host: 0 first, T last, non-decreasing (offsets on the device cost a
-  // copy and a synchronisation; offsets on the host are uploaded once and reused while the same
-  // host tensor comes again: every layer of one forward).
-  const at::Tensor cu_host = cu_seqlens.to(at::kCPU, at::kLong).contiguous();
-  const std::vector<int64_t> cu(cu_host.const_data_ptr<int64_t>(),
-                                cu_host.const_data_ptr<int64_t>() + cu_host.numel());
-  const int64_t* c = cu.data();
-  p.sequences = cu_host.numel() - 1;
-  COLOSSAL_CHECK_INPUT(c[0] == 0 && c[p.sequences] == p.T, op,
-                       ": cu_seqlens must start at 0 and end at T = ", p.T, "; got ", c[0], " and ",
-                       c[p.sequences]);
-  for (int64_t i = 0; i < p.sequences; ++i) {
-    COLOSSAL_CHECK_INPUT(c[i + 1] >= c[i], op, ": cu_seqlens decreases at ", i + 1, " (", c[i],
-                         " then ", c[i + 1], ")");
-    p.longest = std::max(p.longest, c[i + 1] - c[i]);
+  COLOSSAL_CHECK_INPUT(p.T < (int64_t(1) << 31) && p.Tk < (int64_t(1) << 31), op, ": ", p.T,
+                       " query and ", p.Tk, " key tokens: too many for one call");
+  const std::vector<int64_t> cu = checked_offsets(op, name_q, cu_seqlens, p.T, p.longest);
+  p.sequences = static_cast<int64_t>(cu.size()) - 1;
+  std::vector<int64_t> cu_k = cu;
+  p.longest_k = p.longest;
+  if (cross) {
+    cu_k = checked_offsets(op, "cu_seqlens_k", cu_seqlens_k, p.Tk, p.longest_k);
+    COLOSSAL_CHECK_INPUT(cu_k.size() == cu.size(), op, ": cu_seqlens_q holds ", p.sequences,
+                         " sequences, cu_seqlens_k ", cu_k.size() - 1);
+    for (int64_t i = 0; i < p.sequences; ++i) {
+      const int64_t nq = cu[i + 1] - cu[i], nk = cu_k[i + 1] - cu_k[i];
+      COLOSSAL_CHECK_INPUT((nq == 0) == (nk == 0), op, ": sequence ", i, " has ", nq,
+                           " queries and ", nk,
+                           " keys (rows without a partner would be left unwritten)");
+      COLOSSAL_CHECK_INPUT(!causal || nq == nk, op, ": causal sequence ", i, " has ", nq,
+                           " queries and ", nk, " keys; causal needs as many of each");
+    }
+    COLOSSAL_CHECK_INPUT(max_seqlen_k <= 0 || max_seqlen_k >= p.longest_k, op, ": max_seqlen_k ",
+                         max_seqlen_k, " is shorter than key sequence length ", p.longest_k);
   }
-  COLOSSAL_CHECK_INPUT(max_seqlen <= 0 || max_seqlen >= p.longest, op, ": max_seqlen ", max_seqlen,
+  COLOSSAL_CHECK_INPUT(max_seqlen <= 0 || max_seqlen >= p.longest, op, ": ",
+                       cross ? "max_seqlen_q " : "max_seqlen ", max_seqlen,
                        " is shorter than sequence length ", p.longest);
   COLOSSAL_CHECK_INPUT(p.sequences <= 65535 && p.H <= 65535, op, ": ", p.sequences,
                        " sequences and ", p.H, " heads: at most 65535 of each in one call");
   p.q = as_rows(q, p.D);
   p.k = as_rows(k, p.D);
   p.v = as_rows(v, p.D);
-  p.sections = attention_sections(p.T, p.H, p.Hkv, p.D, attention_l2_budget());
-  upload_work(p, cu_seqlens, cu, causal, deterministic, q.device());
+  // The forward's sections count the keys' rows, the backward's the queries'.
+  p.sections = {attention_sections(p.Tk, p.H, p.Hkv, p.D, attention_l2_budget()).fwd_heads,
+                attention_sections(p.T, p.H, p.Hkv, p.D, attention_l2_budget()).bwd_kv_heads};
+  upload_work(p, cu_seqlens, cu, cu_seqlens_k, cu_k, causal, deterministic, q.device());
   COLOSSAL_CHECK_INPUT(std::max(p.fwd_tiles * p.H, p.bwd_tiles * p.Hkv) < (int64_t(1) << 31), op,
                        ": ", p.T, " tokens in ", p.H, " heads are too many for one call");
   p.scale = scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(p.D));
@@ -503,11 +564,13 @@ AttentionSections fill_args(const Prepared& p, bool causal, cuda::AttentionFwdAr
   a.k = p.k.const_data_ptr();
   a.v = p.v.const_data_ptr();
   a.cu_seqlens = p.cu();
+  a.cu_seqlens_k = p.cu_k();
   a.tiles = p.fwd();
   a.tile_count = p.fwd_tiles;
   const AttentionSections sections = p.sections;
   a.head_section = sections.fwd_heads;
   a.total = p.T;
+  a.total_k = p.Tk;
   a.sequences = p.sequences;
   a.max_seqlen = p.longest;
   a.heads = p.H;
@@ -623,8 +686,8 @@ struct AttentionFn : torch::autograd::Function<AttentionFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const at::Tensor& cu_seqlens, int64_t max_seqlen,
                             bool causal, double scale, bool deterministic) {
-    Prepared p =
-        prepare("attention", q, k, v, cu_seqlens, max_seqlen, causal, scale, deterministic);
+    Prepared p = prepare("attention", q, k, v, cu_seqlens, at::Tensor(), max_seqlen, 0, causal,
+                         scale, deterministic);
     AttentionResult r = forward_prepared(p, causal, std::nullopt);
     // The checked inputs as the kernels take them (the backward needs no second check).
     ctx->save_for_backward({p.q, p.k, p.v, r.out, r.lse, p.work});
@@ -650,6 +713,7 @@ struct AttentionFn : torch::autograd::Function<AttentionFn> {
     p.v = saved[2];
     p.work = saved[5];
     p.T = p.q.size(0);
+    p.Tk = p.k.size(0);
     p.H = p.q.size(1);
     p.D = p.q.size(2);
     p.Hkv = p.k.size(1);
@@ -672,9 +736,19 @@ struct AttentionFn : torch::autograd::Function<AttentionFn> {
 AttentionResult attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& cu_seqlens, int64_t max_seqlen, bool causal,
                                   double scale, const std::optional<at::Tensor>& out) {
-  return forward_prepared(
-      prepare("attention_forward", q, k, v, cu_seqlens, max_seqlen, causal, scale, false), causal,
-      out);
+  return forward_prepared(prepare("attention_forward", q, k, v, cu_seqlens, at::Tensor(),
+                                  max_seqlen, 0, causal, scale, false),
+                          causal, out);
+}
+
+AttentionResult attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                  int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+                                  double scale, const std::optional<at::Tensor>& out) {
+  COLOSSAL_CHECK_INPUT(cu_seqlens_k.defined(), "attention_forward: cu_seqlens_k is undefined");
+  return forward_prepared(prepare("attention_forward", q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                  max_seqlen_q, max_seqlen_k, causal, scale, false),
+                          causal, out);
 }
 
 AttentionGrads attention_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -682,9 +756,21 @@ AttentionGrads attention_backward(const at::Tensor& q, const at::Tensor& k, cons
                                   const at::Tensor& lse, const at::Tensor& cu_seqlens,
                                   int64_t max_seqlen, bool causal, double scale,
                                   bool deterministic) {
-  return backward_prepared(
-      prepare("attention_backward", q, k, v, cu_seqlens, max_seqlen, causal, scale, deterministic),
-      out, dout, lse, causal, deterministic);
+  return backward_prepared(prepare("attention_backward", q, k, v, cu_seqlens, at::Tensor(),
+                                   max_seqlen, 0, causal, scale, deterministic),
+                           out, dout, lse, causal, deterministic);
+}
+
+AttentionGrads attention_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& out, const at::Tensor& dout,
+                                  const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
+                                  const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                  int64_t max_seqlen_k, bool causal, double scale,
+                                  bool deterministic) {
+  COLOSSAL_CHECK_INPUT(cu_seqlens_k.defined(), "attention_backward: cu_seqlens_k is undefined");
+  return backward_prepared(prepare("attention_backward", q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                   max_seqlen_q, max_seqlen_k, causal, scale, deterministic),
+                           out, dout, lse, causal, deterministic);
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -144,8 +144,10 @@ void fp8_cast_rows_concat(const std::vector<const void*>& xs, const std::vector<
 // q_row_stride (elements), k and v [total, kv_heads, head_dim] with row strides kv_row_stride and
 // v_row_stride,
 // the head dimension contiguous, 16-byte aligned; sequence i holds tokens [cu_seqlens[i],
-// cu_seqlens[i+1]) (int32 [sequences + 1], on the device), max_seqlen the longest. out [total,
-// heads, head_dim] contiguous bf16; lse fp32 [heads, total] (natural log). ----
+// cu_seqlens[i+1]) (int32 [sequences + 1], on the device), max_seqlen the longest; its keys and
+// values rows [cu_seqlens_k[i], cu_seqlens_k[i+1]) of k and v (total_k rows) when cu_seqlens_k
+// is given. out [total, heads, head_dim] contiguous bf16; lse fp32 [heads, total] (natural log).
+// ----
 // The forward's schedules (kernels/attention.h, AttentionSchedule): one key tile at a time;
 // FlashAttention-3's intra-warpgroup overlap of a tile's softmax with the previous tile's P V;
 // that plus the two consumer warpgroups taking turns at the tensor cores.
@@ -158,6 +160,10 @@ struct AttentionFwdArgs {
   void* out = nullptr;
   float* lse = nullptr;
   const int* cu_seqlens = nullptr;
+  // The keys' offsets and rows (kernels::attention_forward's cross-length form); nullptr / 0:
+  // cu_seqlens and total (the keys are the queries' rows).
+  const int* cu_seqlens_k = nullptr;
+  int64_t total_k = 0;
   int64_t total = 0, sequences = 0, max_seqlen = 0, heads = 0, kv_heads = 0, head_dim = 0;
   int64_t q_row_stride = 0, kv_row_stride = 0, v_row_stride = 0;
   bool causal = true;
@@ -184,7 +190,7 @@ void attention_sm90_fwd(const AttentionFwdArgs& args, Stream stream);
 // fp32 [heads, total], dq_accum fp32 [attention_sm90_dq_accum_elements(..)] (its own layout),
 // and in deterministic mode dq_semaphore int32 [semaphore_count =
 // attention_sm90_bwd_semaphores(..)]. Outputs contiguous bf16: dq [total, heads, head_dim], dk
-// and dv [total, kv_heads, head_dim]. dq_tma (not with deterministic): the partial dQ sums go
+// and dv [total_k, kv_heads, head_dim]. dq_tma (not with deterministic): the partial dQ sums go
 // through shared memory and a TMA reduce-add issued by a warp of their own, instead of fp32
 // atomics from the consumer warps.
 struct AttentionBwdArgs : AttentionFwdArgs {

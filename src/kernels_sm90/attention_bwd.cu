@@ -1,7 +1,7 @@
 // Issue 25: our attention backward for sm_90a, the companion of attention_fwd.cu (same inputs:
-// bf16 q [T, H, D], k / v [T, Hkv, D], packed sequences, causal or full, GQA in place), with
-// the forward's log-sum-exp. Written on CuTe after the FlashAttention-2/3 papers' key-stationary
-// scheme, not on their code:
+// bf16 q [T, H, D], k / v [T, Hkv, D] or keys of their own lengths [Tk, Hkv, D], packed
+// sequences, causal or full, GQA in place), with the forward's log-sum-exp. Written on CuTe after
+// the FlashAttention-2/3 papers' key-stationary scheme, not on their code:
 //  - preprocess: delta_i = rowsum(dO_i * O_i) per query and head (fp32 [H, T]), and the same
 //    threads zero that query's row of dQ's fp32 accumulator;
 //  - main kernel: one CTA per (128-key tile of a sequence, kv head), from a host-built work list
@@ -63,14 +63,15 @@ struct BwdParams {
   const float* lse;    // [H, T]
   const float* delta;  // [H, T]
   float* dq_accum;     // [H, T + 128, D] in dq_index order
-  Bf16* dk;            // [T, Hkv, D]
+  Bf16* dk;            // [Tk, Hkv, D]
   Bf16* dv;
   int* dq_semaphore;  // [sequences, m_blocks, H] (deterministic), else null
   const int* cu_seqlens;
-  const int* tiles;  // (sequence, key tile) pairs
+  const int* cu_seqlens_k;  // the keys' offsets (cu_seqlens's values unless given their own)
+  const int* tiles;         // (sequence, key tile) pairs
   const int* order;  // CTA i runs tile_and_head(order[i]) (kernels::attention_backward_order)
   HangRecord* hang;
-  int heads, kv_heads, total, m_blocks_max, tile_count, head_section;
+  int heads, kv_heads, total, total_k, m_blocks_max, tile_count, head_section;
   int64_t dq_rows;  // rows of one head in dq_accum (total + kDqPadRows)
   float scale, scale_log2;
 };
@@ -100,9 +101,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const TileHead th = tile_and_head(p.order[blockIdx.x], p.tile_count, p.kv_heads, p.head_section);
   const int tile = th.tile, kv_head = th.head;
   const int seq = p.tiles[2 * tile], n_block = p.tiles[2 * tile + 1];
+  // The queries' first row and count, and the keys' (the same unless given their own).
   const int start = p.cu_seqlens[seq];
   const int len = p.cu_seqlens[seq + 1] - start;
-  if (n_block * kBlockN >= len) return;
+  const int k_start = p.cu_seqlens_k[seq];
+  const int k_len = p.cu_seqlens_k[seq + 1] - k_start;
+  if (n_block * kBlockN >= k_len) return;
   const int group = p.heads / p.kv_heads;
   const int m_begin = kCausal ? (n_block * kBlockN) / kBlockM : 0;
   const int m_end = (len + kBlockM - 1) / kBlockM;
@@ -138,11 +142,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if (cute::elect_one_sync()) {
         Tensor mQ = tma_q.get_tma_tensor(make_shape(p.total, typename T::D{}, p.heads));
         Tensor mdO = tma_do.get_tma_tensor(make_shape(p.total, typename T::D{}, p.heads));
-        Tensor mK = tma_k.get_tma_tensor(make_shape(p.total, typename T::D{}, p.kv_heads));
-        Tensor mV = tma_v.get_tma_tensor(make_shape(p.total, typename T::D{}, p.kv_heads));
-        Tensor gK = local_tile(domain_offset(make_coord(start, _0{}), mK(_, _, kv_head)),
+        Tensor mK = tma_k.get_tma_tensor(make_shape(p.total_k, typename T::D{}, p.kv_heads));
+        Tensor mV = tma_v.get_tma_tensor(make_shape(p.total_k, typename T::D{}, p.kv_heads));
+        Tensor gK = local_tile(domain_offset(make_coord(k_start, _0{}), mK(_, _, kv_head)),
                                Shape<typename T::BN, typename T::D>{}, make_coord(n_block, _0{}));
-        Tensor gV = local_tile(domain_offset(make_coord(start, _0{}), mV(_, _, kv_head)),
+        Tensor gV = local_tile(domain_offset(make_coord(k_start, _0{}), mV(_, _, kv_head)),
                                Shape<typename T::BN, typename T::D>{}, make_coord(n_block, _0{}));
         auto [tKg, tKs] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
                                         group_modes<0, 2>(gK));
@@ -286,7 +290,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     warpgroup_fence_operand(accS);
 
     // P^T, masked: keys or queries past the sequence's end, (causal) keys after the query.
-    const bool need_mask = k_row0 + kBlockN > len || q_row0 + kBlockM > len ||
+    const bool need_mask = k_row0 + kBlockN > k_len || q_row0 + kBlockM > len ||
                            (kCausal && k_row0 + kBlockN - 1 > q_row0);
     CUTE_UNROLL
     for (int j = 0; j < size(accS); ++j) {
@@ -295,7 +299,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       float e = sm90::exp2_approx(accS(j) * p.scale_log2 - l);
       if (need_mask) {
         const int key = k_row0 + kr, query = q_row0 + qc;
-        if (key >= len || query >= len || (kCausal && key > query)) e = 0.f;
+        if (key >= k_len || query >= len || (kCausal && key > query)) e = 0.f;
       }
       accS(j) = e;
     }
@@ -421,8 +425,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   CUTE_UNROLL
   for (int j = 0; j < size(accdV); j += 2) {
     const int r = get<0>(tKVc(j)), c = get<1>(tKVc(j));
-    if (k_row0 + r < len) {
-      const int64_t off = (int64_t(start) + k_row0 + r) * ld + int64_t(kv_head) * kD + c;
+    if (k_row0 + r < k_len) {
+      const int64_t off = (int64_t(k_start) + k_row0 + r) * ld + int64_t(kv_head) * kD + c;
       *reinterpret_cast<__nv_bfloat162*>(p.dv + off) =
           __floats2bfloat162_rn(accdV(j), accdV(j + 1));
       *reinterpret_cast<__nv_bfloat162*>(p.dk + off) =
@@ -523,9 +527,10 @@ void launch_bwd(const AttentionBwdArgs& a, Stream stream) {
                           make_stride(a.q_row_stride, _1{}, int64_t(kD)));
   Tensor mdO = make_tensor(make_gmem_ptr(dout), make_shape(total, D{}, int(a.heads)),
                            make_stride(a.dout_row_stride, _1{}, int64_t(kD)));
-  Tensor mK = make_tensor(make_gmem_ptr(k), make_shape(total, D{}, int(a.kv_heads)),
+  const int total_k = a.cu_seqlens_k != nullptr ? int(a.total_k) : total;
+  Tensor mK = make_tensor(make_gmem_ptr(k), make_shape(total_k, D{}, int(a.kv_heads)),
                           make_stride(a.kv_row_stride, _1{}, int64_t(kD)));
-  Tensor mV = make_tensor(make_gmem_ptr(v), make_shape(total, D{}, int(a.kv_heads)),
+  Tensor mV = make_tensor(make_gmem_ptr(v), make_shape(total_k, D{}, int(a.kv_heads)),
                           make_stride(a.v_row_stride, _1{}, int64_t(kD)));
   auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, mQ, take<0, 2>(typename T::SmemLayoutQ{}));
   auto tma_do = make_tma_copy(SM90_TMA_LOAD{}, mdO, take<0, 2>(typename T::SmemLayoutQ{}));
@@ -539,9 +544,11 @@ void launch_bwd(const AttentionBwdArgs& a, Stream stream) {
   p.dv = reinterpret_cast<Bf16*>(a.dv);
   p.dq_semaphore = kDeterministic ? a.dq_semaphore : nullptr;
   p.cu_seqlens = a.cu_seqlens;
+  p.cu_seqlens_k = a.cu_seqlens_k != nullptr ? a.cu_seqlens_k : a.cu_seqlens;
   p.heads = int(a.heads);
   p.kv_heads = int(a.kv_heads);
   p.total = total;
+  p.total_k = total_k;
   p.m_blocks_max = int((a.max_seqlen + T::kBlockM - 1) / T::kBlockM);
   p.tiles = a.bwd_tiles;
   p.order = a.bwd_order;

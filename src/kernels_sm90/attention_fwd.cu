@@ -18,7 +18,9 @@
 //  - the key tiles run from the last to the first, so only the first tiles need the causal and
 //    sequence-end masks;
 //  - tiles of rows past a sequence's end read the next sequence's tokens (or TMA's zero fill
-//    past the end of the batch) and are masked; rows past the end are never written.
+//    past the end of the batch) and are masked; rows past the end are never written;
+//  - a sequence's keys may be rows of their own (cu_seqlens_k, another count than the queries':
+//    one block of ring attention), each side masked at its own end.
 // Compiled only for sm_90a (wgmma, TMA, setmaxnreg); cuda_kernels.h declares the launcher.
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
@@ -55,10 +57,11 @@ struct FwdParams {
   float* lse;
   float* amax;  // null, or max |o| as stored (zeroed by the caller)
   const int* cu_seqlens;
-  const int* tiles;  // (sequence, query tile) pairs
-  int* next_item;    // the persistent CTAs' counter of items drawn after their first (zero)
+  const int* cu_seqlens_k;  // the keys' offsets (cu_seqlens's values unless given their own)
+  const int* tiles;         // (sequence, query tile) pairs
+  int* next_item;           // the persistent CTAs' counter of items drawn after their first (zero)
   HangRecord* hang;
-  int heads, kv_heads, total, tile_count, head_section;
+  int heads, kv_heads, total, total_k, tile_count, head_section;
   float scale_log2;  // softmax scale * log2(e)
   float scale;
 };
@@ -81,18 +84,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // shared memory (no dependent global loads between the Q barrier and their first GEMM).
   const int items = p.tile_count * p.heads;
   // One item's coordinates (the same in every role).
+  // start, len: the queries' first row and count; k_start, k_len: the keys'.
   struct Item {
-    int head, kv_head, m_block, start, len, n_blocks;
+    int head, kv_head, m_block, start, len, k_start, k_len, n_blocks;
   };
-  auto make_item = [&](int head, int m_block, int start, int len) {
+  auto make_item = [&](int head, int m_block, int start, int len, int k_start, int k_len) {
     Item it;
     it.head = head;
     it.kv_head = head / (p.heads / p.kv_heads);
     it.m_block = m_block;
     it.start = start;
     it.len = len;
+    it.k_start = k_start;
+    it.k_len = k_len;
     // The work list holds tiles with work only (m_block * kBlockM < len).
-    it.n_blocks = (len + kBlockN - 1) / kBlockN;
+    it.n_blocks = (k_len + kBlockN - 1) / kBlockN;
     if constexpr (kCausal)
       it.n_blocks = min(it.n_blocks, ((m_block + 1) * kBlockM + kBlockN - 1) / kBlockN);
     return it;
@@ -100,11 +106,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto decode = [&](int w) {
     const TileHead th = tile_and_head(w, p.tile_count, p.heads, p.head_section);
     const int seq = p.tiles[2 * th.tile], start = p.cu_seqlens[seq];
-    return make_item(th.head, p.tiles[2 * th.tile + 1], start, p.cu_seqlens[seq + 1] - start);
+    const int k_start = p.cu_seqlens_k[seq];
+    return make_item(th.head, p.tiles[2 * th.tile + 1], start, p.cu_seqlens[seq + 1] - start,
+                     k_start, p.cu_seqlens_k[seq + 1] - k_start);
   };
   // Volatile: the barriers' asm carries no memory clobber, so only volatile accesses keep their
   // place before the producer's arrive and after the consumers' wait.
-  volatile int* handed = s.item;  // head (-1: no items left), m_block, start, len
+  // head (-1: no items left), m_block, start, len, k_start, k_len
+  volatile int* handed = s.item;
 
   const int warp = threadIdx.x / 32;
   const int warpgroup = threadIdx.x / 128;
@@ -133,19 +142,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<24>();
     if (warp == 0 && cute::elect_one_sync()) {
       Tensor mQ = tma_q.get_tma_tensor(make_shape(p.total, typename T::D{}, p.heads));
-      Tensor mK = tma_k.get_tma_tensor(make_shape(p.total, typename T::D{}, p.kv_heads));
-      Tensor mV = tma_v.get_tma_tensor(make_shape(typename T::D{}, p.total, p.kv_heads));
+      Tensor mK = tma_k.get_tma_tensor(make_shape(p.total_k, typename T::D{}, p.kv_heads));
+      Tensor mV = tma_v.get_tma_tensor(make_shape(typename T::D{}, p.total_k, p.kv_heads));
       int it = 0;
       int w = int(blockIdx.x);
       for (int k = 0;; ++k) {
         // The consumers have read the previous item (and released its Q): hand them this one,
         // or head -1 (none left: they stop).
-        const Item c = w < items ? decode(w) : Item{-1, 0, 0, 0, 0, 0};
+        const Item c = w < items ? decode(w) : Item{-1, 0, 0, 0, 0, 0, 0, 0};
         watched_wait(&s.empty_q, (k & 1) ^ 1, p.hang, kHangFwd, kWaitEmptyQ, 0);
         handed[0] = c.head;
         handed[1] = c.m_block;
         handed[2] = c.start;
         handed[3] = c.len;
+        handed[4] = c.k_start;
+        handed[5] = c.k_len;
         if (w >= items) {
           FullBarrier::arrive(&s.bar_q);  // completes the phase with no bytes: releases it
           break;
@@ -153,9 +164,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         w = int(gridDim.x) + atomicAdd(p.next_item, 1);  // the next, drawn early
         Tensor gQ = local_tile(domain_offset(make_coord(c.start, _0{}), mQ(_, _, c.head)),
                                Shape<typename T::BM, typename T::D>{}, make_coord(c.m_block, _0{}));
-        Tensor gK = local_tile(domain_offset(make_coord(c.start, _0{}), mK(_, _, c.kv_head)),
+        Tensor gK = local_tile(domain_offset(make_coord(c.k_start, _0{}), mK(_, _, c.kv_head)),
                                Shape<typename T::BN, typename T::D>{}, make_coord(_, _0{}));
-        Tensor gV = local_tile(domain_offset(make_coord(_0{}, c.start), mV(_, _, c.kv_head)),
+        Tensor gV = local_tile(domain_offset(make_coord(_0{}, c.k_start), mV(_, _, c.kv_head)),
                                Shape<typename T::D, typename T::BN>{}, make_coord(_0{}, _));
         auto [tQg, tQs] = tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
                                         group_modes<0, 2>(gQ));
@@ -203,7 +214,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   // Row statistics of this thread's two rows (r = 0, 1: rows i and i + 8 of its warp's 16).
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
-  int len = 0, q_row0 = 0;  // the current item's sequence length and first query
+  // The current item's query and key counts, and its first query (within the sequence).
+  int len = 0, k_len = 0, q_row0 = 0;
 
   // Mask key tile n's scores in accS, fold them into the row statistics, write P (bf16) into rp
   // and the factor the output accumulated so far must take into corr (the caller applies it
@@ -211,12 +223,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto softmax_step = [&](auto& accS, int n, auto& rp, float(&corr)[2]) {
     // Masks: keys past the sequence's end, and (causal) keys after the query.
     const int k_col0 = n * kBlockN;
-    const bool need_mask = k_col0 + kBlockN > len || (kCausal && k_col0 + kBlockN - 1 > q_row0);
+    const bool need_mask = k_col0 + kBlockN > k_len || (kCausal && k_col0 + kBlockN - 1 > q_row0);
     if (need_mask) {
       CUTE_UNROLL
       for (int j = 0; j < size(accS); ++j) {
         const int row = q_row0 + get<0>(tScS(j)), col = k_col0 + get<1>(tScS(j));
-        if (col >= len || (kCausal && col > row)) accS(j) = -INFINITY;
+        if (col >= k_len || (kCausal && col > row)) accS(j) = -INFINITY;
       }
     }
     // Online softmax in base 2. Register j of accS is column pair element j % 2, row (j / 2) % 2,
@@ -271,9 +283,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   for (int k = 0;; ++k) {
     watched_wait(&s.bar_q, k & 1, p.hang, kHangFwd, kWaitBarQ, 0);
     if (handed[0] < 0) break;
-    const Item c = make_item(handed[0], handed[1], handed[2], handed[3]);
+    const Item c = make_item(handed[0], handed[1], handed[2], handed[3], handed[4], handed[5]);
     const int n_blocks = c.n_blocks;
     len = c.len;
+    k_len = c.k_len;
     q_row0 = c.m_block * kBlockM;  // the tile's first query, within the sequence
     clear(accO);
     row_max[0] = row_max[1] = -INFINITY;
@@ -452,9 +465,10 @@ void launch_fwd(const AttentionFwdArgs& a, Stream stream) {
   const int64_t total = a.total;
   Tensor mQ = make_tensor(make_gmem_ptr(q), make_shape(int(total), D{}, int(a.heads)),
                           make_stride(a.q_row_stride, _1{}, int64_t(kD)));
-  Tensor mK = make_tensor(make_gmem_ptr(k), make_shape(int(total), D{}, int(a.kv_heads)),
+  const int64_t total_k = a.cu_seqlens_k != nullptr ? a.total_k : total;
+  Tensor mK = make_tensor(make_gmem_ptr(k), make_shape(int(total_k), D{}, int(a.kv_heads)),
                           make_stride(a.kv_row_stride, _1{}, int64_t(kD)));
-  Tensor mV = make_tensor(make_gmem_ptr(v), make_shape(D{}, int(total), int(a.kv_heads)),
+  Tensor mV = make_tensor(make_gmem_ptr(v), make_shape(D{}, int(total_k), int(a.kv_heads)),
                           make_stride(_1{}, a.v_row_stride, int64_t(kD)));
   auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, mQ, typename T::SmemLayoutQ{});
   auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(typename T::SmemLayoutK{}));
@@ -464,6 +478,8 @@ void launch_fwd(const AttentionFwdArgs& a, Stream stream) {
   p.lse = a.lse;
   p.amax = a.out_amax;
   p.cu_seqlens = a.cu_seqlens;
+  p.cu_seqlens_k = a.cu_seqlens_k != nullptr ? a.cu_seqlens_k : a.cu_seqlens;
+  p.total_k = int(total_k);
   p.heads = int(a.heads);
   p.kv_heads = int(a.kv_heads);
   p.total = int(total);

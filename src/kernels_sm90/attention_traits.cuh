@@ -57,7 +57,7 @@ struct FwdTraits {
     // by stmatrix, read back as 16-byte chunks (fwd_o_chunk's swizzle), stored row by row.
     alignas(128) cute::array_aligned<Bf16, 2 * 64 * kD> o;
     alignas(8) uint64_t bar_q, empty_q;
-    int item[4];  // the item the producer handed the consumers (attention_fwd.cu)
+    int item[6];  // the item the producer handed the consumers (attention_fwd.cu)
     uint64_t full_k[kStages], empty_k[kStages], full_v[kStages], empty_v[kStages];
   };
   static constexpr int kBytesQ = kBlockM * kD * 2;

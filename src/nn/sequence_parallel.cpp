@@ -467,29 +467,12 @@ at::Tensor bnhd(const at::Tensor& x) {
   return x.transpose(1, 2);
 }
 
-// Our kernels take self-attention over packed sequences: queries and keys of each sequence
-// share one offset. A ring's blocks fit that in three ways, each batch row's block cut into two
-// sequences where the sides differ:
-//   square  (qn == kn, causal or not)  the block as it is;
-//   tall    (qn == 2 kn, not causal)   each half of the queries against the same keys;
-//   wide    (kn == 2 qn, not causal)   the queries against each half of the keys, merged after.
-enum class OwnLayout { square, tall, wide };
-
-OwnLayout own_layout(const char* op, int64_t qn, int64_t kn, bool causal) {
-  if (qn == kn) return OwnLayout::square;
-  COLOSSAL_CHECK_INPUT(!causal && (qn == 2 * kn || kn == 2 * qn), op,
-                       ": our kernels take a block of as many keys as queries, or of twice or half "
-                       "as many without the causal mask; got ",
-                       qn, " queries and ", kn, " keys");
-  return qn == 2 * kn ? OwnLayout::tall : OwnLayout::wide;
-}
-
-// [B, heads, n, D] as our kernels' rows [B * copies * n, heads, D] (batch row b's tokens
-// `copies` times in a row; a copy).
-at::Tensor own_rows(const at::Tensor& x, int64_t copies) {
-  at::Tensor t = x.transpose(1, 2);  // [B, n, heads, D]
-  if (copies > 1) t = t.unsqueeze(1).expand({t.size(0), copies, t.size(1), t.size(2), t.size(3)});
-  return t.reshape({-1, x.size(1), x.size(3)}).contiguous();
+// [B, heads, n, D] as our kernels' rows [B * n, heads, D]: each batch row one sequence, its
+// queries and keys with offsets of their own (kernels::attention_forward's cross-length form), so
+// a block of any shape runs as it is. A view where the tokens-major storage allows it (B = 1, or
+// whole sequences), else a copy.
+at::Tensor own_rows(const at::Tensor& x) {
+  return x.transpose(1, 2).reshape({-1, x.size(1), x.size(3)}).contiguous();
 }
 
 // Offsets of `count` sequences of `len` tokens, on the host. The same tensor for the same
@@ -521,19 +504,11 @@ void ring_block_forward(RingBlockKernel kernel, const at::Tensor& q, const at::T
   check_rows("ring_block_forward", q, out, lse);
   if (kernel == RingBlockKernel::own) {
     const int64_t B = q.size(0), H = q.size(1), qn = q.size(2), kn = k.size(2), D = q.size(3);
-    const OwnLayout layout = own_layout("ring_block_forward", qn, kn, causal);
-    const int64_t len = std::min(qn, kn), seqs = layout == OwnLayout::square ? B : 2 * B;
-    const int64_t qc = layout == OwnLayout::wide ? 2 : 1, kc = layout == OwnLayout::tall ? 2 : 1;
     const kernels::AttentionResult r =
-        kernels::attention_forward(own_rows(q, qc), own_rows(k, kc), own_rows(v, kc),
-                                   own_offsets(seqs, len), len, causal, scale);
-    // The wide block's two partial results per query (one per half of the keys) are merged
-    // one after the other, as blocks are.
-    const at::Tensor o = r.out.view({B, qc, qn, H, D});
-    const at::Tensor l = r.lse.view({H, B, qc, qn});
-    for (int64_t part = 0; part < qc; ++part)
-      kernels::attention_merge(out, lse, o.select(1, part).transpose(1, 2),
-                               l.select(2, part).permute({1, 0, 2}));
+        kernels::attention_forward(own_rows(q), own_rows(k), own_rows(v), own_offsets(B, qn),
+                                   own_offsets(B, kn), qn, kn, causal, scale);
+    kernels::attention_merge(out, lse, r.out.view({B, qn, H, D}).transpose(1, 2),
+                             r.lse.view({H, B, qn}).permute({1, 0, 2}));
     return;
   }
   if (kernel == RingBlockKernel::flash) {
@@ -573,25 +548,14 @@ void ring_block_backward(RingBlockKernel kernel, const at::Tensor& dout, const a
   if (kernel == RingBlockKernel::own) {
     const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), qn = q.size(2), kn = k.size(2),
                   D = q.size(3);
-    const OwnLayout layout = own_layout("ring_block_backward", qn, kn, causal);
-    const int64_t len = std::min(qn, kn), seqs = layout == OwnLayout::square ? B : 2 * B;
-    const int64_t qc = layout == OwnLayout::wide ? 2 : 1, kc = layout == OwnLayout::tall ? 2 : 1;
-    // Both halves of the keys see the same merged rows (their probabilities are exp(s - lse)).
-    at::Tensor l = lse.to(at::kFloat).permute({1, 0, 2});  // [H, B, qn]
-    if (qc > 1) l = l.unsqueeze(2).expand({H, B, qc, qn});
+    const at::Tensor l = lse.to(at::kFloat).permute({1, 0, 2}).reshape({H, -1}).contiguous();
     const kernels::AttentionGrads g = kernels::attention_backward(
-        own_rows(q, qc), own_rows(k, kc), own_rows(v, kc), own_rows(out.to(q.scalar_type()), qc),
-        own_rows(dout.to(q.scalar_type()), qc), l.reshape({H, -1}).contiguous(),
-        own_offsets(seqs, len), len, causal, scale, deterministic);
-    // Each copy's share added: the query copies' dQ (wide), the key copies' dK / dV (tall).
-    auto add = [&](const at::Tensor& acc, const at::Tensor& x, int64_t copies, int64_t n,
-                   int64_t heads) {
-      const at::Tensor parts = x.view({B, copies, n, heads, D});
-      for (int64_t part = 0; part < copies; ++part) acc.add_(parts.select(1, part).transpose(1, 2));
-    };
-    add(grads.dq, g.dq, qc, qn, H);
-    add(grads.dk, g.dk, kc, kn, Hkv);
-    add(grads.dv, g.dv, kc, kn, Hkv);
+        own_rows(q), own_rows(k), own_rows(v), own_rows(out.to(q.scalar_type())),
+        own_rows(dout.to(q.scalar_type())), l, own_offsets(B, qn), own_offsets(B, kn), qn, kn,
+        causal, scale, deterministic);
+    grads.dq.add_(g.dq.view({B, qn, H, D}).transpose(1, 2));
+    grads.dk.add_(g.dk.view({B, kn, Hkv, D}).transpose(1, 2));
+    grads.dv.add_(g.dv.view({B, kn, Hkv, D}).transpose(1, 2));
     return;
   }
   if (kernel == RingBlockKernel::flash) {

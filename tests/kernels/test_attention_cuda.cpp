@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <map>
 #include <set>
 #include <string>
@@ -260,6 +261,97 @@ TEST(AttentionCuda, BackwardEqualsTheFp64Reference) {
     }
 }
 
+// Keys of their own lengths (attention_forward / attention_backward's cross-length form: one
+// block of ring attention), forward and backward against the fp64 reference: sequences with more
+// queries than keys and fewer, of length 1 on either side, odd and tile-aligned, GQA 1 / 4 / 8,
+// the keys' rows ordered and counted unlike the queries'; the output poisoned with NaN (every
+// query row written); every forward schedule bitwise equal; dK and dV equal across the dQ paths;
+// deterministic mode repeatable. Tolerances as the self-attention cases above.
+void check_cross(const std::vector<int64_t>& lq, const std::vector<int64_t>& lk, int64_t heads,
+                 int64_t kv_heads, int64_t dim, bool causal) {
+  std::vector<int64_t> cq{0}, ck{0};
+  for (size_t i = 0; i < lq.size(); ++i) {
+    cq.push_back(cq.back() + lq[i]);
+    ck.push_back(ck.back() + lk[i]);
+  }
+  std::string label = "cross D" + std::to_string(dim) + " h" + std::to_string(heads) + "/" +
+                      std::to_string(kv_heads) + (causal ? " causal" : " full") + " q/k";
+  for (size_t i = 0; i < lq.size(); ++i)
+    label += " " + std::to_string(lq[i]) + "/" + std::to_string(lk[i]);
+  SCOPED_TRACE(label);
+  const int64_t T = cq.back(), Tk = ck.back();
+  auto bf = at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA);
+  const at::Tensor q = at::randn({T, heads, dim}, bf), k = at::randn({Tk, kv_heads, dim}, bf),
+                   v = at::randn({Tk, kv_heads, dim}, bf), dy = at::randn({T, heads, dim}, bf);
+  const at::Tensor cu_q = at::tensor(cq, at::kLong), cu_k = at::tensor(ck, at::kLong);
+  at::Tensor qr = q.cpu().to(at::kDouble).requires_grad_(),
+             kr = k.cpu().to(at::kDouble).requires_grad_(),
+             vr = v.cpu().to(at::kDouble).requires_grad_();
+  AttentionReference ref = attention_reference(qr, kr, vr, cu_q, cu_k, causal);
+  ref.out.backward(dy.cpu().to(at::kDouble));
+  const at::Tensor cu_qd = cu_q.to(at::kCUDA), cu_kd = cu_k.to(at::kCUDA);
+  auto nrel = [](const at::Tensor& a, const at::Tensor& b) {
+    return ((a.cpu().to(at::kDouble) - b).norm() / b.norm()).item<double>();
+  };
+  // dK and dV of the first run of each mode (deterministic mode's query tiles differ at head
+  // dim 64, so its sums run in another order).
+  at::Tensor first_out, first_dk[2], first_dv[2];
+  std::vector<AttentionSchedule> schedules = forward_schedules();
+  schedules.push_back({AttentionSchedule::Forward::pingpong, true});  // the default's dQ path
+  for_each_schedule(schedules, [&](const AttentionSchedule& s) {
+    at::Tensor out = at::full({T, heads, dim}, NAN, bf);
+    const AttentionResult r = attention_forward(q, k, v, cu_qd, cu_kd, 0, 0, causal, 0, out);
+    ASSERT_FALSE(r.out.isnan().any().item<bool>()) << "query rows left unwritten (NaN poison)";
+    const double err = nrel(r.out, ref.out);
+    const double lse_err = (r.lse.cpu().to(at::kDouble) - ref.lse).abs().max().item<double>();
+    EXPECT_LE(err, 1e-2) << worst_rows(r.out, ref.out, cq);
+    EXPECT_LE(lse_err, 1e-3) << worst_rows(r.lse, ref.lse, cq);
+    for (bool deterministic : {false, true}) {
+      if (deterministic && s.dq_tma) continue;
+      const AttentionGrads g = attention_backward(q, k, v, r.out, dy, r.lse, cu_qd, cu_kd, 0, 0,
+                                                  causal, 0, deterministic);
+      for (const at::Tensor& t : {g.dq, g.dk, g.dv})
+        ASSERT_FALSE(t.isnan().any().item<bool>()) << "NaN in a gradient";
+      EXPECT_EQ(g.dk.sizes(), k.sizes());
+      const double eq = nrel(g.dq, qr.grad()), ek = nrel(g.dk, kr.grad()),
+                   ev = nrel(g.dv, vr.grad());
+      EXPECT_LE(eq, 2e-2) << worst_rows(g.dq, qr.grad(), cq);
+      EXPECT_LE(ek, 2e-2) << worst_rows(g.dk, kr.grad(), ck);
+      EXPECT_LE(ev, 2e-2) << worst_rows(g.dv, vr.grad(), ck);
+      std::printf("%-56s %-14s out %.2e lse %.2e dq %.2e dk %.2e dv %.2e%s\n", label.c_str(),
+                  to_string(s).c_str(), err, lse_err, eq, ek, ev,
+                  deterministic ? " (deterministic)" : "");
+      std::fflush(stdout);
+      if (!first_out.defined()) first_out = r.out;
+      EXPECT_TRUE(at::equal(first_out, r.out)) << "output differs between schedules";
+      if (!first_dk[deterministic].defined()) {
+        first_dk[deterministic] = g.dk;
+        first_dv[deterministic] = g.dv;
+      } else {
+        EXPECT_TRUE(at::equal(first_dk[deterministic], g.dk)) << "dk differs between dQ paths";
+        EXPECT_TRUE(at::equal(first_dv[deterministic], g.dv)) << "dv differs between dQ paths";
+      }
+      if (deterministic) {
+        const AttentionGrads again =
+            attention_backward(q, k, v, r.out, dy, r.lse, cu_qd, cu_kd, 0, 0, causal, 0, true);
+        EXPECT_TRUE(at::equal(g.dq, again.dq));
+      }
+    }
+  });
+}
+
+TEST(AttentionCuda, CrossLengthsEqualTheFp64Reference) {
+  std::string why;
+  if (!usable(&why)) GTEST_SKIP() << why;
+  at::manual_seed(27);
+  for (int64_t dim : {64, 128}) {
+    check_cross({4096}, {2048}, 4, 4, dim, false);  // a ring's 2c x c block
+    check_cross({2048}, {4096}, 4, 1, dim, false);  // and its c x 2c block, MQA
+    check_cross({1, 300, 129, 64}, {257, 1, 640, 64}, 8, 2, dim, false);  // GQA 4, odd, 1
+    check_cross({127, 513}, {127, 513}, 16, 2, dim, true);  // causal: equal lengths, GQA 8
+  }
+}
+
 // Runs everywhere (make test too): off an sm_90 device, or in a build without the kernels, the
 // op says why instead of computing anything, and the dispatcher gets the same reason.
 TEST(AttentionCuda, SaysWhyItDoesNotRunOnTheCpu) {
@@ -402,6 +494,48 @@ TEST(AttentionCuda, WorkListsCoverEveryTileHeaviestFirst) {
   EXPECT_TRUE(attention_forward_tiles({0, 0, 0}, true).empty());
 }
 
+// Runs everywhere: the work lists of keys with their own lengths. The forward cuts the queries
+// and counts the key tiles each reads; the backward cuts the keys and counts the 64-query tiles
+// that see each (full attention: every pair of a sequence). Unequal sequence counts: InputError.
+TEST(AttentionCuda, WorkListsOfCrossLengths) {
+  const std::vector<int64_t> lq{1, 4096, 2048, 300, 129}, lk{257, 2048, 4096, 1, 640};
+  std::vector<int64_t> cq{0}, ck{0};
+  for (size_t i = 0; i < lq.size(); ++i) {
+    cq.push_back(cq.back() + lq[i]);
+    ck.push_back(ck.back() + lk[i]);
+  }
+  auto ceil = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  for (bool forward : {true, false}) {
+    SCOPED_TRACE(forward ? "forward" : "backward");
+    const std::vector<AttentionTile> got =
+        forward ? attention_forward_tiles(cq, ck, false) : attention_backward_tiles(cq, ck, false);
+    std::map<std::pair<int32_t, int32_t>, int64_t> want, have;
+    for (size_t s = 0; s < lq.size(); ++s) {
+      const int64_t cut = forward ? lq[s] : lk[s], other = forward ? lk[s] : lq[s];
+      for (int64_t b = 0; b < ceil(cut, 128); ++b)
+        want[{static_cast<int32_t>(s), static_cast<int32_t>(b)}] = ceil(other, forward ? 128 : 64);
+    }
+    for (size_t i = 0; i < got.size(); ++i) {
+      have[{got[i].seq, got[i].block}] = got[i].work;
+      if (i > 0) {
+        EXPECT_GE(got[i - 1].work, got[i].work) << "not heaviest first at " << i;
+      }
+    }
+    EXPECT_EQ(have, want);
+  }
+  // Equal lengths give the self-attention lists.
+  const std::vector<int64_t> cu{0, 300, 2349};
+  for (bool causal : {true, false}) {
+    EXPECT_EQ(attention_forward_tiles(cu, cu, causal).size(),
+              attention_forward_tiles(cu, causal).size());
+    const auto a = attention_backward_tiles(cu, cu, causal),
+               b = attention_backward_tiles(cu, causal);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].work, b[i].work);
+  }
+  EXPECT_THROW(attention_forward_tiles({0, 5, 9}, {0, 9}, false), InputError);
+}
+
 // Runs everywhere: the backward's launch order is a permutation of tile_and_head's numbering;
 // interleave 0 is that numbering, 100 heaviest first across sections; at every setting a
 // sequence's key tiles of one kv head start in increasing order (deterministic mode's waits).
@@ -524,6 +658,42 @@ TEST(AttentionCuda, NamedErrors) {
   at::Tensor y1 = attention_forward(q1, k1, k1, cu1, 0, true).out;
   EXPECT_TRUE(at::allclose(y1.to(at::kFloat),
                            k1.repeat_interleave(2, 1).to(at::kFloat)));  // one key: out = v
+  // Keys of their own lengths: each error names the offsets and the sequence.
+  auto error = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const InputError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no InputError");
+  };
+  const at::Tensor k5 = at::randn({5, 2, 64}, bf);
+  auto offs = [](std::vector<int64_t> v) { return at::tensor(v, at::kLong); };
+  EXPECT_NE(error([&] {
+              attention_forward(q, k5, k5, offs({0, 8}), offs({0, 4}), 0, 0, false);
+            }).find("cu_seqlens_k must start at 0 and end at the rows, 5"),
+            std::string::npos);
+  EXPECT_NE(error([&] {
+              attention_forward(q, k5, k5, offs({0, 8}), offs({0, 2, 5}), 0, 0, false);
+            }).find("cu_seqlens_q holds 1 sequences, cu_seqlens_k 2"),
+            std::string::npos);
+  EXPECT_NE(error([&] {
+              attention_forward(q, k5, k5, offs({0, 8, 8}), offs({0, 2, 5}), 0, 0, false);
+            }).find("sequence 1 has 0 queries and 3 keys"),
+            std::string::npos);
+  EXPECT_NE(error([&] {
+              attention_forward(q, k5, k5, offs({0, 8}), offs({0, 5}), 0, 0, true);
+            }).find("causal sequence 0 has 8 queries and 5 keys"),
+            std::string::npos);
+  EXPECT_NE(error([&] {
+              attention_forward(q, k5, k5, offs({0, 8}), offs({0, 5}), 0, 4, false);
+            }).find("max_seqlen_k 4 is shorter"),
+            std::string::npos);
+  EXPECT_NE(error([&] {
+              attention_backward(q, k5, k5, q, q, at::zeros({4, 8}, bf.dtype(at::kFloat)),
+                                 offs({0, 8}), at::Tensor(), 0, 0, false);
+            }).find("cu_seqlens_k is undefined"),
+            std::string::npos);
 }
 
 }  // namespace

@@ -600,6 +600,75 @@ TEST(AttentionReference, EqualsSdpaPerDocument) {
       std::string::npos);
 }
 
+// The oracle with keys of their own lengths (the kernels' cross-length form, one ring block):
+// per sequence, SDPA's full attention of its queries over its keys alone (more keys than queries
+// and fewer, a sequence of one query, GQA), its gradients too; unequal lengths under causal, a
+// sequence with queries but no keys and mismatched sequence counts are InputErrors.
+TEST(AttentionReference, CrossLengthsEqualSdpaPerSequence) {
+  at::manual_seed(4);
+  const std::vector<int64_t> lq{6, 1, 3, 0}, lk{2, 7, 3, 4};
+  const int64_t h = 4, hkv = 2, d = 8;
+  std::vector<int64_t> cq{0}, ck{0};
+  for (size_t i = 0; i < lq.size(); ++i) {
+    cq.push_back(cq.back() + lq[i]);
+    ck.push_back(ck.back() + lk[i]);
+  }
+  auto opt = at::TensorOptions().dtype(at::kDouble);
+  at::Tensor q = at::randn({cq.back(), h, d}, opt).requires_grad_();
+  at::Tensor k = at::randn({ck.back(), hkv, d}, opt).requires_grad_();
+  at::Tensor v = at::randn({ck.back(), hkv, d}, opt).requires_grad_();
+  const at::Tensor cu_q = at::tensor(cq), cu_k = at::tensor(ck);
+  K::AttentionReference r = K::attention_reference(q, k, v, cu_q, cu_k, false);
+  ASSERT_EQ(r.out.sizes(), q.sizes());
+  ASSERT_EQ(r.lse.sizes(), (std::vector<int64_t>{h, cq.back()}));
+  const at::Tensor g = at::randn_like(r.out);
+  auto ref = torch::autograd::grad({r.out}, {q, k, v}, {g});
+  at::Tensor dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
+  for (size_t i = 0; i < lq.size(); ++i) {
+    if (lq[i] == 0) continue;
+    auto part = [](const at::Tensor& x, int64_t a, int64_t n) {
+      return x.narrow(0, a, n).detach().permute({1, 0, 2}).unsqueeze(0).requires_grad_();
+    };
+    at::Tensor qs = part(q, cq[i], lq[i]), ks = part(k, ck[i], lk[i]), vs = part(v, ck[i], lk[i]);
+    at::Tensor o = at::scaled_dot_product_attention(qs, ks.repeat_interleave(h / hkv, 1),
+                                                    vs.repeat_interleave(h / hkv, 1));
+    EXPECT_LT((o - r.out.narrow(0, cq[i], lq[i]).permute({1, 0, 2}).unsqueeze(0))
+                  .abs()
+                  .max()
+                  .item<double>(),
+              1e-12)
+        << "sequence " << i;
+    auto gd = torch::autograd::grad({o}, {qs, ks, vs},
+                                    {g.narrow(0, cq[i], lq[i]).permute({1, 0, 2}).unsqueeze(0)});
+    dq.narrow(0, cq[i], lq[i]).copy_(gd[0].squeeze(0).permute({1, 0, 2}));
+    dk.narrow(0, ck[i], lk[i]).copy_(gd[1].squeeze(0).permute({1, 0, 2}));
+    dv.narrow(0, ck[i], lk[i]).copy_(gd[2].squeeze(0).permute({1, 0, 2}));
+  }
+  EXPECT_LT((ref[0] - dq).abs().max().item<double>(), 1e-10);
+  EXPECT_LT((ref[1] - dk).abs().max().item<double>(), 1e-10);  // sequence 3's keys: 0
+  EXPECT_LT((ref[2] - dv).abs().max().item<double>(), 1e-10);
+  // Equal lengths give the self-attention form's result, causal too.
+  const at::Tensor cu = at::tensor({int64_t(0), int64_t(4), int64_t(10)});
+  const at::Tensor qq = q.detach().narrow(0, 0, 10), kk = at::randn({10, hkv, d}, opt),
+                   vv = at::randn({10, hkv, d}, opt);
+  EXPECT_TRUE(at::equal(K::attention_reference(qq, kk, vv, cu, cu, true).out,
+                        K::attention_reference(qq, kk, vv, cu, true).out));
+  EXPECT_NE(error_of([&] {
+              K::attention_reference(q, k, v, cu_q, cu_k, true);
+            }).find("causal sequence 0 has 6 queries and 2 keys"),
+            std::string::npos);
+  const at::Tensor two = at::tensor({int64_t(0), int64_t(10), int64_t(16)});
+  EXPECT_NE(error_of([&] {
+              K::attention_reference(q, k, v, cu_q, two, false);
+            }).find("4 query sequences against 2 key sequences"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              K::attention_reference(q, k, v, at::tensor({int64_t(0), int64_t(10), int64_t(10)}),
+                                     at::tensor({int64_t(0), int64_t(0), int64_t(16)}), false);
+            }).find("sequence 0 has 10 queries and no keys"),
+            std::string::npos);
+}
+
 TEST(Errors, NameTheBadArgument) {
   at::Tensor x = at::randn({4, 8});
   EXPECT_NE(error_of([&] { K::rms_norm(x, at::ones({7}), 1e-6); }).find("weight has shape"),

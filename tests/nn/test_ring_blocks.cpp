@@ -115,10 +115,12 @@ void check_blocks(RingBlockKernel kernel, at::ScalarType dtype, const at::Device
 const std::vector<Case>& cases() {
   // A third of the tokens in one part, as a ring's blocks are: B x A has twice as many queries
   // as keys (a = n / 3) or half as many (a = 2n / 3). Odd lengths, GQA 1 / 4, head dims 64 / 128.
+  // The last: sides of no simple ratio (130 queries x 70 keys), which every kernel takes too.
   static const std::vector<Case> c = {{2, 4, 4, 96, 32, 64},
                                       {2, 4, 1, 96, 64, 64},
                                       {1, 8, 2, 189, 63, 128},
-                                      {1, 8, 8, 189, 126, 128}};
+                                      {1, 8, 8, 189, 126, 128},
+                                      {1, 4, 2, 200, 70, 64}};
   return c;
 }
 
@@ -223,17 +225,6 @@ TEST(RingBlocks, KernelsOnTheGpu) {
     check_blocks(RingBlockKernel::flash, at::kBFloat16, dev, c, 1e-2, 2e-2, seed);
     // The composite on the GPU, same bf16 inputs: fp32 (TF32 left off by LibTorch's default).
     check_blocks(RingBlockKernel::composite, at::kBFloat16, dev, c, 1e-4, 1e-4, seed++);
-  }
-  if (own) {  // a shape outside the three a ring makes
-    const at::Tensor q = at::zeros({1, 2, 6, 64}, bf16.options()),
-                     k = at::zeros({1, 2, 4, 64}, bf16.options());
-    const at::Tensor out = at::zeros({1, 2, 6, 64}, bf16.options().dtype(at::kFloat));
-    expect_input_error(
-        [&] {
-          nn::ring_block_forward(RingBlockKernel::own, q, k, k, false, 0.125, out,
-                                 at::zeros({1, 2, 6}, out.options()));
-        },
-        "6 queries and 4 keys");
   }
 }
 

@@ -40,6 +40,20 @@ AttentionResult attention_forward(const at::Tensor& q, const at::Tensor& k, cons
                                   double scale = 0,
                                   const std::optional<at::Tensor>& out = std::nullopt);
 
+// Keys of their own lengths (FlashAttention's cu_seqlens_q / cu_seqlens_k): sequence i's queries
+// are rows [cu_seqlens_q[i], cu_seqlens_q[i+1]) of q, its keys and values rows [cu_seqlens_k[i],
+// cu_seqlens_k[i+1]) of k and v, so k and v may hold another number of rows than q (one block of
+// ring attention: queries against another rank's keys, without copies). The same number of
+// sequences on both sides; a sequence with queries needs keys and one with keys needs queries
+// (their rows would otherwise be left unwritten); causal needs each sequence's two lengths equal.
+// max_seqlen_q / max_seqlen_k: at least the longest of each side (computed when <= 0). The
+// output and lse are q's rows; the backward's dk and dv k's.
+AttentionResult attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                  int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+                                  double scale = 0,
+                                  const std::optional<at::Tensor>& out = std::nullopt);
+
 struct AttentionGrads {
   at::Tensor dq, dk, dv;  // contiguous, shaped as q, k, v
 };
@@ -52,6 +66,13 @@ AttentionGrads attention_backward(const at::Tensor& q, const at::Tensor& k, cons
                                   const at::Tensor& out, const at::Tensor& dout,
                                   const at::Tensor& lse, const at::Tensor& cu_seqlens,
                                   int64_t max_seqlen, bool causal, double scale = 0,
+                                  bool deterministic = false);
+// The same with keys of their own lengths (attention_forward's cross-length form above).
+AttentionGrads attention_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& out, const at::Tensor& dout,
+                                  const at::Tensor& lse, const at::Tensor& cu_seqlens_q,
+                                  const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                  int64_t max_seqlen_k, bool causal, double scale = 0,
                                   bool deterministic = false);
 
 // The kernels' schedules, so one build can measure them against each other (bench_kernels
@@ -106,6 +127,14 @@ struct AttentionTile {
 std::vector<AttentionTile> attention_forward_tiles(const std::vector<int64_t>& cu_seqlens,
                                                    bool causal);
 std::vector<AttentionTile> attention_backward_tiles(const std::vector<int64_t>& cu_seqlens,
+                                                    bool causal);
+// With keys of their own lengths: the forward's tiles cut the queries and read the keys, the
+// backward's cut the keys and read the queries (causal: the lengths are equal, as above).
+std::vector<AttentionTile> attention_forward_tiles(const std::vector<int64_t>& cu_seqlens_q,
+                                                   const std::vector<int64_t>& cu_seqlens_k,
+                                                   bool causal);
+std::vector<AttentionTile> attention_backward_tiles(const std::vector<int64_t>& cu_seqlens_q,
+                                                    const std::vector<int64_t>& cu_seqlens_k,
                                                     bool causal);
 
 // How many heads the CTAs of one launch run together (tile by tile, those heads adjacent)

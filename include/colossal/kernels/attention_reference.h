@@ -22,4 +22,14 @@ AttentionReference attention_reference(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, const at::Tensor& cu_seqlens,
                                        bool causal, double scale = 0);
 
+// Keys of their own lengths (kernels::attention_forward's cross-length form): sequence i's
+// queries are rows [cu_seqlens_q[i], cu_seqlens_q[i+1]) of q, its keys and values rows
+// [cu_seqlens_k[i], cu_seqlens_k[i+1]) of k and v (int64, the same number of sequences; k and v
+// [Tk, Hkv, D]). causal needs each sequence's two lengths equal. A sequence with queries but no
+// keys has no softmax: InputError.
+AttentionReference attention_reference(const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+                                       const at::Tensor& cu_seqlens_k, bool causal,
+                                       double scale = 0);
+
 }  // namespace colossal::kernels

@@ -71,11 +71,9 @@ class AllToAllAttention : public CoreAttention {
 // ---- One block of ring attention (what RingAttention runs per block; exposed for the tests) --
 // A block: queries q [B, H, qn, D] against keys/values k, v [B, Hkv, kn, D] (Hkv dividing H;
 // causal only with qn == kn, aligned at the top left). Three kernels compute it:
-//   own        our sm_90a kernels (kernels/attention.h; H100 / H200, bf16, head dims 64 and 128),
-//              which take self-attention over packed sequences: a block of qn == kn as it is,
-//              and the ring's other two shapes (qn == 2 kn and kn == 2 qn, not causal) cut into
-//              two sequences per batch row (the shorter side's tokens copied twice; the wide
-//              block's two halves merged by their log-sum-exp). Other shapes: InputError.
+//   own        our sm_90a kernels (kernels/attention.h; H100 / H200, bf16, head dims 64 and 128):
+//              each batch row one sequence whose queries and keys have offsets of their own,
+//              so a block of any shape runs as it is (at B = 1 without copies of q, k or v).
 //   flash      ATen's flash-attention kernels (at::_flash_attention_forward / _backward): on a
 //              CUDA device of compute capability 8.0 or newer, fp16/bf16, head dimension a
 //              multiple of 8 up to 256; any shape; GQA without copies.
