@@ -990,17 +990,21 @@ void ring_block_case(const std::string& name, int64_t h, int64_t kv, int64_t c, 
     };
     // One offsets tensor per length, as the ring passes them (the kernels keep their work
     // lists' upload while the same host tensors come again).
-    std::map<int64_t, at::Tensor> offsets;
-    auto offsets_of = [&](int64_t n) {
-      at::Tensor& t = offsets[n];
-      if (!t.defined()) t = at::tensor(std::vector<int32_t>{0, static_cast<int32_t>(n)});
+    std::map<std::pair<int64_t, int64_t>, at::Tensor> offsets;
+    auto offsets_of = [&](int64_t count, int64_t n) {
+      at::Tensor& t = offsets[{count, n}];
+      if (!t.defined()) t = at::arange(0, count + 1, at::kInt).mul_(static_cast<int32_t>(n));
       return t;
     };
+    // The backward's inputs as ring_block_backward passes them: a tall block's queries cut into
+    // parts against copies of its keys where its CTAs would leave SMs idle
+    // (kernels::attention_backward_query_parts).
     struct Prepared {
-      at::Tensor q, k, v, dout, cu_q, cu_k, out, lse;
-      int64_t qn, kn;
+      at::Tensor q, k, v, dout, cu_q, cu_k, out, lse, kb, vb, cu_qb, cu_kb;
+      int64_t qn, kn, pq;
       bool causal;
     };
+    const int64_t sms = kernels::attention_multiprocessors(q.device());
     std::vector<Prepared> prep;
     for (const Block& b : blocks) {
       Prepared p;
@@ -1010,9 +1014,16 @@ void ring_block_case(const std::string& name, int64_t h, int64_t kv, int64_t c, 
       p.dout = rows(dout.narrow(2, b.q0, b.qn));
       p.qn = b.qn;
       p.kn = b.kn;
-      p.cu_q = offsets_of(b.qn);
-      p.cu_k = offsets_of(b.kn);
+      p.cu_q = offsets_of(1, b.qn);
+      p.cu_k = offsets_of(1, b.kn);
       p.causal = b.causal;
+      const int64_t parts =
+          b.causal ? 1 : kernels::attention_backward_query_parts(1, b.qn, b.kn, kv, sms);
+      p.pq = b.qn / parts;
+      p.kb = parts > 1 ? p.k.repeat({parts, 1, 1}) : p.k;
+      p.vb = parts > 1 ? p.v.repeat({parts, 1, 1}) : p.v;
+      p.cu_qb = offsets_of(parts, p.pq);
+      p.cu_kb = offsets_of(parts, b.kn);
       const kernels::AttentionResult r =
           kernels::attention_forward(p.q, p.k, p.v, p.cu_q, p.cu_k, p.qn, p.kn, p.causal, scale);
       p.out = r.out;
@@ -1026,8 +1037,8 @@ void ring_block_case(const std::string& name, int64_t h, int64_t kv, int64_t c, 
                kernels::attention_forward(p.q, p.k, p.v, p.cu_q, p.cu_k, p.qn, p.kn, p.causal,
                                           scale);
                if (backward)
-                 kernels::attention_backward(p.q, p.k, p.v, p.out, p.dout, p.lse, p.cu_q, p.cu_k,
-                                             p.qn, p.kn, p.causal, scale);
+                 kernels::attention_backward(p.q, p.kb, p.vb, p.out, p.dout, p.lse, p.cu_qb,
+                                             p.cu_kb, p.pq, p.kn, p.causal, scale);
              }
            },
            [&] { run(nn::RingBlockKernel::own, backward); }});

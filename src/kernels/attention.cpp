@@ -380,6 +380,25 @@ int64_t multiprocessors(const at::Device& device) {
   return devices[static_cast<size_t>(idx)].multiprocessors;
 }
 
+}  // namespace
+
+int64_t attention_multiprocessors(const at::Device& device) {
+  return multiprocessors(device);
+}
+
+int64_t attention_backward_query_parts(int64_t sequences, int64_t queries, int64_t keys,
+                                       int64_t kv_heads, int64_t multiprocessors) {
+  constexpr int64_t BM = cuda::kAttentionBwdBlockM, BN = cuda::kAttentionBwdBlockN;
+  const int64_t ctas = sequences * ceil_div(keys, BN) * kv_heads;
+  if (ctas <= 0 || queries <= 0 || queries % BM != 0) return 1;
+  const int64_t tiles = queries / BM;
+  int64_t parts = std::max<int64_t>(1, multiprocessors / ctas);
+  while (parts > 1 && (tiles % parts != 0 || tiles / parts < kAttentionBwdMinPartTiles)) --parts;
+  return parts;
+}
+
+namespace {
+
 // Prepared::work for these offsets, uploaded in one copy. For a host tensor the upload of the
 // last one seen on this thread is reused while it is unchanged (the layers of one forward pass
 // the same tensor); offsets on the device were copied back to the host to be checked, so the

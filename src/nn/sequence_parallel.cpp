@@ -549,13 +549,32 @@ void ring_block_backward(RingBlockKernel kernel, const at::Tensor& dout, const a
     const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), qn = q.size(2), kn = k.size(2),
                   D = q.size(3);
     const at::Tensor l = lse.to(at::kFloat).permute({1, 0, 2}).reshape({H, -1}).contiguous();
+    // A tall block at few kv heads leaves SMs idle in the backward (one CTA per key tile and kv
+    // head): its queries are then cut into `parts` sequences, each against its own copy of the
+    // keys, and the copies' dK / dV added into the fp32 accumulators one by one.
+    const int64_t parts = causal
+                              ? 1
+                              : kernels::attention_backward_query_parts(
+                                    B, qn, kn, Hkv, kernels::attention_multiprocessors(q.device()));
+    at::Tensor kr = own_rows(k), vr = own_rows(v);
+    if (parts > 1) {
+      auto copies = [&](const at::Tensor& x) {
+        return x.view({B, 1, kn, Hkv, D}).expand({B, parts, kn, Hkv, D}).reshape({-1, Hkv, D});
+      };
+      kr = copies(kr);
+      vr = copies(vr);
+    }
+    const int64_t pq = qn / parts;
     const kernels::AttentionGrads g = kernels::attention_backward(
-        own_rows(q), own_rows(k), own_rows(v), own_rows(out.to(q.scalar_type())),
-        own_rows(dout.to(q.scalar_type())), l, own_offsets(B, qn), own_offsets(B, kn), qn, kn,
-        causal, scale, deterministic);
+        own_rows(q), kr, vr, own_rows(out.to(q.scalar_type())), own_rows(dout.to(q.scalar_type())),
+        l, own_offsets(B * parts, pq), own_offsets(B * parts, kn), pq, kn, causal, scale,
+        deterministic);
     grads.dq.add_(g.dq.view({B, qn, H, D}).transpose(1, 2));
-    grads.dk.add_(g.dk.view({B, kn, Hkv, D}).transpose(1, 2));
-    grads.dv.add_(g.dv.view({B, kn, Hkv, D}).transpose(1, 2));
+    const at::Tensor dk = g.dk.view({B, parts, kn, Hkv, D}), dv = g.dv.view({B, parts, kn, Hkv, D});
+    for (int64_t j = 0; j < parts; ++j) {
+      grads.dk.add_(dk.select(1, j).transpose(1, 2));
+      grads.dv.add_(dv.select(1, j).transpose(1, 2));
+    }
     return;
   }
   if (kernel == RingBlockKernel::flash) {

@@ -536,6 +536,32 @@ TEST(AttentionCuda, WorkListsOfCrossLengths) {
   EXPECT_THROW(attention_forward_tiles({0, 5, 9}, {0, 9}, false), InputError);
 }
 
+// Runs everywhere: how many parts a tall cross-length block's queries are cut into for the
+// backward. The cases are ring attention's: rank 3 of an 8-rank ring over 32k tokens has blocks
+// of 4,096 queries x 2,048 keys, 16 key tiles of 128.
+TEST(AttentionCuda, BackwardQueryPartsFillOneWave) {
+  // 4 kv heads: 64 CTAs on 132 SMs; two parts give 128 (one wave), three 192 (two waves).
+  EXPECT_EQ(attention_backward_query_parts(1, 4096, 2048, 4, 132), 2);
+  // 32 kv heads: 512 CTAs already fill the SMs.
+  EXPECT_EQ(attention_backward_query_parts(1, 4096, 2048, 32, 132), 1);
+  // One kv head: 16 CTAs, up to 8 parts by the SMs; 64 query tiles divide by 8.
+  EXPECT_EQ(attention_backward_query_parts(1, 4096, 2048, 1, 132), 8);
+  // 16 query tiles: parts of at least kAttentionBwdMinPartTiles (4) tiles, so 4 at most.
+  EXPECT_EQ(attention_backward_query_parts(2, 1024, 512, 1, 132), 4);
+  // Parts are equal whole tiles: 20 tiles at 5 CTAs allow 26 parts by the SMs, and 5 is the most
+  // that cut 20 tiles into parts of at least 4.
+  EXPECT_EQ(attention_backward_query_parts(1, 1280, 640, 1, 132), 5);
+  // Queries that are not whole 64-row tiles, or too few tiles to cut, stay whole.
+  EXPECT_EQ(attention_backward_query_parts(1, 4000, 2000, 4, 132), 1);
+  EXPECT_EQ(attention_backward_query_parts(1, 448, 128, 1, 132), 1);  // 7 tiles: prime, > 4
+  EXPECT_EQ(attention_backward_query_parts(1, 256, 128, 1, 132), 1);  // 4 tiles: one part's worth
+  EXPECT_EQ(attention_backward_query_parts(1, 0, 128, 1, 132), 1);
+  EXPECT_EQ(attention_backward_query_parts(0, 4096, 2048, 4, 132), 1);
+  // More SMs, more parts (a card of 264 SMs: four parts of 64 CTAs).
+  EXPECT_EQ(attention_backward_query_parts(1, 4096, 2048, 4, 264), 4);
+  EXPECT_EQ(attention_multiprocessors(at::Device(at::kCPU)), 132);
+}
+
 // Runs everywhere: the backward's launch order is a permutation of tile_and_head's numbering;
 // interleave 0 is that numbering, 100 heaviest first across sections; at every setting a
 // sequence's key tiles of one kv head start in increasing order (deterministic mode's waits).

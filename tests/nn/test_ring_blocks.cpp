@@ -120,7 +120,11 @@ const std::vector<Case>& cases() {
                                       {2, 4, 1, 96, 64, 64},
                                       {1, 8, 2, 189, 63, 128},
                                       {1, 8, 8, 189, 126, 128},
-                                      {1, 4, 2, 200, 70, 64}};
+                                      {1, 4, 2, 200, 70, 64},
+                                      // B x A of 1,024 x 512 at one kv head: 8 backward CTAs, so
+                                      // ours cut its queries into 4 parts (kernels::
+                                      // attention_backward_query_parts).
+                                      {2, 4, 1, 1536, 512, 64}};
   return c;
 }
 
@@ -219,6 +223,12 @@ TEST(RingBlocks, KernelsOnTheGpu) {
   EXPECT_EQ(nn::ring_block_kernel(bf16), RingBlockKernel::flash);
   expect_input_error([&] { nn::ring_block_kernel(bf16, true); }, "no deterministic backward");
   ::unsetenv("COLOSSAL_RING_BLOCKS");
+  // The last case's tall block takes the parts' path on any card of 32 SMs or more.
+  if (own) {
+    EXPECT_EQ(kernels::attention_backward_query_parts(2, 1024, 512, 1,
+                                                      kernels::attention_multiprocessors(dev)),
+              4);
+  }
   uint64_t seed = 11;
   for (const Case& c : cases()) {
     if (own) check_blocks(RingBlockKernel::own, at::kBFloat16, dev, c, 1e-2, 2e-2, seed);

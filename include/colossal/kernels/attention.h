@@ -137,6 +137,21 @@ std::vector<AttentionTile> attention_backward_tiles(const std::vector<int64_t>& 
                                                     const std::vector<int64_t>& cu_seqlens_k,
                                                     bool causal);
 
+// The backward runs one CTA per (key tile, kv head) pair, and a CTA holds an SM. A cross-length
+// call with many queries and few keys (ring attention's block of 2c queries x c keys, at few kv
+// heads) can therefore leave SMs idle: at 4 kv heads and 2,048 keys, 64 CTAs on 132 SMs.
+// attention_backward_query_parts says how many equal parts a caller should cut each sequence's
+// queries into, each part a sequence of its own against its own copy of the keys, the parts'
+// dK / dV summed after: the most parts whose CTAs still fit one wave of `multiprocessors`, each
+// part whole 64-query tiles and at least kAttentionBwdMinPartTiles of them (a CTA's fixed cost,
+// loading its key tile and storing dK / dV, stays a small share of its loop). 1 where the CTAs
+// already fill the SMs or the queries are not whole tiles.
+inline constexpr int64_t kAttentionBwdMinPartTiles = 4;
+int64_t attention_backward_query_parts(int64_t sequences, int64_t queries, int64_t keys,
+                                       int64_t kv_heads, int64_t multiprocessors);
+// The SMs of a CUDA device (132, an H100 SXM's count, where they cannot be read).
+int64_t attention_multiprocessors(const at::Device& device);
+
 // How many heads the CTAs of one launch run together (tile by tile, those heads adjacent)
 // before the next heads, so that the CTAs on the GPU at one time share what they read in L2
 // instead of streaming every head's keys and values from memory at once. A section holds as
