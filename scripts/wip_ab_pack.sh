@@ -29,6 +29,7 @@ echo "== A: the committed tree ($(git rev-parse --short HEAD))"
 BUILD_FIRST=1 scripts/device_pack.sh "$B"
 rm -rf build-carry-old
 mv build-carry build-carry-old
+made=(build-carry-old)
 last=$((${#patches[@]} - 1))
 for i in "${!patches[@]}"; do
   p=${patches[$i]}
@@ -42,6 +43,9 @@ for i in "${!patches[@]}"; do
     name=$(basename "$p" .patch)
     rm -rf "build-carry-$name"
     mv build-carry "build-carry-$name"
+    made+=("build-carry-$name")
+  else
+    made+=(build-carry)
   fi
 done
-du -sh build-carry-old build-carry-* build-carry 2>/dev/null | sort -u -k2
+du -sh "${made[@]}"
