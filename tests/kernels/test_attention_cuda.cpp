@@ -553,7 +553,7 @@ TEST(AttentionCuda, BackwardQueryPartsFillOneWave) {
   EXPECT_EQ(attention_backward_query_parts(1, 1280, 640, 1, 132), 5);
   // Queries that are not whole 64-row tiles, or too few tiles to cut, stay whole.
   EXPECT_EQ(attention_backward_query_parts(1, 4000, 2000, 4, 132), 1);
-  EXPECT_EQ(attention_backward_query_parts(1, 448, 128, 1, 132), 1);  // 7 tiles: prime, > 4
+  EXPECT_EQ(attention_backward_query_parts(1, 448, 128, 1, 132), 1);  // 7 tiles: no equal cut
   EXPECT_EQ(attention_backward_query_parts(1, 256, 128, 1, 132), 1);  // 4 tiles: one part's worth
   EXPECT_EQ(attention_backward_query_parts(1, 0, 128, 1, 132), 1);
   EXPECT_EQ(attention_backward_query_parts(0, 4096, 2048, 4, 132), 1);
