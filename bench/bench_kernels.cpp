@@ -1071,6 +1071,9 @@ void ring_block_case(const std::string& name, int64_t h, int64_t kv, int64_t c, 
 void ring_block_cases() {
   ring_block_case("1b", 32, 4, 2048, 64);    // 32k tokens over 8 ranks
   ring_block_case("7b", 32, 32, 2048, 128);  // 32k tokens over 8 ranks
+  // The same with tensor parallelism over 8 besides (4 of 7b's 32 heads a rank): grids an
+  // eighth as large, where a block's forward and backward can leave SMs idle.
+  ring_block_case("7b tp8", 4, 4, 2048, 128);
 }
 
 // ---- the ops `--op` selects (named as the kernel column of the table) ----
