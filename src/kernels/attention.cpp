@@ -299,8 +299,8 @@ int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }
 // Every (sequence, tile) pair of `block`-token tiles of the side `cut` with its work
-// (work(cut's length, the other side's length, tile)), heaviest first; equal work keeps the
-// order of insertion (sequence, then tile).
+// (work(the other side's length, tile)), heaviest first; equal work keeps the order of
+// insertion (sequence, then tile).
 template <class Work>
 std::vector<AttentionTile> work_list(const std::vector<int64_t>& cut,
                                      const std::vector<int64_t>& other, int64_t block, Work work) {
@@ -310,7 +310,7 @@ std::vector<AttentionTile> work_list(const std::vector<int64_t>& cut,
   for (size_t s = 0; s + 1 < cut.size(); ++s) {
     const int64_t len = cut[s + 1] - cut[s], len_other = other[s + 1] - other[s];
     for (int64_t t = 0; t < ceil_div(len, block); ++t)
-      tiles.push_back({static_cast<int32_t>(s), static_cast<int32_t>(t), work(len, len_other, t)});
+      tiles.push_back({static_cast<int32_t>(s), static_cast<int32_t>(t), work(len_other, t)});
   }
   std::stable_sort(tiles.begin(), tiles.end(),
                    [](const AttentionTile& a, const AttentionTile& b) { return a.work > b.work; });
@@ -322,7 +322,7 @@ std::vector<AttentionTile> attention_forward_tiles(const std::vector<int64_t>& c
                                                    const std::vector<int64_t>& cu_k, bool causal) {
   constexpr int64_t BM = cuda::kAttentionFwdBlockM, BN = cuda::kAttentionFwdBlockN;
   // A query tile reads the key tiles up to its last row (causal), else all of them.
-  return work_list(cu_q, cu_k, BM, [&](int64_t, int64_t keys, int64_t m) {
+  return work_list(cu_q, cu_k, BM, [&](int64_t keys, int64_t m) {
     return causal ? std::min(ceil_div(keys, BN), ceil_div((m + 1) * BM, BN)) : ceil_div(keys, BN);
   });
 }
@@ -331,7 +331,7 @@ std::vector<AttentionTile> attention_backward_tiles(const std::vector<int64_t>& 
                                                     const std::vector<int64_t>& cu_k, bool causal) {
   constexpr int64_t BM = cuda::kAttentionBwdBlockM, BN = cuda::kAttentionBwdBlockN;
   // A key tile is seen by the query tiles from its own first row on (causal), else by all.
-  return work_list(cu_k, cu_q, BN, [&](int64_t, int64_t queries, int64_t n) {
+  return work_list(cu_k, cu_q, BN, [&](int64_t queries, int64_t n) {
     return ceil_div(queries, BM) - (causal ? n * BN / BM : 0);
   });
 }
